@@ -1,0 +1,19 @@
+"""AuraKernel: an automated kernel optimizer for full-parameter DeepSeek-V4 training.
+
+profile -> plan (MILP/CP) -> render (Jinja) -> build -> verify -> measure -> record -> swap.
+"""
+
+__version__ = "0.1.0"
+
+
+def apply(model, plan, **kwargs):
+    """Patch a DeepseekV4ForCausalLM with the kernels of a plan (a path or a loaded KernelPlan).
+
+    Returns an ApplyReport: what was swapped, and what stayed on the reference and why.
+    """
+    from .swap import apply as _apply
+
+    return _apply(model, plan, **kwargs)
+
+
+__all__ = ["__version__", "apply"]

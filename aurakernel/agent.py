@@ -1,0 +1,238 @@
+"""The tuning loop: plan -> render -> build -> verify -> measure -> record, for one problem.
+
+A kernel that fails to build or verify, or is not faster than the eager reference, is recorded
+with its status and never offered for swapping.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+
+from .build import build_kernel
+from .db import Record, TuningDB
+from .dtypes import DType
+from .errors import BuildError, PlanInfeasible, UserError
+from .hardware import HardwareProfile, load_profile
+from .measure import compare
+from .ops import OPS, get_op
+from .ops.base import OpSpec, Problem
+from .paths import default_db_path
+from .planfile import KernelPlan, PlanEntry
+from .planner import Plan, solve_tiling
+from .profiler import ProfileReport, profile_training
+from .verify import Verification, verify
+
+
+@dataclass
+class TuneResult:
+    problem: Problem
+    target: str
+    plan: Plan
+    source_hash: str | None
+    verification: Verification | None
+    measured_us: float | None = None
+    eager_us: float | None = None
+    compiled_us: float | None = None
+    status: str = "ok"
+    reasons: list[str] = field(default_factory=list)
+
+    @property
+    def verified(self) -> bool:
+        return bool(self.verification and self.verification.passed)
+
+    @property
+    def speedup_vs_eager(self) -> float | None:
+        return self.eager_us / self.measured_us if self.eager_us and self.measured_us else None
+
+    @property
+    def speedup_vs_compiled(self) -> float | None:
+        return self.compiled_us / self.measured_us if self.compiled_us and self.measured_us else None
+
+    @property
+    def usable(self) -> bool:
+        """Safe and worth swapping in: verified and faster than eager."""
+        return self.status == "ok"
+
+    def to_json(self) -> dict:
+        p = self.problem
+        return {
+            "op": p.op, "variant": p.variant, "shape": p.shape_text, "dtype": p.dtype.value, "target": self.target,
+            "plan": self.plan.knobs, "binding_constraint": self.plan.binding_constraint,
+            "predicted_us": self.plan.predicted_us, "predicted_pipes_us": self.plan.pipes_us,
+            "measured_us": self.measured_us, "eager_us": self.eager_us, "compiled_us": self.compiled_us,
+            "speedup_vs_eager": self.speedup_vs_eager, "speedup_vs_compiled": self.speedup_vs_compiled,
+            "verified": self.verified,
+            "verification": self.verification.summary if self.verification else None,
+            "solver": self.plan.solver, "solve_s": self.plan.solve_s,
+            "source_hash": self.source_hash, "status": self.status, "reasons": self.reasons,
+        }
+
+
+def _grad_step(module: torch.nn.Module, args: tuple, grad_out: list[torch.Tensor], wrt: list[torch.Tensor]):
+    """One forward + backward, returning grads (no accumulation into .grad, same for every candidate)."""
+    def step():
+        out = module(*args)
+        outs = list(out) if isinstance(out, tuple | list) else [out]
+        return torch.autograd.grad(outs[: len(grad_out)], wrt, grad_out)
+    return step
+
+
+def measure_problem(spec: OpSpec, problem: Problem, kernel_hash: str, *, with_compiled: bool,
+                    threads: int) -> tuple[dict[str, float], dict[str, str]]:
+    """Median fwd+bwd microseconds of eager, torch.compile and the kernel, in the same rounds."""
+    inputs = spec.make_inputs(problem, seed=1234)
+    module, args = spec.module_call(problem, inputs)
+    diff = spec.differentiable(problem)
+    args = tuple(a.detach().requires_grad_(True) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                 for a in args)
+    wrt = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad] + list(module.parameters())
+    with torch.no_grad():
+        out = module(*args)
+    outs = list(out) if isinstance(out, tuple | list) else [out]
+    grad_out = [torch.randn_like(o) for o in outs[: len(spec.visible_outputs())]]
+    del diff
+
+    candidates = {"eager": _grad_step(module, args, grad_out, wrt)}
+    notes: dict[str, str] = {}
+    if with_compiled:
+        compiled_module = copy.deepcopy(module)
+        compiled = torch.compile(compiled_module)
+        wrt_c = wrt[: len(wrt) - len(list(module.parameters()))] + list(compiled_module.parameters())
+        step = _grad_step(compiled, args, grad_out, wrt_c)
+        try:
+            step()  # compile now, outside the timed rounds
+            candidates["compiled"] = step
+        except Exception as exc:  # noqa: BLE001 - a baseline that cannot compile is reported, not fatal
+            notes["compiled"] = f"torch.compile failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    ours_module = copy.deepcopy(module)
+    spec.patch(ours_module, lambda key, dtype: kernel_hash)
+    wrt_o = wrt[: len(wrt) - len(list(module.parameters()))] + list(ours_module.parameters())
+    candidates["aurakernel"] = _grad_step(ours_module, args, grad_out, wrt_o)
+    timings = compare(candidates, threads=threads)
+    return {name: t.us for name, t in timings.items()}, notes
+
+
+def tune(op: str, shape: str | None, dtype: str, *, variant: str | None = None, target: str = "host",
+         solver: str = "highs", db_path=None, with_compiled: bool = True,
+         hw: HardwareProfile | None = None) -> TuneResult:
+    """Tune one operator from CLI-style arguments (validated here)."""
+    spec = get_op(op)
+    problem = spec.problem(shape, dtype, variant)
+    hw = hw or load_profile(target)
+    if hw.kind != "host":
+        raise UserError(f"target {target!r} is an {hw.kind} profile; kernels can be built for: host")
+    return tune_problem(spec, problem, hw, target=target, solver=solver,
+                        db=TuningDB(db_path or default_db_path()), with_compiled=with_compiled)
+
+
+def tune_problem(spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, solver: str,
+                 db: TuningDB, with_compiled: bool) -> TuneResult:
+    plan = solve_tiling(spec.tiling_problem(problem, hw), op=problem.op, variant=problem.variant,
+                        shape=problem.shape, dtype=problem.dtype.value, target=target, solver=solver)
+    result = TuneResult(problem, target, plan, None, None)
+    try:
+        kernel = build_kernel(spec, problem, plan.knobs, hw.kind)
+        result.source_hash = kernel.source_hash
+        cases = [(p, build_kernel(spec, p, plan.knobs, hw.kind))
+                 for p in spec.verification_problems(problem, plan.knobs, max(hw.simd_bytes // 4, 1))]
+    except BuildError as exc:
+        result.status, result.reasons = "build_failed", [str(exc).splitlines()[0]]
+        _record(db, result, hw, detail={"error": str(exc)[-2000:]})
+        return result
+
+    result.verification = verify(spec, cases)
+    if not result.verification.passed:
+        result.status, result.reasons = "verify_failed", [result.verification.summary]
+        _record(db, result, hw)
+        return result
+
+    times, notes = measure_problem(spec, problem, kernel.source_hash, with_compiled=with_compiled, threads=hw.cores)
+    result.measured_us = times["aurakernel"]
+    result.eager_us = times["eager"]
+    result.compiled_us = times.get("compiled")
+    result.reasons.extend(notes.values())
+    if result.measured_us >= result.eager_us:
+        result.status = "slower"
+        result.reasons.append(f"not faster than eager ({result.measured_us:.1f} us vs {result.eager_us:.1f} us)")
+    _record(db, result, hw)
+    return result
+
+
+@dataclass
+class AutotuneResult:
+    plan: KernelPlan
+    profile: ProfileReport
+    tuned: list[TuneResult]
+
+
+def problems_from_profile(report: ProfileReport) -> list[Problem]:
+    """One problem per (op, variant, compile-time extents, dtype) seen, at the largest row count seen."""
+    found: dict[tuple, Problem] = {}
+    for group in report.groups:
+        if group.name not in OPS:
+            continue
+        for s in group.shapes:
+            dtype = DType.from_torch(getattr(torch, s["dtype"]))
+            key = (group.name, s["variant"], s["cols"], dtype)
+            rows = max(s["rows"], found[key].shape[0] if key in found else 0)
+            found[key] = Problem(group.name, s["variant"], (rows, s["cols"]), dtype)
+    return list(found.values())
+
+
+def autotune(cfg, *, target: str = "host", solver: str = "highs", db_path=None, with_compiled: bool = False,
+             profile_steps: int = 3, progress=None) -> AutotuneResult:
+    """Profile the config's training step, tune every group that has an OpSpec, build the plan."""
+    hw = load_profile(target)
+    if hw.kind != "host":
+        raise UserError(f"target {target!r} is an {hw.kind} profile; kernels can be built for: host")
+    db = TuningDB(db_path or default_db_path())
+    if progress:
+        progress(f"profiling {profile_steps} training steps")
+    report = profile_training(cfg, steps=profile_steps, hw=hw)
+    plan = KernelPlan(target=target, config=cfg.path, hardware=hw.fingerprint(),
+                      profile=[{"name": g.name, "kind": g.kind, "time_us": g.time_us, "share": g.share,
+                                "calls": g.calls, "saving_us": g.saving_us, "tunable": g.tunable}
+                               for g in report.groups])
+    for g in report.groups:
+        if g.kind == "fusable" and not g.tunable:
+            plan.skipped.append({"op": g.name, "reason": "no OpSpec for this group yet: runs the reference"})
+    tuned = []
+    for problem in problems_from_profile(report):
+        if progress:
+            progress(f"tuning {problem.describe()}")
+        spec = OPS[problem.op]
+        try:
+            r = tune_problem(spec, problem, hw, target=target, solver=solver, db=db, with_compiled=with_compiled)
+        except PlanInfeasible as exc:
+            plan.skipped.append({"op": problem.op, "variant": problem.variant, "shape": problem.shape_text,
+                                 "dtype": problem.dtype.value, "reason": str(exc)})
+            continue
+        tuned.append(r)
+        if r.usable:
+            plan.kernels.append(PlanEntry(
+                op=problem.op, variant=problem.variant, kernel_key=list(spec.kernel_key(problem)),
+                dtype=problem.dtype.value, shape=problem.shape_text, knobs=r.plan.knobs,
+                source_hash=r.source_hash, predicted_us=r.plan.predicted_us, measured_us=r.measured_us,
+                eager_us=r.eager_us, compiled_us=r.compiled_us, binding_constraint=r.plan.binding_constraint))
+        else:
+            plan.skipped.append({"op": problem.op, "variant": problem.variant, "shape": problem.shape_text,
+                                 "dtype": problem.dtype.value, "reason": "; ".join(r.reasons) or r.status})
+    return AutotuneResult(plan, report, tuned)
+
+
+def _record(db: TuningDB, r: TuneResult, hw: HardwareProfile, detail: dict | None = None) -> None:
+    detail = dict(detail or {})
+    if r.verification is not None:
+        detail["verification"] = r.verification.summary
+    detail["reasons"] = r.reasons
+    db.add(Record(
+        op=r.problem.op, variant=r.problem.variant, shape=r.problem.shape_text, dtype=r.problem.dtype.value,
+        target=r.target, source_hash=r.source_hash or "-", hardware=hw.fingerprint(), plan=r.plan.to_dict(),
+        predicted_us=r.plan.predicted_us, measured_us=r.measured_us, eager_us=r.eager_us,
+        compiled_us=r.compiled_us, verified=r.verified, status=r.status, detail=detail,
+    ))
+
+

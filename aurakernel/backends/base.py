@@ -1,0 +1,59 @@
+"""The Backend protocol and the Kernel it produces."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from ..codegen import Source
+from ..ops.base import Entry
+
+_CTYPES = {"ptr": ctypes.c_void_p, "i64": ctypes.c_int64, "f32": ctypes.c_float}
+
+
+@dataclass
+class Kernel:
+    """Rendered source + build artifact + callable entry points."""
+
+    source: Source
+    artifact: Path
+    entries: dict[str, Entry]
+    backend: str
+    build_s: float = 0.0
+    meta: dict = field(default_factory=dict)   # the typed values the source was rendered from
+    _functions: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def source_hash(self) -> str:
+        return self.source.hash
+
+    def bind(self, lib: ctypes.CDLL) -> None:
+        for name, entry in self.entries.items():
+            fn = getattr(lib, entry.symbol)
+            fn.restype = None
+            fn.argtypes = [_CTYPES[a] for a in entry.args]
+            self._functions[name] = (fn, entry)
+
+    def call(self, name: str, *args) -> None:
+        """Call entry `name`; tensors are passed by data pointer (the caller guarantees layout)."""
+        fn, entry = self._functions[name]
+        if len(args) != len(entry.args):
+            raise TypeError(f"{entry.symbol} takes {len(entry.args)} arguments, got {len(args)}")
+        fn(*[a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args])
+
+
+class Backend(Protocol):
+    name: str
+
+    def available(self) -> tuple[bool, str]:
+        """(usable here, why not)."""
+
+    def build(self, source: Source, entries: dict[str, Entry]) -> Kernel:
+        ...
+
+    def run(self, kernel: Kernel, entry: str, *args) -> None:
+        ...

@@ -1,0 +1,298 @@
+"""The `aurakernel` command: the only module that talks to the terminal.
+
+Errors a user can cause print one line on stderr and exit with code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Annotated
+
+# Large CPU tensors on transparent huge pages: page faults on fresh multi-MB buffers cost more than
+# many kernels. Applies to every candidate AuraKernel measures alike; set it to 0 to opt out.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+import typer  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from .errors import UserError  # noqa: E402
+
+try:  # typer >= 0.25 vendors click
+    from typer._click import exceptions as click_exceptions  # noqa: E402
+except ImportError:  # pragma: no cover
+    from click import exceptions as click_exceptions  # noqa: E402
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
+                  help="AuraKernel: profile, plan, render, build, verify, measure, record and swap "
+                       "fused kernels for DeepSeek-V4 training.")
+out = Console()
+err = Console(stderr=True)
+
+
+def _fmt(v, digits=1, suffix=""):
+    return "-" if v is None else f"{v:,.{digits}f}{suffix}"
+
+
+def _ensure_calibrated(target: str) -> None:
+    from .hardware import load_calibration
+    if target == "host" and load_calibration() is None:
+        from .calibrate import calibrate
+        with err.status("calibrating this machine (first run only)..."):
+            calibrate()
+
+
+@app.command()
+def tune(
+    op: Annotated[str, typer.Argument(help="operator name (see `aurakernel ops`)")],
+    shape: Annotated[str | None, typer.Option(help="e.g. 4096x4096; default: the operator's default shape")] = None,
+    dtype: Annotated[str, typer.Option(help="fp32/float32, bf16/bfloat16, fp16/float16")] = "bf16",
+    variant: Annotated[str | None, typer.Option(help="operator variant, e.g. weighted/unweighted")] = None,
+    target: Annotated[str, typer.Option(help="hardware target")] = "host",
+    solver: Annotated[str, typer.Option(help="highs or cpsat")] = "highs",
+    db: Annotated[str | None, typer.Option(help="tuning DB path (SQLite)")] = None,
+    compiled: Annotated[bool, typer.Option("--compiled/--no-compiled", help="also time torch.compile")] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+):
+    """Solve the tiling model, build, verify, measure and record one kernel."""
+    from .agent import tune as run_tune
+    from .ops import get_op
+    from .planner.model import SOLVERS
+
+    spec = get_op(op)
+    spec.problem(shape, dtype, variant)  # validate everything before any slow step
+    if solver not in SOLVERS:
+        raise UserError(f"unknown solver {solver!r}: accepted are {', '.join(SOLVERS)}")
+    _ensure_calibrated(target)
+    with err.status(f"tuning {op}..."):
+        result = run_tune(op, shape, dtype, variant=variant, target=target, solver=solver, db_path=db,
+                          with_compiled=compiled)
+    if as_json:
+        print(json.dumps(result.to_json()))
+        return
+    d = result.to_json()
+    t = Table(title=f"{d['op']}[{d['variant']}] {d['shape']} {d['dtype']} on {d['target']}", show_header=False)
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("plan", ", ".join(f"{k}={v}" for k, v in d["plan"].items()))
+    t.add_row("binding constraint", d["binding_constraint"])
+    t.add_row("solver", f"{d['solver']} ({d['solve_s'] * 1e3:.0f} ms)")
+    t.add_row("predicted fwd+bwd", _fmt(d["predicted_us"], suffix=" us"))
+    t.add_row("measured fwd+bwd", _fmt(d["measured_us"], suffix=" us"))
+    t.add_row("eager", _fmt(d["eager_us"], suffix=" us"))
+    t.add_row("torch.compile", _fmt(d["compiled_us"], suffix=" us"))
+    t.add_row("speedup vs eager", _fmt(d["speedup_vs_eager"], 2, "x"))
+    t.add_row("speedup vs compile", _fmt(d["speedup_vs_compiled"], 2, "x"))
+    t.add_row("verified", ("[green]yes[/] " if d["verified"] else "[red]no[/] ") + (d["verification"] or ""))
+    t.add_row("status", d["status"] + (": " + "; ".join(d["reasons"]) if d["reasons"] else ""))
+    out.print(t)
+
+
+@app.command()
+def autotune(
+    config: Annotated[str, typer.Option(help="trainer YAML config")] = "trainer/configs/tiny.yaml",
+    out_path: Annotated[str, typer.Option("--out", help="kernel plan file to write")] = "plan.json",
+    target: Annotated[str, typer.Option(help="hardware target")] = "host",
+    solver: Annotated[str, typer.Option(help="highs or cpsat")] = "highs",
+    db: Annotated[str | None, typer.Option(help="tuning DB path (SQLite)")] = None,
+    compiled: Annotated[bool, typer.Option("--compiled/--no-compiled", help="also time torch.compile")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="print the plan as JSON")] = False,
+):
+    """Profile a few training steps, rank op groups, tune what can be tuned, write a kernel plan."""
+    from trainer.config import load_config
+
+    from .agent import autotune as run_autotune
+
+    cfg = load_config(config)
+    _ensure_calibrated(target)
+    with err.status("autotune...") as status:
+        result = run_autotune(cfg, target=target, solver=solver, db_path=db, with_compiled=compiled,
+                              progress=lambda msg: status.update(f"autotune: {msg}"))
+    path = result.plan.save(out_path)
+    if as_json:
+        print(json.dumps(result.plan.to_dict()))
+        return
+    _print_profile(result.profile)
+    t = Table(title=f"kernel plan -> {path}")
+    for col in ("op", "extents", "dtype", "knobs", "measured us", "eager us", "speedup"):
+        t.add_column(col)
+    for k in result.plan.kernels:
+        t.add_row(f"{k.op}[{k.variant}]", "x".join(map(str, k.kernel_key)), k.dtype,
+                  ", ".join(f"{n}={v}" for n, v in k.knobs.items()), _fmt(k.measured_us), _fmt(k.eager_us),
+                  _fmt(k.speedup_vs_eager, 2, "x"))
+    out.print(t)
+    for s in result.plan.skipped:
+        where = " ".join(str(s[k]) for k in ("variant", "shape", "dtype") if k in s)
+        out.print(f"[yellow]not tuned[/] {s['op']} {where}: {s['reason']}")
+
+
+def _print_profile(report) -> None:
+    t = Table(title=f"op groups per training step ({report.step_us / 1e3:.1f} ms profiled)")
+    for col in ("group", "kind", "time ms", "share", "calls", "est. saving ms", "basis", "tunable"):
+        t.add_column(col)
+    for g in report.groups:
+        t.add_row(g.name, g.kind, _fmt(g.time_us / 1e3, 2), f"{g.share * 100:.1f}%", _fmt(g.calls, 0),
+                  _fmt(None if g.saving_us is None else g.saving_us / 1e3, 2), g.saving_basis,
+                  "yes" if g.tunable else "")
+    out.print(t)
+
+
+@app.command()
+def profile(
+    config: Annotated[str, typer.Option(help="trainer YAML config")] = "trainer/configs/tiny.yaml",
+    steps: Annotated[int, typer.Option(min=1, help="profiled steps")] = 3,
+    kernels: Annotated[str | None, typer.Option(help="kernel plan to apply first")] = None,
+    chart: Annotated[str | None, typer.Option(help="write a PNG bar chart here")] = None,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+):
+    """Profile training steps and rank op groups by what fusing them could save."""
+    from trainer.config import load_config
+
+    from .profiler import profile_training
+
+    cfg = load_config(config)
+    _ensure_calibrated(cfg.hardware.target)
+    with err.status("profiling..."):
+        report = profile_training(cfg, steps=steps, kernels=kernels)
+    if chart:
+        report.save_chart(chart)
+    if as_json:
+        print(json.dumps(report.to_dict()))
+    else:
+        _print_profile(report)
+
+
+@app.command()
+def train(
+    config: Annotated[str, typer.Option(help="trainer YAML config")] = "trainer/configs/tiny.yaml",
+    kernels: Annotated[str | None, typer.Option(help="kernel plan from `aurakernel autotune`")] = None,
+    steps: Annotated[int | None, typer.Option(min=1, help="optimizer steps (default: from the config)")] = None,
+    compare: Annotated[bool, typer.Option("--compare", help="also train the reference, alternating steps")] = False,
+    log: Annotated[str | None, typer.Option(help="JSONL log path (default: from the config)")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print the summary as JSON")] = False,
+):
+    """Full-parameter training of the config's DeepSeek-V4 model, optionally with tuned kernels."""
+    from trainer.config import load_config
+    from trainer.train import train as run_train
+
+    cfg = load_config(config)
+    if compare and kernels is None:
+        raise UserError("--compare needs --kernels PLAN: it trains with and without the plan's kernels")
+    _ensure_calibrated(cfg.hardware.target)
+    result = run_train(cfg, kernels=kernels, steps=steps, compare=compare, log_path=log, console=err,
+                       show_progress=not as_json)
+    if as_json:
+        print(json.dumps(result))
+        return
+    if "apply" in result:
+        a = result["apply"]
+        out.print(f"kernels: {len(a['swapped'])} modules swapped, {len(a['reference'])} on the reference, "
+                  f"{len(a['rejected'])} plan entries rejected")
+        for r in a["rejected"]:
+            out.print(f"  [yellow]rejected[/] {r['op']}[{r['variant']}] {r['kernel_key']} {r['dtype']}: {r['reason']}")
+    t = Table(title=f"{result['steps']} steps, {result['tokens_per_step']} tokens/step, {result['dtype']}, "
+                    f"peak {result['peak_tflops']:.3f} TFLOP/s ({result['peak_source']})")
+    for col in ("run", "median step ms", "tokens/s", "MFU", "final loss"):
+        t.add_column(col)
+    for label, r in result["runs"].items():
+        t.add_row(label, _fmt(r["median_step_s"] * 1e3), _fmt(r["tokens_per_s"], 0), f"{r['mfu'] * 100:.2f}%",
+                  f"{r['final_loss']:.4f}")
+    out.print(t)
+    if "speedup" in result:
+        out.print(f"step time with AuraKernel kernels: [bold]{result['speedup']:.3f}x[/] faster than without "
+                  f"(same run, alternating steps)")
+
+
+@app.command()
+def show(
+    db: Annotated[str | None, typer.Option(help="tuning DB path (SQLite)")] = None,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+):
+    """List the tuning DB."""
+    from .db import TuningDB
+    from .paths import default_db_path
+
+    path = db or default_db_path()
+    frame = TuningDB(path).frame()
+    if as_json:
+        print(frame.to_json(orient="records"))
+        return
+    t = Table(title=f"tuning DB {path} ({len(frame)} records)")
+    for col in ("op", "shape", "dtype", "target", "knobs", "pred us", "meas us", "eager us", "compile us",
+                "verified", "status"):
+        t.add_column(col)
+    for _, r in frame.iterrows():
+        knobs = json.loads(r["plan"]).get("knobs", {})
+        t.add_row(f"{r['op']}[{r['variant']}]", r["shape"], r["dtype"], r["target"],
+                  ", ".join(f"{k}={v}" for k, v in knobs.items()), _fmt(r["predicted_us"]),
+                  _fmt(r["measured_us"]), _fmt(r["eager_us"]), _fmt(r["compiled_us"]),
+                  "yes" if r["verified"] else "no", r["status"])
+    out.print(t)
+
+
+@app.command()
+def calibrate(as_json: Annotated[bool, typer.Option("--json")] = False):
+    """Measure this machine: streaming bandwidth, call/fork overheads, matmul peak."""
+    from .calibrate import calibrate as run_calibrate
+
+    with err.status("calibrating...") as status:
+        cal = run_calibrate(progress=lambda msg: status.update(f"calibrating: {msg}"))
+    if as_json:
+        print(json.dumps(cal))
+        return
+    t = Table(title=f"host calibration ({cal['path']})", show_header=False)
+    for k, v in cal["stream_gbps"].items():
+        t.add_row(f"stream bandwidth, {k} thread(s)", f"{v:.2f} GB/s")
+    t.add_row("call overhead", f"{cal['call_overhead_us']:.2f} us")
+    t.add_row("fork/join overhead", f"{cal['fork_overhead_us']:.2f} us")
+    for k, v in cal["peak_tflops"].items():
+        t.add_row(f"matmul peak {k}", f"{v:.3f} TFLOP/s")
+    out.print(t)
+
+
+@app.command()
+def ops(as_json: Annotated[bool, typer.Option("--json")] = False):
+    """List the operators with the meaning of --shape, default shape, variants and dtypes."""
+    from .dtypes import shape_text
+    from .ops import OPS
+
+    rows = [{"op": s.name, "summary": s.summary, "shape": s.shape_meaning, "default_shape": shape_text(s.default_shape),
+             "variants": list(s.variants), "dtypes": [d.value for d in s.dtypes]} for s in OPS.values()]
+    if as_json:
+        print(json.dumps(rows))
+        return
+    t = Table(title="operators")
+    for col in ("op", "--shape", "default", "variants", "dtypes", "what"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(r["op"], r["shape"], r["default_shape"], ", ".join(r["variants"]), ", ".join(r["dtypes"]), r["summary"])
+    out.print(t)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        app(args=argv, standalone_mode=False, prog_name="aurakernel")
+    except UserError as exc:
+        print(f"aurakernel: error: {exc}", file=sys.stderr)
+        return 2
+    except click_exceptions.NoArgsIsHelpError:
+        return 0
+    except click_exceptions.UsageError as exc:
+        print(f"aurakernel: error: {exc.format_message()}", file=sys.stderr)
+        return 2
+    except (typer.Abort, KeyboardInterrupt):
+        print("aurakernel: aborted", file=sys.stderr)
+        return 130
+    except typer.Exit as exc:
+        return exc.exit_code
+    return 0
+
+
+def entry() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

@@ -1,0 +1,65 @@
+"""Render kernel sources from the Jinja templates in templates/.
+
+Only typed values reach a template: ints, floats, bools and members of the enums AuraKernel
+defines (DType). Strings are refused, so no free text is ever rendered into C/C++ source, and a
+missing value is an error (StrictUndefined), never an empty string.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import jinja2
+
+from .paths import TEMPLATES_DIR
+
+
+@dataclass(frozen=True)
+class Source:
+    template: str
+    text: str
+
+    @property
+    def hash(self) -> str:
+        return hashlib.sha256(self.text.encode()).hexdigest()[:20]
+
+
+@lru_cache(maxsize=1)
+def environment() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATES_DIR)),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+
+
+def _check_value(name: str, value: Any) -> None:
+    if isinstance(value, bool | enum.Enum):
+        return
+    if isinstance(value, int):
+        if not -(2**63) <= value < 2**63:
+            raise ValueError(f"template value {name}={value} does not fit in int64")
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"template value {name}={value} is not finite")
+        return
+    if isinstance(value, tuple | list):
+        for i, item in enumerate(value):
+            _check_value(f"{name}[{i}]", item)
+        return
+    raise TypeError(f"template value {name} has type {type(value).__name__}: only int, float, bool, "
+                    f"enum members and sequences of them may reach generated source")
+
+
+def render(template: str, params: dict[str, Any]) -> Source:
+    for name, value in params.items():
+        _check_value(name, value)
+    text = environment().get_template(template).render(**params)
+    return Source(template, text)

@@ -1,0 +1,218 @@
+"""HardwareProfile: what the planner and the cost model know about a target.
+
+Profiles are YAML files in profiles/. The host profile is overlaid with what is read off this
+machine (cores, caches, SIMD width, clock) and with the figures `aurakernel calibrate` measured
+(streaming bandwidth per thread count, call overhead, matmul peak), cached per machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from .errors import UserError
+from .paths import PROFILES_DIR, cache_dir
+
+
+@dataclass(frozen=True)
+class MemoryLevel:
+    name: str
+    capacity: int          # bytes
+    per_core: bool         # a private copy per core (L1, L2) or shared (L3, DRAM)
+    bandwidth_gbps: float
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    kind: str                                  # "host" or "ascend"
+    cores: int
+    clock_ghz: float
+    simd_bytes: int
+    memory: dict[str, MemoryLevel]
+    stream_gbps: dict[int, float]              # threads -> streaming GB/s (read + write)
+    call_overhead_us: float
+    fork_overhead_us: float
+    peak_tflops: dict[str, float]
+    costmodel: dict[str, float]
+    calibrated: bool = False
+    extra: dict = field(default_factory=dict)  # target-specific figures (Ascend: pipes, UB reserve...)
+
+    def stream_bandwidth(self, threads: int) -> float:
+        """Bytes per second when `threads` threads stream; interpolates between measured counts."""
+        known = sorted(self.stream_gbps)
+        if threads in self.stream_gbps:
+            return self.stream_gbps[threads] * 1e9
+        below = max([t for t in known if t <= threads], default=known[0])
+        return self.stream_gbps[below] * 1e9
+
+    def with_calibration(self, cal: dict) -> HardwareProfile:
+        return dataclasses.replace(
+            self,
+            stream_gbps={int(k): float(v) for k, v in cal["stream_gbps"].items()},
+            call_overhead_us=float(cal["call_overhead_us"]),
+            fork_overhead_us=float(cal["fork_overhead_us"]),
+            peak_tflops={k: float(v) for k, v in cal["peak_tflops"].items()},
+            calibrated=True,
+        )
+
+    def fingerprint(self) -> str:
+        """Content hash of everything a plan depends on: plans are cached under it."""
+        blob = json.dumps(dataclasses.asdict(self), sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _load_yaml(name: str) -> dict:
+    path = PROFILES_DIR / f"{name}.yaml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in PROFILES_DIR.glob("*.yaml")))
+        raise UserError(f"unknown target {name!r}: accepted are {known}")
+    return yaml.safe_load(path.read_text())
+
+
+def _profile_from_dict(d: dict) -> HardwareProfile:
+    memory = {
+        name: MemoryLevel(name, int(m["capacity"]), bool(m["per_core"]), float(m["bandwidth_gbps"]))
+        for name, m in d["memory"].items()
+    }
+    return HardwareProfile(
+        name=d["name"], kind=d["kind"], cores=int(d["cores"]), clock_ghz=float(d["clock_ghz"]),
+        simd_bytes=int(d["simd_bytes"]), memory=memory,
+        stream_gbps={int(k): float(v) for k, v in d["stream_gbps"].items()},
+        call_overhead_us=float(d["call_overhead_us"]), fork_overhead_us=float(d["fork_overhead_us"]),
+        peak_tflops={k: float(v) for k, v in d["peak_tflops"].items()},
+        costmodel={k: float(v) for k, v in d.get("costmodel", {}).items()},
+        extra={k: v for k, v in d.items() if k not in _CORE_KEYS},
+    )
+
+
+_CORE_KEYS = {"name", "kind", "cores", "clock_ghz", "simd_bytes", "memory", "stream_gbps",
+              "call_overhead_us", "fork_overhead_us", "peak_tflops", "costmodel"}
+
+
+# --- reading the host machine ---------------------------------------------------------------
+
+def host_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _clock_ghz(default: float) -> float:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("cpu MHz"):
+                return float(line.split(":", 1)[1]) / 1000.0
+    except (OSError, ValueError):
+        pass
+    return default
+
+
+def _parse_size(text: str) -> int:
+    text = text.strip().upper()
+    mult = {"K": 1024, "M": 1024**2, "G": 1024**3}.get(text[-1:], 1)
+    return int(text.rstrip("KMG")) * mult
+
+
+def _caches() -> dict[str, int]:
+    """Data/unified cache sizes of cpu0 by level name (L1, L2, L3), from sysfs."""
+    found: dict[str, int] = {}
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            if (index / "type").read_text().strip() == "Instruction":
+                continue
+            level = "L" + (index / "level").read_text().strip()
+            found[level] = _parse_size((index / "size").read_text())
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def machine_id() -> str:
+    flags = _cpu_flags()
+    simd = "avx512f" in flags, "avx2" in flags
+    text = f"{_cpu_model()}|{host_cores()}|{simd}|{platform.machine()}"
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def calibration_path() -> Path:
+    return cache_dir() / f"calibration-{machine_id()}.json"
+
+
+def load_calibration() -> dict | None:
+    path = calibration_path()
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None  # a damaged cache file is the same as none: recalibrate
+
+
+def save_calibration(cal: dict) -> Path:
+    path = calibration_path()
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(cal, indent=2))
+    os.replace(tmp, path)  # atomic: a killed calibrate never leaves half a file
+    return path
+
+
+def host_profile(calibrated: bool = True) -> HardwareProfile:
+    """The host profile with this machine's figures; calibrated ones when a calibration exists."""
+    base = _load_yaml("host")
+    flags = _cpu_flags()
+    base["cores"] = host_cores()
+    base["clock_ghz"] = _clock_ghz(float(base["clock_ghz"]))
+    if "avx512f" in flags:
+        base["simd_bytes"] = 64
+    elif "avx2" in flags or "asimd" in flags:
+        base["simd_bytes"] = 32
+    for level, size in _caches().items():
+        if level in base["memory"]:
+            base["memory"][level]["capacity"] = size
+    base["stream_gbps"] = {t: v for t, v in base["stream_gbps"].items() if int(t) <= base["cores"]} or {1: 8.0}
+    profile = _profile_from_dict(base)
+    if calibrated:
+        cal = load_calibration()
+        if cal is not None:
+            profile = profile.with_calibration(cal)
+    return profile
+
+
+def load_profile(target: str) -> HardwareProfile:
+    """A profile by target name: 'host' (detected + calibrated) or a YAML file in profiles/."""
+    if target == "host":
+        return host_profile()
+    return _profile_from_dict(_load_yaml(target))
+
+
+def available_targets() -> list[str]:
+    return sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))

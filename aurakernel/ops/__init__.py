@@ -1,0 +1,19 @@
+"""The operator library: one OpSpec per operator, registered by name."""
+
+from __future__ import annotations
+
+from ..errors import UserError
+from .base import OpSpec, Problem
+from .rms_norm import SPEC as RMS_NORM
+
+OPS: dict[str, OpSpec] = {spec.name: spec for spec in (RMS_NORM,)}
+
+
+def get_op(name: str) -> OpSpec:
+    spec = OPS.get(name)
+    if spec is None:
+        raise UserError(f"unknown operator {name!r}: accepted are {', '.join(sorted(OPS))}")
+    return spec
+
+
+__all__ = ["OPS", "OpSpec", "Problem", "get_op"]

@@ -1,0 +1,176 @@
+"""OpSpec: the single source of truth for one operator.
+
+An OpSpec says what the operator computes (its reference: the transformers code it replaces),
+how to make inputs for a shape and dtype, how much memory traffic and arithmetic it needs (for
+the roofline and the cost model), which knobs its kernels have and how they trade off (the
+tiling problem handed to the planner), which templates render it, how its C entry points are
+called, and how closely a kernel must match the reference. Adding an operator means writing one
+OpSpec and its templates.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..dtypes import DType, parse_shape, shape_text
+from ..errors import UserError
+
+if TYPE_CHECKING:
+    from ..backends.base import Kernel
+    from ..hardware import HardwareProfile
+    from ..planner.tiling import TilingProblem
+
+Tensors = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Work:
+    """Minimum traffic and arithmetic of one call: what a perfectly fused kernel must do."""
+
+    bytes_moved: int
+    flops: int
+
+    @property
+    def intensity(self) -> float:
+        return self.flops / max(self.bytes_moved, 1)
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    atol: float
+    rtol: float
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A C entry point: its symbol and argument kinds ('ptr', 'i64', 'f32')."""
+
+    symbol: str
+    args: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One tuning problem: operator, variant, shape, dtype. Hashable; the DB and plans key on it."""
+
+    op: str
+    variant: str
+    shape: tuple[int, ...]
+    dtype: DType
+
+    @property
+    def shape_text(self) -> str:
+        return shape_text(self.shape)
+
+    def describe(self) -> str:
+        suffix = "" if self.variant == "default" else f"[{self.variant}]"
+        return f"{self.op}{suffix} {self.shape_text} {self.dtype.value}"
+
+
+@dataclass
+class OpSpec(ABC):
+    name: str
+    summary: str
+    shape_meaning: str                 # what each extent of --shape means, e.g. "ROWSxCOLS"
+    shape_rank: int
+    default_shape: tuple[int, ...]
+    bench_shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[DType, ...]
+    variants: tuple[str, ...]
+    knob_docs: dict[str, str]
+    entries: dict[str, Entry] = field(default_factory=dict)
+
+    # --- problems -----------------------------------------------------------------------------
+    def problem(self, shape_text_: str | None, dtype_text: str, variant: str | None = None) -> Problem:
+        shape = (parse_shape(shape_text_, self.shape_rank, self.shape_meaning)
+                 if shape_text_ else self.default_shape)
+        dtype = DType.parse(dtype_text, self.dtypes)
+        variant = variant or self.variants[0]
+        if variant not in self.variants:
+            raise UserError(f"unknown variant {variant!r} of {self.name}: accepted are {', '.join(self.variants)}")
+        self.check_shape(shape)
+        return Problem(self.name, variant, tuple(shape), dtype)
+
+    def check_shape(self, shape: tuple[int, ...]) -> None:
+        """Operator-specific limits on a shape; raise UserError naming what is accepted."""
+
+    @abstractmethod
+    def kernel_key(self, problem: Problem) -> tuple[int, ...]:
+        """The extents baked into a kernel at compile time (others are runtime arguments)."""
+
+    # --- semantics ----------------------------------------------------------------------------
+    @abstractmethod
+    def make_inputs(self, problem: Problem, seed: int) -> Tensors:
+        """Fresh random inputs (and parameters) for one check."""
+
+    @abstractmethod
+    def differentiable(self, problem: Problem) -> tuple[str, ...]:
+        """Names of the inputs that receive gradients."""
+
+    @abstractmethod
+    def reference(self, problem: Problem, inputs: Tensors) -> Tensors:
+        """Outputs computed by the code the kernel replaces (autograd-enabled)."""
+
+    @abstractmethod
+    def tolerance(self, dtype: DType, output: str) -> Tolerance:
+        ...
+
+    # --- cost ---------------------------------------------------------------------------------
+    @abstractmethod
+    def work(self, problem: Problem, backward: bool) -> Work:
+        ...
+
+    @abstractmethod
+    def tiling_problem(self, problem: Problem, hw: HardwareProfile) -> TilingProblem:
+        ...
+
+    # --- code ---------------------------------------------------------------------------------
+    @abstractmethod
+    def template(self, target_kind: str) -> str:
+        """Template path under templates/ for a target kind ('host', 'ascend')."""
+
+    @abstractmethod
+    def render_params(self, problem: Problem, knobs: dict[str, int]) -> dict[str, Any]:
+        """Typed values (int, float, bool, DType) handed to the template."""
+
+    @abstractmethod
+    def run_forward(self, kernel: Kernel, inputs: Tensors, outputs: Tensors) -> None:
+        """Call the kernel's forward entry, writing into preallocated `outputs`."""
+
+    @abstractmethod
+    def run_backward(self, kernel: Kernel, inputs: Tensors, outputs: Tensors,
+                     grad_outputs: Tensors, grads: Tensors) -> None:
+        """Call the backward entry, writing into preallocated `grads` (one per differentiable input)."""
+
+    @abstractmethod
+    def empty_outputs(self, problem: Problem, inputs: Tensors) -> Tensors:
+        """Output buffers (forward outputs and whatever the backward needs saved)."""
+
+    def visible_outputs(self) -> tuple[str, ...]:
+        """Outputs the reference also produces (the rest, e.g. saved statistics, are internal)."""
+        return ("y",)
+
+    # --- modules: timing and swapping use the same nn.Module path the trainer runs ------------
+    @abstractmethod
+    def module_call(self, problem: Problem, inputs: Tensors) -> tuple[torch.nn.Module, tuple]:
+        """The reference module loaded with the inputs' parameters, and the args to call it with."""
+
+    @abstractmethod
+    def patch(self, module: torch.nn.Module, lookup) -> None:
+        """Make `module` run kernels: lookup(kernel_key, torch dtype) -> source hash or None
+        (None: run the reference)."""
+
+    def verification_problems(self, problem: Problem, knobs: dict[str, int], simd_elems: int) -> list[Problem]:
+        """The tuned shape plus tails: rows not divisible by tile x threads, a width off the SIMD grid."""
+        rows, cols = problem.shape[0], problem.shape[-1]
+        tail_rows = knobs.get("tile_rows", 1) * knobs.get("threads", 1) * 3 + 1
+        odd_cols = cols + 5 if cols % simd_elems == 0 else cols
+        out = [problem, Problem(problem.op, problem.variant, (min(rows, tail_rows),) + problem.shape[1:], problem.dtype)]
+        if odd_cols != cols:
+            out.append(Problem(problem.op, problem.variant, (min(rows, tail_rows),) + problem.shape[1:-1] + (odd_cols,),
+                               problem.dtype))
+        return out

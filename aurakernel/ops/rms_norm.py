@@ -1,0 +1,272 @@
+"""RMSNorm: transformers' DeepseekV4RMSNorm (weighted) and DeepseekV4UnweightedRMSNorm.
+
+Where DeepSeek-V4 uses it (hidden D, mHC width 4D): attn/ffn norms and the final norm (D),
+q_a_norm (q_lora_rank), kv_norm and the compressor's and indexer's kv_norm (head dims), the
+per-head q norm (unweighted, head_dim) and the mHC input norms (unweighted, fp32, 4D).
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch.func import functional_call
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+    DeepseekV4RMSNorm,
+    DeepseekV4UnweightedRMSNorm,
+)
+
+from ..dtypes import DType
+from ..planner.costmodel import RowwisePhase, rowwise_model
+from .base import Entry, OpSpec, Problem, Tensors, Tolerance, Work
+
+EPS = 1e-6
+
+_TOL = {
+    DType.fp32: {"y": Tolerance(1e-5, 1e-5), "x": Tolerance(2e-5, 1e-4), "weight": Tolerance(1e-4, 1e-4)},
+    DType.bf16: {"y": Tolerance(2e-2, 1.6e-2), "x": Tolerance(4e-2, 3.2e-2), "weight": Tolerance(1e-2, 2e-3)},
+    DType.fp16: {"y": Tolerance(2e-3, 2e-3), "x": Tolerance(4e-3, 4e-3), "weight": Tolerance(1e-2, 2e-3)},
+}
+
+
+class RmsNormSpec(OpSpec):
+    def check_shape(self, shape):
+        pass
+
+    def kernel_key(self, problem: Problem) -> tuple[int, ...]:
+        return (problem.shape[1],)
+
+    # --- semantics ----------------------------------------------------------------------------
+    def make_inputs(self, problem: Problem, seed: int) -> Tensors:
+        rows, cols = problem.shape
+        g = torch.Generator().manual_seed(seed)
+        # a per-row scale spreads the rstd values, so a wrong row statistic cannot hide
+        scale = torch.rand(rows, 1, generator=g) * 3 + 0.1
+        x = (torch.randn(rows, cols, generator=g) * scale).to(problem.dtype.torch)
+        inputs = {"x": x}
+        if problem.variant == "weighted":
+            inputs["weight"] = 1.0 + 0.5 * torch.randn(cols, generator=g)
+        return inputs
+
+    def differentiable(self, problem: Problem) -> tuple[str, ...]:
+        return ("x", "weight") if problem.variant == "weighted" else ("x",)
+
+    def module(self, problem: Problem) -> torch.nn.Module:
+        if problem.variant == "weighted":
+            return DeepseekV4RMSNorm(problem.shape[1], eps=EPS)
+        return DeepseekV4UnweightedRMSNorm(eps=EPS)
+
+    def module_call(self, problem: Problem, inputs: Tensors):
+        mod = self.module(problem)
+        if problem.variant == "weighted":
+            with torch.no_grad():
+                mod.weight.copy_(inputs["weight"])
+        return mod, (inputs["x"],)
+
+    def patch(self, module: torch.nn.Module, lookup) -> None:
+        # state lives on the module (a bound method rebinds on deepcopy; a closure would not)
+        if "_ak_reference_forward" not in module.__dict__:
+            module._ak_reference_forward = module.forward
+        module._ak_lookup = lookup
+        module.forward = types.MethodType(_module_forward, module)
+
+    def reference(self, problem: Problem, inputs: Tensors) -> Tensors:
+        mod = self.module(problem)
+        params = {"weight": inputs["weight"]} if problem.variant == "weighted" else {}
+        return {"y": functional_call(mod, params, (inputs["x"],))}
+
+    def tolerance(self, dtype: DType, output: str) -> Tolerance:
+        return _TOL[dtype][output]
+
+    # --- cost ---------------------------------------------------------------------------------
+    def work(self, problem: Problem, backward: bool) -> Work:
+        rows, cols = problem.shape
+        e = problem.dtype.itemsize
+        weighted = problem.variant == "weighted"
+        if not backward:
+            return Work(rows * cols * e * 2 + rows * 4 + (cols * 4 if weighted else 0), 4 * rows * cols)
+        return Work(rows * cols * e * 3 + rows * 4 + (cols * 8 if weighted else 0), 8 * rows * cols)
+
+    def tiling_problem(self, problem: Problem, hw):
+        rows, cols = problem.shape
+        e = problem.dtype.itemsize
+        w = 4 if problem.variant == "weighted" else 0
+        phases = [
+            RowwisePhase("forward", dram_bytes_per_row=cols * 2 * e + 4, vector_elems_per_row=2 * cols,
+                         chunked_passes=1, resident_bytes_per_row=cols * e, l1_bytes_per_col=w + 2 * e,
+                         l2_bytes_per_tile=cols * w, fixed_resident_bytes=cols * w),
+            RowwisePhase("backward", dram_bytes_per_row=cols * 3 * e + 4, vector_elems_per_row=3 * cols,
+                         chunked_passes=1, resident_bytes_per_row=2 * cols * e, l1_bytes_per_col=2 * w + 3 * e,
+                         l2_bytes_per_tile=cols * 2 * w, fixed_resident_bytes=cols * 2 * w),
+        ]
+        return rowwise_model(rows, cols, phases, hw)
+
+    # --- code ---------------------------------------------------------------------------------
+    def template(self, target_kind: str) -> str:
+        return f"{target_kind}/rms_norm.c.j2"
+
+    def render_params(self, problem: Problem, knobs: dict[str, int]) -> dict:
+        return {"dtype": problem.dtype, "cols": int(problem.shape[1]),
+                "weighted": problem.variant == "weighted",
+                "tile_rows": int(knobs["tile_rows"]), "col_chunk": int(knobs["col_chunk"]),
+                "threads": int(knobs["threads"])}
+
+    def empty_outputs(self, problem: Problem, inputs: Tensors) -> Tensors:
+        x = inputs["x"]
+        return {"y": torch.empty_like(x), "rstd": torch.empty(x.numel() // x.shape[-1], dtype=torch.float32)}
+
+    def visible_outputs(self) -> tuple[str, ...]:
+        return ("y",)
+
+    def run_forward(self, kernel, inputs: Tensors, outputs: Tensors) -> None:
+        x = inputs["x"]
+        w = inputs.get("weight")
+        rows = x.numel() // x.shape[-1]
+        kernel.call("fwd", x, w, outputs["y"], outputs["rstd"], rows, float(inputs.get("eps", EPS)))
+
+    def run_backward(self, kernel, inputs: Tensors, outputs: Tensors, grad_outputs: Tensors, grads: Tensors) -> None:
+        x = inputs["x"]
+        w = inputs.get("weight")
+        rows = x.numel() // x.shape[-1]
+        dw = grads.get("weight")
+        partial = torch.empty(kernel.meta["threads"] * x.shape[-1], dtype=torch.float32) if w is not None else None
+        kernel.call("bwd", grad_outputs["y"], x, w, outputs["rstd"], grads["x"], dw, partial, rows)
+
+
+SPEC = RmsNormSpec(
+    name="rms_norm",
+    summary="RMSNorm over the last dim, weighted (DeepseekV4RMSNorm) or unweighted (DeepseekV4UnweightedRMSNorm)",
+    shape_meaning="ROWSxCOLS: rows (tokens, or tokens x heads) x normalised width",
+    shape_rank=2,
+    default_shape=(4096, 4096),
+    bench_shapes=((4096, 4096), (2048, 7168), (1024, 16384)),
+    dtypes=(DType.fp32, DType.bf16, DType.fp16),
+    variants=("weighted", "unweighted"),
+    knob_docs={"tile_rows": "rows per tile (kept in L2 between the two passes)",
+               "col_chunk": "columns per inner chunk (multiple of the SIMD width; kept in L1)",
+               "threads": "OpenMP threads (tiles split statically)"},
+    entries={"fwd": Entry("ak_rms_norm_fwd", ("ptr", "ptr", "ptr", "ptr", "i64", "f32")),
+             "bwd": Entry("ak_rms_norm_bwd", ("ptr",) * 7 + ("i64",))},
+)
+
+
+# --- the kernel as a torch op ---------------------------------------------------------------------
+# Eager calls go through a plain autograd.Function straight to the kernel (the custom_op dispatcher
+# costs ~100 us per fwd+bwd, more than a small norm). Under torch.compile the same math runs as
+# custom_ops with a registered autograd formula, which Dynamo and FSDP2 trace through. The kernel
+# is named by its source hash; build.built_kernel finds it.
+
+def _rows_layout(t: torch.Tensor) -> torch.Tensor:
+    """Row kernels only need each row contiguous and rows packed: any dense layout with a unit
+    last stride qualifies (e.g. the per-head q norm's transposed view); otherwise copy."""
+    if t.stride(-1) == 1 and _dense(t):
+        return t
+    return t.contiguous()
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """True when the elements fill a gap-free block of memory in some order of the dims."""
+    expected = 1
+    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float, kernel: str):
+    from ..build import built_kernel
+    x = _rows_layout(x)
+    outputs = {"y": torch.empty_like(x),
+               "rstd": torch.empty(x.numel() // x.shape[-1], dtype=torch.float32, device=x.device)}
+    inputs = {"x": x, "eps": eps}
+    if weight is not None:
+        inputs["weight"] = weight.detach().float().contiguous()
+    SPEC.run_forward(built_kernel(kernel), inputs, outputs)
+    return outputs["y"], outputs["rstd"]
+
+
+def _backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor, kernel: str):
+    from ..build import built_kernel
+    x = _rows_layout(x)
+    if dy.stride() != x.stride():  # the kernel walks dy and x with the same offsets
+        dy = torch.empty_like(x).copy_(dy)
+    inputs, grads = {"x": x}, {"x": torch.empty_like(x)}
+    if weight is not None:
+        inputs["weight"] = weight.detach().float().contiguous()
+        grads["weight"] = torch.empty(x.shape[-1], dtype=torch.float32, device=x.device)
+    SPEC.run_backward(built_kernel(kernel), inputs, {"rstd": rstd}, {"y": dy}, grads)
+    dw = grads["weight"].to(weight.dtype) if weight is not None else None
+    return grads["x"], dw
+
+
+class _RmsNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, kernel):
+        y, rstd = _forward(x, weight, eps, kernel)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.kernel = kernel
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        dx, dw = _backward(dy, x, weight, rstd, ctx.kernel)
+        return dx, dw, None, None
+
+
+@torch.library.custom_op("aurakernel::rms_norm_fwd", mutates_args=())
+def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                 kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward(x, weight, eps, kernel)
+
+
+@rms_norm_fwd.register_fake
+def _(x, weight, eps, kernel):
+    return torch.empty_like(x), x.new_empty(x.numel() // x.shape[-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("aurakernel::rms_norm_bwd", mutates_args=())
+def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor,
+                 kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
+    dx, dw = _backward(dy, x, weight, rstd, kernel)
+    return dx, (dw if dw is not None else x.new_empty(0, dtype=torch.float32))
+
+
+@rms_norm_bwd.register_fake
+def _(dy, x, weight, rstd, kernel):
+    if weight is None:
+        return torch.empty_like(x), x.new_empty(0, dtype=torch.float32)
+    return torch.empty_like(x), weight.new_empty(weight.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, _eps, kernel = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.kernel = kernel
+
+
+def _custom_op_backward(ctx, dy, _drstd):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dw = rms_norm_bwd(dy, x, weight, rstd, ctx.kernel)
+    return dx, (dw if weight is not None else None), None, None
+
+
+rms_norm_fwd.register_autograd(_custom_op_backward, setup_context=_setup_context)
+
+
+def _module_forward(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """forward of a patched DeepseekV4RMSNorm / DeepseekV4UnweightedRMSNorm."""
+    kernel = module._ak_lookup((x.shape[-1],), x.dtype) if x.device.type == "cpu" else None
+    if kernel is None:
+        return module._ak_reference_forward(x)
+    if isinstance(module, DeepseekV4RMSNorm):
+        return rms_norm(x, module.weight, float(module.variance_epsilon), kernel)
+    return rms_norm(x, None, float(module.eps), kernel)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, kernel: str) -> torch.Tensor:
+    """RMSNorm through the kernel with source hash `kernel` (built earlier in this process)."""
+    if torch.compiler.is_compiling():
+        return rms_norm_fwd(x, weight, eps, kernel)[0]
+    return _RmsNorm.apply(x, weight, eps, kernel)

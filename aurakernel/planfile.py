@@ -1,0 +1,86 @@
+"""The kernel plan file that `aurakernel autotune` writes and `aurakernel.apply` reads.
+
+It lists, per (op, variant, compile-time extents, dtype), the knob values of a verified kernel
+that beat the eager reference, the source hash it was verified with, and its measurements; and
+the groups that were not tuned, with the reason. JSON, written atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from . import __version__
+from .errors import UserError
+
+FORMAT = 1
+
+
+@dataclass
+class PlanEntry:
+    op: str
+    variant: str
+    kernel_key: list[int]        # compile-time extents (e.g. [cols] for rms_norm)
+    dtype: str
+    shape: str                   # the shape it was tuned and measured at
+    knobs: dict[str, int]
+    source_hash: str
+    predicted_us: float | None = None
+    measured_us: float | None = None
+    eager_us: float | None = None
+    compiled_us: float | None = None
+    binding_constraint: str = ""
+
+    @property
+    def speedup_vs_eager(self) -> float | None:
+        return self.eager_us / self.measured_us if self.eager_us and self.measured_us else None
+
+
+@dataclass
+class KernelPlan:
+    target: str
+    kernels: list[PlanEntry] = field(default_factory=list)
+    skipped: list[dict] = field(default_factory=list)   # {"op", "variant", "shape", "dtype", "reason"}
+    profile: list[dict] = field(default_factory=list)   # the ranked op groups autotune saw
+    config: str = ""
+    hardware: str = ""
+    aurakernel: str = __version__
+    created: float = field(default_factory=time.time)
+    format: int = FORMAT
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2))
+        os.replace(tmp, path)  # atomic: a killed autotune never leaves half a plan
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> KernelPlan:
+        path = Path(path)
+        if not path.is_file():
+            raise UserError(f"kernel plan {path}: no such file")
+        try:
+            d = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise UserError(f"kernel plan {path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        return cls.from_dict(d, str(path))
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "kernel plan") -> KernelPlan:
+        if not isinstance(d, dict) or d.get("format") != FORMAT or "kernels" not in d:
+            raise UserError(f"{where}: not an AuraKernel plan (format {FORMAT} with a 'kernels' list)")
+        try:
+            kernels = [PlanEntry(**{**k, "knobs": {n: int(v) for n, v in k["knobs"].items()},
+                                    "kernel_key": [int(v) for v in k["kernel_key"]]}) for k in d["kernels"]]
+        except (TypeError, KeyError, ValueError) as exc:
+            raise UserError(f"{where}: malformed kernel entry ({exc})") from None
+        rest = {k: v for k, v in d.items() if k != "kernels"}
+        return cls(kernels=kernels, **rest)

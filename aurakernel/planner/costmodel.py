@@ -1,0 +1,106 @@
+"""Analytical cost model of host kernels, per pipe, from the HardwareProfile.
+
+Row-wise kernels (norms, activations, pooling over a row) share one structure: rows are cut into
+tiles of `tile_rows`, tiles are split statically over `threads`, and each tile sweeps its columns in
+chunks of `col_chunk` elements, one or more passes. Per phase (forward, backward):
+
+    busiest thread rows   r_b = min(R, ceil(ceil(R / tile_rows) / threads) * tile_rows)
+    DRAM pipe             r_b * dram_bytes_per_row / (stream_bw(threads) / threads)
+    vector pipe           r_b * (vector_elems_per_row * cyc_elem + chunks_per_row * cyc_chunk) / clock
+    L2 pipe               tiles_b * l2_bytes_per_tile / L2 bandwidth     (e.g. the weight, re-read per tile)
+    overhead              call + (threads > 1) * fork + tiles_b * tile_overhead
+
+Capacities: the rows of one tile stay in the per-core L2 between passes; one column chunk of every
+stream (inputs, outputs, weight) stays in L1 while the chunk is reused across the tile's rows.
+The coefficients (cyc_elem, cyc_chunk, tile overhead, cache fraction) come from the profile's
+`costmodel` section, so fitting them to measurements changes predictions without code changes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..hardware import HardwareProfile
+from .model import ChoiceModel, Constraint, Phase, Term
+
+
+@dataclass(frozen=True)
+class RowwisePhase:
+    name: str
+    dram_bytes_per_row: float       # bytes every row must move through DRAM
+    vector_elems_per_row: float     # fp32 element operations per row (all passes)
+    chunked_passes: int             # sweeps over a row done chunk by chunk (loop setup per chunk)
+    resident_bytes_per_row: float   # bytes per row that must stay cached between passes
+    l1_bytes_per_col: float         # L1 bytes per column of a chunk (all streams + weight)
+    l2_bytes_per_tile: float        # bytes re-read from L2 once per tile (e.g. a weight vector)
+    fixed_resident_bytes: float = 0.0  # bytes resident in L2 regardless of tile (weight, dw partial)
+
+
+def tile_rows_candidates(rows: int) -> list[int]:
+    cands = [v for v in (1, 2, 4, 8, 16, 32, 64) if v <= max(rows, 1)]
+    return cands or [1]
+
+
+def col_chunk_candidates(cols: int, simd_elems: int) -> list[int]:
+    """Multiples of the SIMD width (fp32 lanes), doubling, up to the first that covers the row."""
+    out, c = [], simd_elems
+    while True:
+        out.append(c)
+        if c >= cols or len(out) >= 12:
+            return out
+        c *= 2
+
+
+def thread_candidates(cores: int) -> list[int]:
+    return list(range(1, max(cores, 1) + 1))
+
+
+def rowwise_model(rows: int, cols: int, phases: list[RowwisePhase], hw: HardwareProfile) -> ChoiceModel:
+    cm = hw.costmodel
+    clock = hw.clock_ghz * 1e9
+    simd_elems = max(hw.simd_bytes // 4, 1)
+    domains = {
+        "tile_rows": tile_rows_candidates(rows),
+        "col_chunk": col_chunk_candidates(cols, simd_elems),
+        "threads": thread_candidates(hw.cores),
+    }
+    frac = cm.get("cache_fraction", 0.5)
+    l1 = hw.memory["L1"].capacity * frac
+    l2 = hw.memory["L2"].capacity * frac
+    l2_bw = hw.memory["L2"].bandwidth_gbps * 1e9
+
+    def busiest_rows(tr: int, th: int) -> int:
+        tiles = math.ceil(rows / tr)
+        return min(rows, math.ceil(tiles / th) * tr)
+
+    def busiest_tiles(tr: int, th: int) -> int:
+        return math.ceil(math.ceil(rows / tr) / th)
+
+    constraints: list[Constraint] = []
+    resident = max(p.resident_bytes_per_row for p in phases)
+    fixed = max(p.fixed_resident_bytes for p in phases)
+    constraints.append(Constraint(
+        "L2 capacity", Term.of(("tile_rows",), domains, lambda tr: tr * resident + fixed), l2,
+        f"tile_rows x {resident:,.0f} B + {fixed:,.0f} B"))
+    per_col = max(p.l1_bytes_per_col for p in phases)
+    constraints.append(Constraint(
+        "L1 capacity", Term.of(("col_chunk",), domains, lambda cc: cc * per_col), l1,
+        f"col_chunk x {per_col:,.0f} B"))
+
+    model_phases = []
+    for p in phases:
+        dram = Term.of(("tile_rows", "threads"), domains,
+                       lambda tr, th, p=p: busiest_rows(tr, th) * p.dram_bytes_per_row
+                       / (hw.stream_bandwidth(th) / th))
+        vector = Term.of(("tile_rows", "threads", "col_chunk"), domains,
+                         lambda tr, th, cc, p=p: busiest_rows(tr, th) * (
+                             p.vector_elems_per_row * cm["vector_cycles_per_elem"]
+                             + p.chunked_passes * math.ceil(cols / cc) * cm["chunk_overhead_cycles"]) / clock)
+        l2_pipe = Term.of(("tile_rows", "threads"), domains,
+                          lambda tr, th, p=p: busiest_tiles(tr, th) * p.l2_bytes_per_tile / l2_bw)
+        overhead = Term.of(("tile_rows", "threads"), domains,
+                           lambda tr, th: (hw.call_overhead_us + (hw.fork_overhead_us if th > 1 else 0.0)) * 1e-6
+                           + busiest_tiles(tr, th) * cm["tile_overhead_ns"] * 1e-9)
+        model_phases.append(Phase(p.name, {"DRAM": [dram], "vector": [vector], "L2": [l2_pipe]}, [overhead]))
+    return ChoiceModel(domains, constraints, model_phases)

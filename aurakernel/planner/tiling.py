@@ -1,0 +1,118 @@
+"""Tiling: choose tile extents, buffer/chunk sizes and the core split of one fused kernel.
+
+The OpSpec describes its tiling problem as a ChoiceModel (planner/model.py): candidate values per
+knob, capacity constraints per memory level summed over every buffer the kernel holds at once,
+and per-phase pipe times from the cost model. This module solves it, checks the answer, and names
+the binding constraint: the capacity whose removal would make the kernel faster, or otherwise the
+pipe (memory, vector, ...) that bounds the time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+
+from ..errors import PlanInfeasible, UserError
+from .model import ChoiceModel, solve
+
+TilingProblem = ChoiceModel
+
+# a relaxed constraint counts as binding only if it would save more than this share of the time
+BINDING_GAIN = 0.005
+
+
+@dataclass
+class Plan:
+    """The solver's answer for (op, variant, shape, dtype, target)."""
+
+    op: str
+    variant: str
+    shape: tuple[int, ...]
+    dtype: str
+    target: str
+    knobs: dict[str, int]
+    predicted_us: float
+    pipes_us: dict[str, dict[str, float]]     # phase -> pipe -> microseconds
+    binding_constraint: str
+    solver: str
+    solve_s: float
+    status: str
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["shape"] = list(self.shape)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Plan:
+        d = dict(d)
+        d["shape"] = tuple(d["shape"])
+        d["knobs"] = {k: int(v) for k, v in d["knobs"].items()}
+        return cls(**d)
+
+    @property
+    def key(self) -> str:
+        blob = json.dumps([self.op, self.variant, self.shape, self.dtype, self.target, self.knobs], sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _check_each_constraint(model: ChoiceModel) -> None:
+    """A constraint no candidate can meet makes the model infeasible on its own: say which."""
+    for c in model.constraints:
+        least = c.usage.minimum()
+        if least > c.limit:
+            raise PlanInfeasible(c.name, f"{c.formula} needs at least {least:,.0f} B, "
+                                         f"the limit is {c.limit:,.0f} B")
+
+
+def _culprit(model: ChoiceModel, solver: str, time_limit_s: float) -> str:
+    for c in model.constraints:
+        if solve(model, solver, time_limit_s, drop=c.name).choice is not None:
+            return c.name
+    return "the constraints together"
+
+
+def _binding(model: ChoiceModel, choice: dict[str, int], objective: float,
+             solver: str, time_limit_s: float) -> str:
+    best_gain, best = 0.0, None
+    for c in model.constraints:
+        relaxed = solve(model, solver, time_limit_s, drop=c.name)
+        if relaxed.objective is not None:
+            gain = (objective - relaxed.objective) / objective
+            if gain > max(best_gain, BINDING_GAIN):
+                best_gain, best = gain, c
+    if best is not None:
+        used = best.usage.value(choice)
+        return f"{best.name} ({best.formula} = {used:,.0f} of {best.limit:,.0f} B)"
+    # no capacity holds it back: the slowest pipe of the costliest phase bounds the time
+    _, detail = model.evaluate(choice)
+    phase, pipes = max(detail.items(), key=lambda kv: max(kv[1].values()))
+    pipe = max((k for k in pipes if k != "overhead"), key=lambda k: pipes[k])
+    if pipes["overhead"] > pipes[pipe]:
+        return f"call overhead ({phase})"
+    return f"{pipe} ({phase})"
+
+
+def solve_tiling(model: ChoiceModel, *, op: str, variant: str, shape: tuple[int, ...], dtype: str,
+                 target: str, solver: str = "highs", time_limit_s: float = 10.0) -> Plan:
+    if any(not vals for vals in model.domains.values()):
+        empty = [k for k, vals in model.domains.items() if not vals]
+        raise UserError(f"no candidate values for knob(s) {', '.join(empty)} at shape {shape}")
+    _check_each_constraint(model)
+    sol = solve(model, solver, time_limit_s)
+    if sol.choice is None:
+        if sol.status == "timeout":
+            raise PlanInfeasible("time limit", f"{solver} found no plan within {time_limit_s:g} s")
+        culprit = _culprit(model, solver, time_limit_s)
+        raise PlanInfeasible(culprit, "no combination of knob values satisfies it together with the others")
+    assert model.feasible(sol.choice), "solver returned an assignment that violates a capacity"
+    objective, detail = model.evaluate(sol.choice)
+    binding = _binding(model, sol.choice, objective, solver, time_limit_s)
+    return Plan(
+        op=op, variant=variant, shape=tuple(shape), dtype=dtype, target=target,
+        knobs=dict(sorted(sol.choice.items())), predicted_us=objective * 1e6,
+        pipes_us={ph: {p: v * 1e6 for p, v in pipes.items()} for ph, pipes in detail.items()},
+        binding_constraint=binding, solver=solver, solve_s=sol.solve_s, status=sol.status,
+    )

@@ -1,0 +1,257 @@
+"""Profile training steps and attribute their time to op groups AuraKernel can fuse.
+
+torch.profiler records every op. Module hooks open a range `ak.group.<name>` around each module
+the groups are defined by (innermost wins), so a forward op belongs to the group of its innermost
+range. Backward ops are linked to their forward op by the autograd sequence number, so the
+backward of a group is charged to the same group. Matmuls form their own bucket (they are not the
+fusion target). Python time inside a module (the range's self time) is charged to its group: it is
+part of what eager execution costs and a fused kernel removes.
+
+Estimated saving per group = its measured time minus what a fused kernel would take: the
+planner's predicted time where the group has an OpSpec, else a roofline bound (the bytes the
+module reads and writes, forward and twice for backward, at streaming bandwidth).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile, record_function
+from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
+
+from .dtypes import DType
+from .hardware import HardwareProfile
+
+GROUP_OF_MODULE: list[tuple[type, str]] = [
+    (v4.DeepseekV4RMSNorm, "rms_norm"),
+    (v4.DeepseekV4UnweightedRMSNorm, "rms_norm"),
+    (v4.DeepseekV4HyperConnection, "mhc_pre"),
+    (v4.DeepseekV4HyperHead, "mhc_head"),
+    (v4.DeepseekV4TopKRouter, "router"),
+    (v4.DeepseekV4HashRouter, "router"),
+    (v4.DeepseekV4Experts, "moe_experts"),
+    (v4.DeepseekV4MLP, "shared_expert"),
+    (v4.DeepseekV4HCACompressor, "compressor"),
+    (v4.DeepseekV4CSACompressor, "compressor"),
+    (v4.DeepseekV4Indexer, "indexer"),
+    (v4.DeepseekV4Attention, "attention"),
+    (v4.DeepseekV4DecoderLayer, "mhc_post"),   # what a layer runs outside its children: the stream mixing
+    (nn.Embedding, "embedding"),
+]
+MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm", "aten::matmul",
+              "aten::linear", "aten::_grouped_mm"}
+PREFIX = "ak.group."
+
+
+@dataclass
+class GroupStat:
+    name: str
+    kind: str                 # fusable | matmul | other
+    time_us: float            # per step
+    share: float
+    calls: float              # module calls per step
+    saving_us: float | None
+    saving_basis: str         # planned | roofline | -
+    tunable: bool             # an OpSpec exists for it
+    shapes: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class ProfileReport:
+    steps: int
+    step_us: float
+    groups: list[GroupStat]
+
+    def to_dict(self) -> dict:
+        return {"steps": self.steps, "step_us": self.step_us, "groups": [asdict(g) for g in self.groups]}
+
+    def save_json(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.write_text(json.dumps(self.to_dict(), indent=2))
+        return path
+
+    def save_chart(self, path: str | Path) -> Path:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        groups = [g for g in self.groups if g.time_us > 0][:16][::-1]
+        fig, ax = plt.subplots(figsize=(8, 0.4 * len(groups) + 1.5))
+        y = range(len(groups))
+        ax.barh(y, [g.time_us / 1e3 for g in groups], color="#9bb7d4", label="measured")
+        ax.barh(y, [(g.saving_us or 0) / 1e3 for g in groups], color="#d9534f", height=0.4, label="est. saving")
+        ax.set_yticks(list(y), [f"{g.name} ({g.kind})" for g in groups])
+        ax.set_xlabel("ms per training step")
+        ax.set_title("Training step time by op group")
+        ax.legend(loc="lower right")
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return Path(path)
+
+
+def _group_of(module: nn.Module) -> str | None:
+    for cls, name in GROUP_OF_MODULE:
+        if isinstance(module, cls):
+            return name
+    return None
+
+
+class _Hooks:
+    """Opens a profiler range per grouped module call and records shapes and bytes."""
+
+    def __init__(self, model: nn.Module):
+        self.handles = []
+        self.calls: dict[str, int] = defaultdict(int)
+        self.bytes: dict[str, int] = defaultdict(int)
+        self.norm_shapes: dict[tuple, int] = defaultdict(int)   # (variant, rows, cols, dtype) -> calls
+        self.stack = []
+        for name, module in model.named_modules():
+            group = "cross_entropy" if name == "lm_head" else _group_of(module)
+            if group is None:
+                continue
+            self.handles.append(module.register_forward_pre_hook(self._pre(group)))
+            self.handles.append(module.register_forward_hook(self._post(group)))
+
+    def _pre(self, group):
+        def hook(module, args):
+            self.stack.append(torch.ops.profiler._record_function_enter_new(PREFIX + group, None))
+            self.calls[group] += 1
+            if group == "rms_norm" and args and isinstance(args[0], torch.Tensor):
+                x = args[0]
+                variant = "weighted" if isinstance(module, v4.DeepseekV4RMSNorm) else "unweighted"
+                self.norm_shapes[(variant, x.numel() // x.shape[-1], x.shape[-1], str(x.dtype))] += 1
+        return hook
+
+    def _post(self, group):
+        def hook(module, args, output):
+            torch.ops.profiler._record_function_exit._RecordFunction(self.stack.pop())
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            outs = output if isinstance(output, tuple | list) else [output]
+            tensors += [o for o in outs if isinstance(o, torch.Tensor)]
+            self.bytes[group] += sum(t.numel() * t.element_size() for t in tensors)
+        return hook
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+FUSABLE = {"rms_norm", "mhc_pre", "mhc_post", "mhc_head", "router", "moe_experts", "shared_expert", "compressor",
+           "indexer", "attention", "cross_entropy", "adamw", "embedding"}
+
+
+def _attribute(events) -> tuple[dict[str, float], float]:
+    """Self time (us) per group over all events, and the total."""
+    seq_group: dict[int, str] = {}
+    group_of_event: dict[int, str | None] = {}
+
+    def enclosing(evt):
+        node = evt
+        while node is not None:
+            key = id(node)
+            if key in group_of_event:
+                return group_of_event[key]
+            if node.name.startswith(PREFIX):
+                return node.name[len(PREFIX):]
+            if node.name.startswith("autograd::engine::evaluate_function"):
+                return seq_group.get(node.sequence_nr)
+            node = node.cpu_parent
+        return None
+
+    ordered = sorted(events, key=lambda e: e.time_range.start)
+    for evt in ordered:  # forward events come first: learn sequence number -> group
+        if not evt.name.startswith("autograd::engine") and evt.sequence_nr >= 0:
+            g = enclosing(evt)
+            if g is not None:
+                seq_group.setdefault(evt.sequence_nr, g)
+    times: dict[str, float] = defaultdict(float)
+    total = 0.0
+    for evt in ordered:
+        self_us = evt.self_cpu_time_total
+        total += self_us
+        if evt.name in MATMUL_OPS:
+            times["matmul"] += self_us
+            continue
+        g = enclosing(evt)
+        group_of_event[id(evt)] = g
+        times[g or "other"] += self_us
+    return times, total
+
+
+def profile_training(cfg, steps: int = 3, warmup: int = 1, hw: HardwareProfile | None = None,
+                     kernels=None) -> ProfileReport:
+    """Profile `steps` training steps of the config's model (after `warmup` unprofiled ones)."""
+    from trainer.data import TokenBatches
+    from trainer.model import build_model
+    from trainer.train import make_run, train_step
+
+    from .hardware import load_profile
+
+    hw = hw or load_profile(cfg.hardware.target)
+    model = build_model(cfg.model, cfg.train.seed)
+    if kernels is not None:
+        from .swap import apply
+        apply(model, kernels)
+    run = make_run("profile", model, cfg)
+    batches = TokenBatches(cfg.data.source, cfg.data.path, cfg.data.seq_len, cfg.data.batch_size,
+                           model.config.vocab_size, cfg.train.seed)
+    for _ in range(warmup):
+        train_step(run, next(batches), cfg)
+    hooks = _Hooks(model)
+    try:
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=False) as prof:
+            for _ in range(steps):
+                with record_function("ak.step"):
+                    train_step(run, next(batches), cfg)
+    finally:
+        hooks.remove()
+    times, total = _attribute(prof.events())
+    return _report(times, total, steps, hooks, hw)
+
+
+def _planned_us(variant: str, rows: int, cols: int, dtype: str, hw: HardwareProfile) -> float | None:
+    from .ops import get_op
+    from .ops.base import Problem
+    from .planner import solve_tiling
+    from .errors import UserError
+
+    spec = get_op("rms_norm")
+    problem = Problem("rms_norm", variant, (rows, cols), DType.from_torch(getattr(torch, dtype.split(".")[-1])))
+    try:
+        plan = solve_tiling(spec.tiling_problem(problem, hw), op="rms_norm", variant=variant, shape=problem.shape,
+                            dtype=problem.dtype.value, target=hw.name)
+    except UserError:
+        return None
+    return plan.predicted_us
+
+
+def _report(times: dict[str, float], total: float, steps: int, hooks: _Hooks, hw: HardwareProfile) -> ProfileReport:
+    from .ops import OPS
+
+    bw = hw.stream_bandwidth(hw.cores)
+    groups = []
+    for name, t in times.items():
+        per_step = t / steps
+        kind = "matmul" if name == "matmul" else ("fusable" if name in FUSABLE else "other")
+        saving, basis, shapes = None, "-", []
+        if name == "rms_norm":
+            planned = 0.0
+            for (variant, rows, cols, dtype), n in sorted(hooks.norm_shapes.items()):
+                shapes.append({"variant": variant, "rows": rows, "cols": cols, "dtype": dtype.split(".")[-1],
+                               "calls": n / steps})
+                p = _planned_us(variant, rows, cols, dtype, hw)
+                planned += (p if p is not None else 0.0) * n / steps
+            saving, basis = max(0.0, per_step - planned), "planned"
+        elif kind == "fusable" and name in hooks.bytes:
+            bound_us = 3 * hooks.bytes[name] / steps / bw * 1e6
+            saving, basis = max(0.0, per_step - bound_us), "roofline"
+        groups.append(GroupStat(name, kind, per_step, t / total if total else 0.0, hooks.calls.get(name, 0) / steps,
+                                saving, basis, name in OPS, shapes))
+    groups.sort(key=lambda g: (g.saving_us is None, -(g.saving_us or 0), -g.time_us))
+    return ProfileReport(steps, total / steps, groups)

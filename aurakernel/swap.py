@@ -1,0 +1,136 @@
+"""Swap tuned kernels into a DeepseekV4ForCausalLM, the way Liger-Kernel patches models.
+
+Every kernel of the plan is rebuilt from its knobs; it is used only if the rebuilt source has the
+hash it was verified with and it passes a quick re-verification here. Each module the plan covers
+then dispatches per call on (compile-time extents, dtype): a verified kernel when one matches,
+the reference otherwise. The report says what was swapped, and what stayed on the reference and why.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+    DeepseekV4RMSNorm,
+    DeepseekV4UnweightedRMSNorm,
+)
+
+from .build import build_kernel
+from .dtypes import DType
+from .errors import BuildError
+from .hardware import load_profile
+from .ops import get_op
+from .ops.base import Problem
+from .planfile import KernelPlan, PlanEntry
+from .verify import verify
+
+
+@dataclass
+class Site:
+    """A module the operator library can replace: its op, variant and compile-time extents."""
+
+    name: str
+    module: torch.nn.Module
+    op: str
+    variant: str
+    kernel_key: tuple[int, ...] | None   # None: known only per call
+
+
+@dataclass
+class ApplyReport:
+    swapped: list[dict] = field(default_factory=list)     # {"module", "op", "variant", "kernel_key", "dtypes"}
+    reference: list[dict] = field(default_factory=list)   # {"module", "op", "reason"}
+    rejected: list[dict] = field(default_factory=list)    # plan entries not used: {"op", ..., "reason"}
+
+    def to_dict(self) -> dict:
+        return {"swapped": self.swapped, "reference": self.reference, "rejected": self.rejected}
+
+    def summary(self) -> str:
+        return (f"{len(self.swapped)} modules swapped, {len(self.reference)} on the reference, "
+                f"{len(self.rejected)} plan entries rejected")
+
+
+def deepseek_v4_sites(model: torch.nn.Module) -> list[Site]:
+    """Every module of a DeepSeek-V4 model the operator library covers."""
+    cfg = model.config
+    sites = []
+    for name, module in model.named_modules():
+        if isinstance(module, DeepseekV4RMSNorm):
+            sites.append(Site(name, module, "rms_norm", "weighted", (module.weight.shape[0],)))
+        elif isinstance(module, DeepseekV4UnweightedRMSNorm):
+            if name.endswith("input_norm"):    # mHC: the flattened streams, hc_mult x hidden
+                key = (cfg.hc_mult * cfg.hidden_size,)
+            elif name.endswith("q_b_norm"):    # per-head query norm
+                key = (cfg.head_dim,)
+            else:
+                key = None
+            sites.append(Site(name, module, "rms_norm", "unweighted", key))
+    return sites
+
+
+def _admit(entry: PlanEntry, simd_elems: int) -> tuple[str | None, str | None]:
+    """Rebuild and re-verify one plan entry; (source hash, None) or (None, reason)."""
+    try:
+        spec = get_op(entry.op)
+        dtype = DType.parse(entry.dtype, spec.dtypes)
+        rows = int(entry.shape.split("x")[0])
+        problem = Problem(entry.op, entry.variant, (rows, *entry.kernel_key), dtype)
+        kernel = build_kernel(spec, problem, entry.knobs)
+    except BuildError as exc:
+        return None, f"build failed: {str(exc).splitlines()[0]}"
+    except Exception as exc:  # noqa: BLE001 - any unusable entry is rejected with its reason
+        return None, f"unusable entry: {exc}"
+    if kernel.source_hash != entry.source_hash:
+        return None, (f"source hash {kernel.source_hash} differs from the verified {entry.source_hash} "
+                      f"(templates changed since tuning): re-run autotune")
+    # quick re-verification on this machine, on the tail shapes only (cheap)
+    cases = [(p, build_kernel(spec, p, entry.knobs)) for p in spec.verification_problems(problem, entry.knobs, simd_elems)[1:]]
+    result = verify(spec, cases, seeds=(7,))
+    if not result.passed:
+        return None, f"re-verification failed: {result.summary}"
+    return kernel.source_hash, None
+
+
+def apply(model: torch.nn.Module, plan: KernelPlan | str | Path, target: str = "host") -> ApplyReport:
+    if not isinstance(plan, KernelPlan):
+        plan = KernelPlan.load(plan)
+    report = ApplyReport()
+    hw = load_profile(target)
+    simd_elems = max(hw.simd_bytes // 4, 1)
+
+    # (op, variant, kernel_key) -> {torch dtype: source hash}
+    table: dict[tuple, dict[torch.dtype, str]] = defaultdict(dict)
+    for entry in plan.kernels:
+        source_hash, reason = _admit(entry, simd_elems)
+        if reason is not None:
+            report.rejected.append({"op": entry.op, "variant": entry.variant, "kernel_key": entry.kernel_key,
+                                    "dtype": entry.dtype, "reason": reason})
+            continue
+        table[(entry.op, entry.variant, tuple(entry.kernel_key))][DType.parse(entry.dtype).torch] = source_hash
+
+    for site in deepseek_v4_sites(model):
+        keyed = {k[2]: v for k, v in table.items() if k[0] == site.op and k[1] == site.variant}
+        if site.kernel_key is not None and site.kernel_key not in keyed:
+            have = sorted(keyed) or "none"
+            report.reference.append({"module": site.name, "op": site.op,
+                                     "reason": f"no verified {site.op}[{site.variant}] kernel for extents "
+                                               f"{list(site.kernel_key)} in the plan (plan has {have})"})
+            continue
+        if not keyed:
+            report.reference.append({"module": site.name, "op": site.op,
+                                     "reason": f"the plan has no verified {site.op}[{site.variant}] kernel"})
+            continue
+
+        def lookup(key, dtype, keyed=keyed):
+            return keyed.get(tuple(key), {}).get(dtype)
+
+        get_op(site.op).patch(site.module, lookup)
+        dtypes = sorted({str(d).removeprefix("torch.") for k, v in keyed.items()
+                         if site.kernel_key in (None, k) for d in v})
+        report.swapped.append({"module": site.name, "op": site.op, "variant": site.variant,
+                               "kernel_key": list(site.kernel_key) if site.kernel_key else "per call",
+                               "dtypes": dtypes})
+    return report

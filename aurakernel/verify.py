@@ -1,0 +1,108 @@
+"""Prove a kernel equal to its reference, forward and backward.
+
+Rules (from KernelBench-style evaluators that were gamed): fresh random inputs for every seed;
+output and gradient buffers poisoned with NaN before the kernel runs, so an output it forgets to
+write fails; shapes that exercise tails (rows not divisible by tile x threads, widths that are not a
+multiple of the SIMD width); inputs checked unchanged afterwards; the reference computed
+independently with autograd. An element passes when |kernel - ref| <= atol * s + rtol * |ref|,
+s = max(1, rms(ref)): the atol follows the tensor's scale, since gradients of a norm grow with rstd.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .backends.base import Kernel
+from .ops.base import OpSpec, Problem, Tensors
+
+SEEDS = (0, 1, 2)
+
+
+@dataclass
+class Check:
+    shape: tuple[int, ...]
+    seed: int
+    tensor: str          # "y" (forward output) or "grad_<input>"
+    max_abs_err: float
+    max_rel_err: float
+    passed: bool
+    reason: str = ""
+
+
+@dataclass
+class Verification:
+    passed: bool
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def summary(self) -> str:
+        failed = [c for c in self.checks if not c.passed]
+        if not failed:
+            shapes = sorted({c.shape for c in self.checks})
+            return f"passed {len(self.checks)} checks over shapes {shapes} and seeds {sorted({c.seed for c in self.checks})}"
+        c = failed[0]
+        return (f"FAILED {len(failed)}/{len(self.checks)} checks; first: {c.tensor} at shape {c.shape} seed {c.seed}: "
+                f"{c.reason or f'max abs err {c.max_abs_err:.3g}'}")
+
+    def to_dict(self) -> dict:
+        return {"passed": self.passed, "summary": self.summary, "checks": [asdict(c) for c in self.checks]}
+
+
+def compare(out: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float) -> tuple[float, float, bool, str]:
+    if out.shape != ref.shape:
+        return float("inf"), float("inf"), False, f"shape {tuple(out.shape)} != reference {tuple(ref.shape)}"
+    o, r = out.detach().double(), ref.detach().double()
+    if torch.isnan(o).any() and not torch.isnan(r).any():
+        n = int(torch.isnan(o).sum())
+        return float("nan"), float("nan"), False, f"{n} elements left unwritten or NaN (poisoned buffer)"
+    err = (o - r).abs()
+    scale = max(1.0, float(r.pow(2).mean().sqrt())) if r.numel() else 1.0
+    ok = bool((err <= atol * scale + rtol * r.abs()).all())
+    rel = float((err / r.abs().clamp_min(1e-12)).max()) if r.numel() else 0.0
+    return float(err.max()) if err.numel() else 0.0, rel, ok, "" if ok else "outside tolerance"
+
+
+def _check_one(spec: OpSpec, problem: Problem, kernel: Kernel, seed: int) -> list[Check]:
+    inputs = spec.make_inputs(problem, seed)
+    pristine = {k: v.clone() for k, v in inputs.items()}
+    diff = spec.differentiable(problem)
+
+    ref_inputs = {k: (v.clone().requires_grad_(True) if k in diff else v.clone()) for k, v in inputs.items()}
+    ref_out = spec.reference(problem, ref_inputs)
+    g = torch.Generator().manual_seed(10_000 + seed)
+    visible = spec.visible_outputs()
+    grad_out = {k: torch.randn(ref_out[k].shape, generator=g).to(ref_out[k].dtype) for k in visible}
+    ref_grads = torch.autograd.grad([ref_out[k] for k in visible], [ref_inputs[k] for k in diff],
+                                    [grad_out[k] for k in visible], allow_unused=True)
+
+    outputs = spec.empty_outputs(problem, inputs)
+    for t in outputs.values():
+        t.fill_(float("nan"))
+    spec.run_forward(kernel, inputs, outputs)
+    grads = {k: torch.full(inputs[k].shape, float("nan"), dtype=inputs[k].dtype) for k in diff}
+    spec.run_backward(kernel, inputs, outputs, grad_out, grads)
+
+    checks = []
+    for k in visible:
+        tol = spec.tolerance(problem.dtype, k)
+        checks.append(Check(problem.shape, seed, k, *compare(outputs[k], ref_out[k].detach(), tol.atol, tol.rtol)))
+    for k, rg in zip(diff, ref_grads):
+        tol = spec.tolerance(problem.dtype, k)
+        ref = rg if rg is not None else torch.zeros_like(inputs[k])
+        checks.append(Check(problem.shape, seed, f"grad_{k}", *compare(grads[k], ref, tol.atol, tol.rtol)))
+    for k, before in pristine.items():
+        if not torch.equal(inputs[k], before):
+            checks.append(Check(problem.shape, seed, k, float("nan"), float("nan"), False, "kernel wrote to an input"))
+    return checks
+
+
+def verify(spec: OpSpec, cases: list[tuple[Problem, Kernel]], seeds=SEEDS) -> Verification:
+    """Check each (problem, kernel) case on every seed; all must pass."""
+    result = Verification(passed=True)
+    for problem, kernel in cases:
+        for seed in seeds:
+            result.checks.extend(_check_one(spec, problem, kernel, seed))
+    result.passed = all(c.passed for c in result.checks)
+    return result
