@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
@@ -23,10 +23,10 @@ from .paths import TEMPLATES_DIR
 class Source:
     template: str
     text: str
+    hash: str = field(init=False)  # content hash: names the kernel in caches, the DB and plans
 
-    @property
-    def hash(self) -> str:
-        return hashlib.sha256(self.text.encode()).hexdigest()[:20]
+    def __post_init__(self):
+        object.__setattr__(self, "hash", hashlib.sha256(self.text.encode()).hexdigest()[:20])
 
 
 @lru_cache(maxsize=1)

@@ -11,7 +11,7 @@ from aurakernel.errors import UserError
 def model_config(model_section: dict) -> DeepseekV4Config:
     try:
         return DeepseekV4Config(**model_section)
-    except (TypeError, ValueError) as exc:
+    except Exception as exc:  # noqa: BLE001 - transformers' validators raise several types
         raise UserError(f"model config rejected by transformers: {str(exc).splitlines()[0]}") from None
 
 

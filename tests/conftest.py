@@ -1,0 +1,41 @@
+"""Shared fixtures: every test runs against a private cache dir (builds, calibration, DB) with a
+fixed calibration, so plans are deterministic and nothing touches the user's cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+_CACHE = tempfile.mkdtemp(prefix="aurakernel-tests-")
+os.environ["AURAKERNEL_CACHE_DIR"] = _CACHE
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+from aurakernel.hardware import calibration_path  # noqa: E402
+
+FIXED_CALIBRATION = {
+    "stream_gbps": {"1": 10.0, "2": 18.0},
+    "call_overhead_us": 1.0,
+    "fork_overhead_us": 2.0,
+    "peak_tflops": {"fp32": 0.2, "bf16": 0.5, "fp16": 0.5},
+}
+calibration_path().write_text(json.dumps(FIXED_CALIBRATION))
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = str(REPO / "trainer" / "configs" / "tiny.yaml")
+AURAKERNEL = [sys.executable, "-m", "aurakernel.cli"]
+
+
+@pytest.fixture
+def db_path(tmp_path):
+    return str(tmp_path / "tuning.sqlite")
+
+
+@pytest.fixture(scope="session")
+def host():
+    from aurakernel.hardware import host_profile
+    return host_profile()

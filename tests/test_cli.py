@@ -1,0 +1,115 @@
+"""The command line: bad input is one line on stderr with exit code 2; tune --json has its keys."""
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from aurakernel.cli import main
+from conftest import AURAKERNEL, TINY
+
+
+def run(*args, timeout=600):
+    env = {**os.environ, "COLUMNS": "200"}
+    return subprocess.run([*AURAKERNEL, *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["tune", "layer_norm"], "unknown operator 'layer_norm'"),
+    (["tune", "rms_norm", "--shape", "4096x"], "malformed shape"),
+    (["tune", "rms_norm", "--shape", "4096x-1"], "malformed shape"),
+    (["tune", "rms_norm", "--shape", "0x4096"], "non-positive"),
+    (["tune", "rms_norm", "--shape", "4096x4096;ls"], "malformed shape"),
+    (["tune", "rms_norm", "--shape", "4096"], "takes 2"),
+    (["tune", "rms_norm", "--dtype", "int8"], "unknown dtype 'int8'"),
+    (["tune", "rms_norm", "--solver", "gurobi"], "unknown solver"),
+    (["tune", "rms_norm", "--variant", "layer"], "unknown variant"),
+    (["tune", "rms_norm", "--target", "tpu"], "unknown target"),
+    (["tune", "rms_norm", "--frobnicate"], "No such option"),
+    (["tune"], "Missing argument"),
+    (["train", "--config", "nope.yaml"], "no such file"),
+    (["train", "--kernels", "missing.json", "--steps", "1"], "no such file"),
+    (["train", "--compare"], "--compare needs --kernels"),
+])
+def test_bad_input_is_one_line_exit_2(args, fragment, capsys):
+    code = main(args)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert fragment in lines[0]
+    assert "Traceback" not in err
+
+
+def test_console_script_exit_code():
+    proc = run("tune", "rms_norm", "--shape", "12x")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("aurakernel: error: malformed shape '12x': use positive integers joined by 'x', "
+                                   "e.g. 4096x4096 (expected ROWSxCOLS: rows (tokens, or tokens x heads) x "
+                                   "normalised width)")
+
+
+def test_infeasible_shape_is_one_line(db_path):
+    proc = run("tune", "rms_norm", "--shape", "8x2000000", "--dtype", "fp32", "--db", db_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0
+    assert "no feasible plan: L2 capacity" in proc.stderr
+
+
+def test_tune_json_then_show(db_path):
+    proc = run("tune", "rms_norm", "--shape", "512x1024", "--dtype", "bfloat16", "--db", db_path, "--json")
+    assert proc.returncode == 0, proc.stderr
+    d = json.loads(proc.stdout)
+    for key in ("op", "shape", "dtype", "target", "plan", "binding_constraint", "predicted_us", "measured_us",
+                "eager_us", "compiled_us", "speedup_vs_eager", "speedup_vs_compiled", "verified"):
+        assert key in d, key
+    assert d["op"] == "rms_norm" and d["shape"] == "512x1024" and d["dtype"] == "bf16" and d["target"] == "host"
+    assert d["verified"] is True
+    assert set(d["plan"]) == {"tile_rows", "col_chunk", "threads"}
+    assert d["measured_us"] > 0 and d["eager_us"] > 0 and d["compiled_us"] > 0
+    assert d["speedup_vs_eager"] == pytest.approx(d["eager_us"] / d["measured_us"])
+    assert d["speedup_vs_compiled"] == pytest.approx(d["compiled_us"] / d["measured_us"])
+
+    shown = run("show", "--db", db_path, "--json")
+    rows = json.loads(shown.stdout)
+    assert len(rows) == 1 and rows[0]["source_hash"] == d["source_hash"] and rows[0]["verified"] == 1
+    table = run("show", "--db", db_path)
+    assert "rms_norm" in table.stdout and "512x1024" in table.stdout
+
+
+def test_tune_table_with_cpsat(db_path):
+    proc = run("tune", "rms_norm", "--shape", "256x4096", "--dtype", "fp32", "--variant", "unweighted",
+               "--solver", "cpsat", "--no-compiled", "--db", db_path)
+    assert proc.returncode == 0, proc.stderr
+    for text in ("binding constraint", "tile_rows=", "speedup vs eager", "verified", "cpsat"):
+        assert text in proc.stdout
+
+
+def test_ops_lists_rms_norm():
+    proc = run("ops", "--json")
+    ops = {o["op"]: o for o in json.loads(proc.stdout)}
+    assert ops["rms_norm"]["default_shape"] == "4096x4096"
+    assert {"fp32", "bf16"} <= set(ops["rms_norm"]["dtypes"])
+
+
+def test_autotune_then_train_with_the_plan(tmp_path, db_path):
+    plan = tmp_path / "plan.json"
+    proc = run("autotune", "--config", TINY, "--out", str(plan), "--db", db_path, "--json")
+    assert proc.returncode == 0, proc.stderr
+    d = json.loads(plan.read_text())
+    assert d["kernels"], d["skipped"]
+    assert all(k["op"] == "rms_norm" for k in d["kernels"])
+    assert any(g["name"] == "rms_norm" for g in d["profile"])
+    log = tmp_path / "train.jsonl"
+    proc = run("train", "--config", TINY, "--kernels", str(plan), "--steps", "3", "--compare",
+               "--log", str(log), "--json")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert set(result["runs"]) == {"reference", "aurakernel"}
+    assert result["apply"]["swapped"]
+    ref, tuned = result["runs"]["reference"]["losses"], result["runs"]["aurakernel"]["losses"]
+    assert ref == pytest.approx(tuned, rel=1e-3)
+    assert result["runs"]["aurakernel"]["mfu"] > 0
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(records) == 6 and {"loss", "step_s", "tokens_per_s", "mfu"} <= set(records[0])

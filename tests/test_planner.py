@@ -1,0 +1,122 @@
+"""The tiling MILP: optimal against exhaustive enumeration, capacities respected, the same answer
+from HiGHS and CP-SAT, binding and infeasible constraints named."""
+
+import dataclasses
+import itertools
+
+import pytest
+
+from aurakernel.errors import PlanInfeasible
+from aurakernel.ops import get_op
+from aurakernel.planner import solve_tiling
+from aurakernel.planner.model import solve
+
+SPEC = get_op("rms_norm")
+
+
+def exhaustive(model):
+    best = None
+    keys = list(model.domains)
+    for values in itertools.product(*(model.domains[k] for k in keys)):
+        choice = dict(zip(keys, values))
+        if model.feasible(choice):
+            obj = model.evaluate(choice)[0]
+            if best is None or obj < best[0]:
+                best = (obj, choice)
+    return best
+
+
+def shrink(hw, level, capacity):
+    memory = dict(hw.memory)
+    memory[level] = dataclasses.replace(memory[level], capacity=capacity)
+    return dataclasses.replace(hw, memory=memory)
+
+
+@pytest.mark.parametrize("shape,dtype,variant", [("4096x4096", "bf16", "weighted"), ("1024x16384", "fp32", "unweighted"),
+                                                 ("7x7168", "bf16", "weighted"), ("4096x64", "fp32", "unweighted")])
+@pytest.mark.parametrize("solver", ["highs", "cpsat"])
+def test_milp_finds_the_exhaustive_optimum(host, shape, dtype, variant, solver):
+    problem = SPEC.problem(shape, dtype, variant)
+    model = SPEC.tiling_problem(problem, host)
+    sol = solve(model, solver)
+    best_obj, _ = exhaustive(model)
+    assert sol.status == "optimal"
+    assert model.feasible(sol.choice)
+    assert sol.objective == pytest.approx(best_obj, rel=1e-6 if solver == "highs" else 1e-3)
+
+
+def test_highs_and_cpsat_agree(host):
+    problem = SPEC.problem("2048x7168", "bf16", "weighted")
+    plans = [solve_tiling(SPEC.tiling_problem(problem, host), op="rms_norm", variant="weighted", shape=problem.shape,
+                          dtype="bf16", target="host", solver=s) for s in ("highs", "cpsat")]
+    assert plans[0].predicted_us == pytest.approx(plans[1].predicted_us, rel=1e-3)
+
+
+def test_capacities_are_respected_and_bind(host):
+    """With a small L2, big tiles no longer fit: the plan stays inside it and names it binding."""
+    problem = SPEC.problem("4096x4096", "bf16", "weighted")
+    small = shrink(host, "L2", 256 * 1024)      # 64 KiB usable at the 25 % cache fraction
+    model = SPEC.tiling_problem(problem, small)
+    plan = solve_tiling(model, op="rms_norm", variant="weighted", shape=problem.shape, dtype="bf16",
+                        target="host")
+    l2 = next(c for c in model.constraints if c.name == "L2 capacity")
+    assert l2.usage.value(plan.knobs) <= l2.limit
+    assert plan.knobs["tile_rows"] < max(model.domains["tile_rows"])
+    assert plan.binding_constraint.startswith("L2 capacity")
+
+
+def test_l1_limits_the_column_chunk(host):
+    """On a machine with ample bandwidth the loop overhead of small chunks is what costs, so the
+    L1 that caps the chunk is the binding constraint."""
+    problem = SPEC.problem("1024x16384", "fp32", "weighted")
+    tiny_l1 = shrink(host, "L1", 8 * 1024)
+    tiny_l1 = dataclasses.replace(tiny_l1, stream_gbps={t: v * 100 for t, v in host.stream_gbps.items()})
+    plan = solve_tiling(SPEC.tiling_problem(problem, tiny_l1), op="rms_norm", variant="weighted",
+                        shape=problem.shape, dtype="fp32", target="host")
+    per_col = 2 * 4 + 3 * 4                      # backward: weight + dw partial + x, dy, dx
+    assert plan.knobs["col_chunk"] * per_col <= 8 * 1024 * host.costmodel["cache_fraction"]
+    assert plan.binding_constraint.startswith("L1 capacity")
+
+
+def test_infeasible_request_names_the_constraint(host):
+    problem = SPEC.problem("64x2000000", "fp32", "weighted")   # one row is 8 MB: no tile fits in L2
+    with pytest.raises(PlanInfeasible) as exc:
+        solve_tiling(SPEC.tiling_problem(problem, host), op="rms_norm", variant="weighted",
+                     shape=problem.shape, dtype="fp32", target="host")
+    assert exc.value.constraint == "L2 capacity"
+    assert "L2 capacity" in str(exc.value) and "limit" in str(exc.value)
+
+
+def test_infeasible_combination_is_traced_to_a_constraint(host):
+    """Each constraint alone can be met, not both: the culprit is found by dropping them in turn."""
+    from aurakernel.planner.model import ChoiceModel, Constraint, Phase, Term
+    from aurakernel.planner.tiling import solve_tiling as st
+
+    domains = {"a": [1, 2], "b": [1, 2]}
+    model = ChoiceModel(domains, [
+        Constraint("budget", Term.of(("a", "b"), domains, lambda a, b: a + b), 2.5, "a+b"),
+        Constraint("coupling", Term.of(("a", "b"), domains, lambda a, b: 10 if a == b else 0), 5, "a==b"),
+    ], [Phase("p", {"pipe": [Term.of(("a",), domains, lambda a: 1.0 / a)]})])
+    with pytest.raises(PlanInfeasible) as exc:
+        st(model, op="x", variant="v", shape=(1,), dtype="fp32", target="host")
+    assert exc.value.constraint in ("budget", "coupling")
+
+
+def test_threads_follow_the_work(host):
+    """A tiny problem is not worth a fork; a large one uses every core."""
+    big = solve_tiling(SPEC.tiling_problem(SPEC.problem("8192x4096", "bf16", "weighted"), host), op="rms_norm",
+                       variant="weighted", shape=(8192, 4096), dtype="bf16", target="host")
+    small = solve_tiling(SPEC.tiling_problem(SPEC.problem("2x64", "fp32", "weighted"), host), op="rms_norm",
+                         variant="weighted", shape=(2, 64), dtype="fp32", target="host")
+    assert big.knobs["threads"] == host.cores
+    assert small.knobs["threads"] == 1
+
+
+def test_bandwidth_profile_changes_the_prediction(host):
+    problem = SPEC.problem("4096x4096", "bf16", "weighted")
+    slow = dataclasses.replace(host, stream_gbps={t: v / 2 for t, v in host.stream_gbps.items()})
+    fast_plan = solve_tiling(SPEC.tiling_problem(problem, host), op="rms_norm", variant="weighted",
+                             shape=problem.shape, dtype="bf16", target="host")
+    slow_plan = solve_tiling(SPEC.tiling_problem(problem, slow), op="rms_norm", variant="weighted",
+                             shape=problem.shape, dtype="bf16", target="host")
+    assert slow_plan.predicted_us > 1.5 * fast_plan.predicted_us

@@ -1,0 +1,54 @@
+import json
+
+import pytest
+
+from aurakernel.agent import problems_from_profile
+from aurakernel.profiler import profile_training
+from trainer.config import load_config
+
+from conftest import TINY
+
+
+@pytest.fixture(scope="module")
+def report():
+    cfg = load_config(TINY)
+    cfg.data.seq_len, cfg.data.batch_size = 160, 2
+    return cfg, profile_training(cfg, steps=1, warmup=1)
+
+
+def test_groups_cover_the_step(report):
+    cfg, rep = report
+    names = {g.name for g in rep.groups}
+    assert {"rms_norm", "mhc_pre", "mhc_post", "attention", "router", "moe_experts", "matmul", "adamw",
+            "cross_entropy"} <= names
+    assert sum(g.share for g in rep.groups) == pytest.approx(1.0, abs=1e-6)
+    assert all(g.time_us >= 0 for g in rep.groups)
+    norm = next(g for g in rep.groups if g.name == "rms_norm")
+    # 4 layers x (input, post-attention, q_a, kv, q_b per-head, 2 mHC input norms) + compressor/indexer norms
+    # + the final norm and hc_head input norm
+    assert norm.calls >= 4 * 7 + 2 and norm.tunable and norm.saving_basis == "planned"
+
+
+def test_ranked_by_estimated_saving(report):
+    _, rep = report
+    savings = [g.saving_us for g in rep.groups if g.saving_us is not None]
+    assert savings == sorted(savings, reverse=True)
+
+
+def test_norm_shapes_match_the_config(report):
+    cfg, rep = report
+    m = cfg.model
+    tokens = cfg.data.seq_len * cfg.data.batch_size
+    problems = {(p.variant, p.shape[1]): p.shape[0] for p in problems_from_profile(rep)}
+    assert problems[("weighted", m["hidden_size"])] == tokens
+    assert problems[("weighted", m["q_lora_rank"])] == tokens
+    assert problems[("unweighted", m["hc_mult"] * m["hidden_size"])] == tokens
+    assert problems[("unweighted", m["head_dim"])] == tokens * m["num_attention_heads"]
+
+
+def test_json_and_chart(report, tmp_path):
+    _, rep = report
+    data = json.loads(rep.save_json(tmp_path / "p.json").read_text())
+    assert data["groups"][0]["name"] and data["step_us"] > 0
+    png = rep.save_chart(tmp_path / "p.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000

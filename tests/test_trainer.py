@@ -1,0 +1,97 @@
+import json
+
+import pytest
+import yaml
+
+from aurakernel.errors import UserError
+from trainer.config import load_config
+from trainer.data import TokenBatches, byte_tokenize
+from trainer.metrics import attention_flops_per_token, parameter_counts
+from trainer.model import build_model
+from trainer.train import train
+
+from conftest import TINY
+
+
+def write_config(tmp_path, **sections):
+    base = yaml.safe_load(open(TINY))
+    for name, values in sections.items():
+        base.setdefault(name, {}).update(values)
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(base))
+    return path
+
+
+def test_tiny_config_has_every_v4_feature():
+    cfg = load_config(TINY)
+    model = build_model(cfg.model, seed=0)
+    c = model.config
+    assert "compressed_sparse_attention" in c.layer_types and "heavily_compressed_attention" in c.layer_types
+    assert c.compress_rates == {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+    assert "hash_moe" in c.mlp_layer_types and c.hc_mult == 4
+    hash_router = model.model.layers[0].mlp.gate
+    # hash tables get distinct experts per token (transformers initialises them to zeros)
+    assert all(len(set(row.tolist())) == c.num_experts_per_tok for row in hash_router.tid2eid[:50])
+
+
+@pytest.mark.parametrize("section,values,fragment", [
+    ("train", {"dtype": "int4"}, "train.dtype"),
+    ("train", {"lr": "fast"}, "must be a number"),
+    ("data", {"source": "s3"}, "data.source"),
+    ("data", {"source": "text"}, "needs data.path"),
+    ("data", {"batchsize": 3}, "unknown key(s) batchsize"),
+    ("model", {"hc_mult": 0, "layer_types": ["bogus"] * 4}, "model config rejected"),
+])
+def test_bad_config_is_one_clear_error(tmp_path, section, values, fragment):
+    path = write_config(tmp_path, **{section: values})
+    with pytest.raises(UserError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        cfg = load_config(path)
+        build_model(cfg.model, 0)
+
+
+def test_text_and_jsonl_data(tmp_path):
+    (tmp_path / "a.txt").write_text("hello world " * 50)
+    batches = TokenBatches("text", str(tmp_path / "a.txt"), seq_len=16, batch_size=2, vocab_size=512, seed=0)
+    x, y = next(batches)
+    assert x.shape == (2, 16) and y.shape == (2, 16)
+    assert x[0, 0] == byte_tokenize("hello")[0] and (x[:, 1:] == y[:, :-1]).all()
+    lines = [json.dumps({"text": "doc %d" % i}) for i in range(40)]
+    (tmp_path / "d.jsonl").write_text("\n".join(lines))
+    x, _ = next(TokenBatches("jsonl", str(tmp_path / "d.jsonl"), 8, 2, 512, 0))
+    assert x.max() < 512
+
+
+def test_malformed_jsonl_line_names_the_line(tmp_path):
+    (tmp_path / "d.jsonl").write_text('{"text": "ok"}\n{"text": broken}\n')
+    with pytest.raises(UserError, match="line 2 is not valid JSON"):
+        TokenBatches("jsonl", str(tmp_path / "d.jsonl"), 8, 2, 512, 0)
+
+
+def test_synthetic_data_is_deterministic():
+    a = next(TokenBatches("synthetic", None, 32, 2, 512, seed=5))[0]
+    b = next(TokenBatches("synthetic", None, 32, 2, 512, seed=5))[0]
+    assert (a == b).all()
+
+
+def test_train_logs_every_step_and_learns(tmp_path):
+    cfg = load_config(TINY)
+    cfg.data.seq_len, cfg.data.batch_size = 128, 2
+    log = tmp_path / "log.jsonl"
+    result = train(cfg, steps=6, log_path=str(log), show_progress=False)
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(6))
+    assert {"loss", "step_s", "tokens_per_s", "mfu", "lr", "grad_norm"} <= set(rows[0])
+    run = result["runs"]["reference"]
+    assert run["losses"][-1] < run["losses"][0]
+    assert 0 < run["mfu"] < 1
+
+
+def test_flops_count_active_parameters_and_attention():
+    cfg = load_config(TINY)
+    model = build_model(cfg.model, 0)
+    total, active = parameter_counts(model)
+    assert active < total
+    c = model.config
+    # per token: window keys plus compressed entries, x 2 matmuls x 2 flops x 3 (fwd+bwd)
+    short = attention_flops_per_token(c, 1)
+    assert short == pytest.approx(len(c.layer_types) * 3 * 2 * 2 * c.num_attention_heads * c.head_dim * 1)
