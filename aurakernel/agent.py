@@ -194,7 +194,7 @@ def autotune(cfg, *, target: str = "host", solver: str = "highs", db_path=None, 
     report = profile_training(cfg, steps=profile_steps, hw=hw)
     plan = KernelPlan(target=target, config=cfg.path, hardware=hw.fingerprint(),
                       profile=[{"name": g.name, "kind": g.kind, "time_us": g.time_us, "share": g.share,
-                                "calls": g.calls, "saving_us": g.saving_us, "tunable": g.tunable}
+                                "calls": g.calls, "ops": g.ops, "saving_us": g.saving_us, "tunable": g.tunable}
                                for g in report.groups])
     for g in report.groups:
         if g.kind == "fusable" and not g.tunable:

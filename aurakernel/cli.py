@@ -28,8 +28,9 @@ except ImportError:  # pragma: no cover
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
                   help="AuraKernel: profile, plan, render, build, verify, measure, record and swap "
                        "fused kernels for DeepSeek-V4 training.")
-out = Console()
-err = Console(stderr=True)
+# piped output gets wide tables instead of rich's 80-column default
+out = Console(width=None if sys.stdout.isatty() else 160)
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
 
 
 def _fmt(v, digits=1, suffix=""):
@@ -98,6 +99,7 @@ def autotune(
     solver: Annotated[str, typer.Option(help="highs or cpsat")] = "highs",
     db: Annotated[str | None, typer.Option(help="tuning DB path (SQLite)")] = None,
     compiled: Annotated[bool, typer.Option("--compiled/--no-compiled", help="also time torch.compile")] = False,
+    chart: Annotated[str | None, typer.Option(help="write the profile's PNG bar chart here")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the plan as JSON")] = False,
 ):
     """Profile a few training steps, rank op groups, tune what can be tuned, write a kernel plan."""
@@ -111,6 +113,8 @@ def autotune(
         result = run_autotune(cfg, target=target, solver=solver, db_path=db, with_compiled=compiled,
                               progress=lambda msg: status.update(f"autotune: {msg}"))
     path = result.plan.save(out_path)
+    if chart:
+        result.profile.save_chart(chart)
     if as_json:
         print(json.dumps(result.plan.to_dict()))
         return
@@ -130,10 +134,10 @@ def autotune(
 
 def _print_profile(report) -> None:
     t = Table(title=f"op groups per training step ({report.step_us / 1e3:.1f} ms profiled)")
-    for col in ("group", "kind", "time ms", "share", "calls", "est. saving ms", "basis", "tunable"):
+    for col in ("group", "kind", "time ms", "share", "calls", "eager ops", "est. saving ms", "basis", "tunable"):
         t.add_column(col)
     for g in report.groups:
-        t.add_row(g.name, g.kind, _fmt(g.time_us / 1e3, 2), f"{g.share * 100:.1f}%", _fmt(g.calls, 0),
+        t.add_row(g.name, g.kind, _fmt(g.time_us / 1e3, 2), f"{g.share * 100:.1f}%", _fmt(g.calls, 0), _fmt(g.ops, 0),
                   _fmt(None if g.saving_us is None else g.saving_us / 1e3, 2), g.saving_basis,
                   "yes" if g.tunable else "")
     out.print(t)

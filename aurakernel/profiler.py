@@ -55,6 +55,7 @@ class GroupStat:
     time_us: float            # per step
     share: float
     calls: float              # module calls per step
+    ops: float                # eager ops (profiler events) per step: the fragmentation
     saving_us: float | None
     saving_basis: str         # planned | roofline | -
     tunable: bool             # an OpSpec exists for it
@@ -146,8 +147,8 @@ FUSABLE = {"rms_norm", "mhc_pre", "mhc_post", "mhc_head", "router", "moe_experts
            "indexer", "attention", "cross_entropy", "adamw", "embedding"}
 
 
-def _attribute(events) -> tuple[dict[str, float], float]:
-    """Self time (us) per group over all events, and the total."""
+def _attribute(events) -> tuple[dict[str, float], dict[str, int], float]:
+    """Self time (us) and op count per group over all events, and the total time."""
     seq_group: dict[int, str] = {}
     group_of_event: dict[int, str | None] = {}
 
@@ -171,17 +172,21 @@ def _attribute(events) -> tuple[dict[str, float], float]:
             if g is not None:
                 seq_group.setdefault(evt.sequence_nr, g)
     times: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
     total = 0.0
     for evt in ordered:
         self_us = evt.self_cpu_time_total
         total += self_us
         if evt.name in MATMUL_OPS:
-            times["matmul"] += self_us
-            continue
-        g = enclosing(evt)
-        group_of_event[id(evt)] = g
-        times[g or "other"] += self_us
-    return times, total
+            g = "matmul"
+        else:
+            g = enclosing(evt)
+            group_of_event[id(evt)] = g
+            g = g or "other"
+        times[g] += self_us
+        if evt.name.startswith("aten::"):
+            counts[g] += 1
+    return times, counts, total
 
 
 def profile_training(cfg, steps: int = 3, warmup: int = 1, hw: HardwareProfile | None = None,
@@ -211,8 +216,8 @@ def profile_training(cfg, steps: int = 3, warmup: int = 1, hw: HardwareProfile |
                     train_step(run, next(batches), cfg)
     finally:
         hooks.remove()
-    times, total = _attribute(prof.events())
-    return _report(times, total, steps, hooks, hw)
+    times, counts, total = _attribute(prof.events())
+    return _report(times, counts, total, steps, hooks, hw)
 
 
 def _planned_us(variant: str, rows: int, cols: int, dtype: str, hw: HardwareProfile) -> float | None:
@@ -231,7 +236,8 @@ def _planned_us(variant: str, rows: int, cols: int, dtype: str, hw: HardwareProf
     return plan.predicted_us
 
 
-def _report(times: dict[str, float], total: float, steps: int, hooks: _Hooks, hw: HardwareProfile) -> ProfileReport:
+def _report(times: dict[str, float], counts: dict[str, int], total: float, steps: int, hooks: _Hooks,
+            hw: HardwareProfile) -> ProfileReport:
     from .ops import OPS
 
     bw = hw.stream_bandwidth(hw.cores)
@@ -252,6 +258,6 @@ def _report(times: dict[str, float], total: float, steps: int, hooks: _Hooks, hw
             bound_us = 3 * hooks.bytes[name] / steps / bw * 1e6
             saving, basis = max(0.0, per_step - bound_us), "roofline"
         groups.append(GroupStat(name, kind, per_step, t / total if total else 0.0, hooks.calls.get(name, 0) / steps,
-                                saving, basis, name in OPS, shapes))
+                                counts.get(name, 0) / steps, saving, basis, name in OPS, shapes))
     groups.sort(key=lambda g: (g.saving_us is None, -(g.saving_us or 0), -g.time_us))
     return ProfileReport(steps, total / steps, groups)
