@@ -175,10 +175,10 @@ def problems_from_profile(report: ProfileReport) -> list[Problem]:
         if group.name not in OPS:
             continue
         for s in group.shapes:
-            dtype = DType.from_torch(getattr(torch, s["dtype"]))
-            key = (group.name, s["variant"], s["cols"], dtype)
-            rows = max(s["rows"], found[key].shape[0] if key in found else 0)
-            found[key] = Problem(group.name, s["variant"], (rows, s["cols"]), dtype)
+            shape, dtype = tuple(s["shape"]), DType.parse(s["dtype"])
+            key = (group.name, s["variant"], shape[1:], dtype)
+            rows = max(shape[0], found[key].shape[0] if key in found else 0)
+            found[key] = Problem(group.name, s["variant"], (rows, *shape[1:]), dtype)
     return list(found.values())
 
 

@@ -24,8 +24,8 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
 
-from .dtypes import DType
 from .hardware import HardwareProfile
+from .ops import OPS
 
 GROUP_OF_MODULE: list[tuple[type, str]] = [
     (v4.DeepseekV4RMSNorm, "rms_norm"),
@@ -110,7 +110,7 @@ class _Hooks:
         self.handles = []
         self.calls: dict[str, int] = defaultdict(int)
         self.bytes: dict[str, int] = defaultdict(int)
-        self.norm_shapes: dict[tuple, int] = defaultdict(int)   # (variant, rows, cols, dtype) -> calls
+        self.problems: dict = defaultdict(int)   # Problem -> calls, for groups that have an OpSpec
         self.stack = []
         for name, module in model.named_modules():
             group = "cross_entropy" if name == "lm_head" else _group_of(module)
@@ -123,10 +123,10 @@ class _Hooks:
         def hook(module, args):
             self.stack.append(torch.ops.profiler._record_function_enter_new(PREFIX + group, None))
             self.calls[group] += 1
-            if group == "rms_norm" and args and isinstance(args[0], torch.Tensor):
-                x = args[0]
-                variant = "weighted" if isinstance(module, v4.DeepseekV4RMSNorm) else "unweighted"
-                self.norm_shapes[(variant, x.numel() // x.shape[-1], x.shape[-1], str(x.dtype))] += 1
+            if group in OPS:
+                problem = OPS[group].call_problem(module, args)
+                if problem is not None:
+                    self.problems[problem] += 1
         return hook
 
     def _post(self, group):
@@ -220,17 +220,14 @@ def profile_training(cfg, steps: int = 3, warmup: int = 1, hw: HardwareProfile |
     return _report(times, counts, total, steps, hooks, hw)
 
 
-def _planned_us(variant: str, rows: int, cols: int, dtype: str, hw: HardwareProfile) -> float | None:
-    from .ops import get_op
-    from .ops.base import Problem
-    from .planner import solve_tiling
+def _planned_us(problem, hw: HardwareProfile) -> float | None:
     from .errors import UserError
+    from .planner import solve_tiling
 
-    spec = get_op("rms_norm")
-    problem = Problem("rms_norm", variant, (rows, cols), DType.from_torch(getattr(torch, dtype.split(".")[-1])))
+    spec = OPS[problem.op]
     try:
-        plan = solve_tiling(spec.tiling_problem(problem, hw), op="rms_norm", variant=variant, shape=problem.shape,
-                            dtype=problem.dtype.value, target=hw.name)
+        plan = solve_tiling(spec.tiling_problem(problem, hw), op=problem.op, variant=problem.variant,
+                            shape=problem.shape, dtype=problem.dtype.value, target=hw.name)
     except UserError:
         return None
     return plan.predicted_us
@@ -238,20 +235,19 @@ def _planned_us(variant: str, rows: int, cols: int, dtype: str, hw: HardwareProf
 
 def _report(times: dict[str, float], counts: dict[str, int], total: float, steps: int, hooks: _Hooks,
             hw: HardwareProfile) -> ProfileReport:
-    from .ops import OPS
-
     bw = hw.stream_bandwidth(hw.cores)
     groups = []
     for name, t in times.items():
         per_step = t / steps
         kind = "matmul" if name == "matmul" else ("fusable" if name in FUSABLE else "other")
         saving, basis, shapes = None, "-", []
-        if name == "rms_norm":
+        problems = sorted(((p, n) for p, n in hooks.problems.items() if p.op == name), key=lambda pn: pn[0].describe())
+        if problems:
             planned = 0.0
-            for (variant, rows, cols, dtype), n in sorted(hooks.norm_shapes.items()):
-                shapes.append({"variant": variant, "rows": rows, "cols": cols, "dtype": dtype.split(".")[-1],
-                               "calls": n / steps})
-                p = _planned_us(variant, rows, cols, dtype, hw)
+            for problem, n in problems:
+                shapes.append({"variant": problem.variant, "shape": list(problem.shape),
+                               "dtype": problem.dtype.value, "calls": n / steps})
+                p = _planned_us(problem, hw)
                 planned += (p if p is not None else 0.0) * n / steps
             saving, basis = max(0.0, per_step - planned), "planned"
         elif kind == "fusable" and name in hooks.bytes:

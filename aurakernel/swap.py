@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+    DeepseekV4HyperConnection,
+    DeepseekV4HyperHead,
     DeepseekV4RMSNorm,
     DeepseekV4UnweightedRMSNorm,
 )
@@ -68,6 +70,10 @@ def deepseek_v4_sites(model: torch.nn.Module) -> list[Site]:
             else:
                 key = None
             sites.append(Site(name, module, "rms_norm", "unweighted", key))
+        elif isinstance(module, DeepseekV4HyperConnection):
+            sites.append(Site(name, module, "mhc_pre", "default", (cfg.hc_mult, cfg.hidden_size)))
+        elif isinstance(module, DeepseekV4HyperHead):
+            sites.append(Site(name, module, "mhc_head", "default", (cfg.hc_mult, cfg.hidden_size)))
     return sites
 
 

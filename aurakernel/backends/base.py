@@ -26,6 +26,7 @@ class Kernel:
     build_s: float = 0.0
     meta: dict = field(default_factory=dict)   # the typed values the source was rendered from
     _functions: dict = field(default_factory=dict, repr=False)
+    _scratch: dict = field(default_factory=dict, repr=False)
 
     @property
     def source_hash(self) -> str:
@@ -34,16 +35,25 @@ class Kernel:
     def bind(self, lib: ctypes.CDLL) -> None:
         for name, entry in self.entries.items():
             fn = getattr(lib, entry.symbol)
-            fn.restype = None
+            fn.restype = _CTYPES[entry.result] if entry.result else None
             fn.argtypes = [_CTYPES[a] for a in entry.args]
             self._functions[name] = (fn, entry)
 
-    def call(self, name: str, *args) -> None:
+    def call(self, name: str, *args):
         """Call entry `name`; tensors are passed by data pointer (the caller guarantees layout)."""
         fn, entry = self._functions[name]
         if len(args) != len(entry.args):
             raise TypeError(f"{entry.symbol} takes {len(entry.args)} arguments, got {len(args)}")
-        fn(*[a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args])
+        return fn(*[a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args])
+
+    def workspace(self, name: str) -> torch.Tensor:
+        """The fp32 scratch buffer whose size (in floats) entry `name` reports. Allocated once per
+        kernel and reused: fresh multi-MB buffers cost page faults on every call. Kernels write
+        before they read their scratch, and calls into one kernel do not overlap."""
+        buf = self._scratch.get(name)
+        if buf is None:
+            buf = self._scratch[name] = torch.empty(int(self.call(name)), dtype=torch.float32)
+        return buf
 
 
 class Backend(Protocol):

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from ..errors import UserError
 from .base import OpSpec, Problem
+from .mhc import HEAD as MHC_HEAD
+from .mhc import PRE as MHC_PRE
 from .rms_norm import SPEC as RMS_NORM
 
-OPS: dict[str, OpSpec] = {spec.name: spec for spec in (RMS_NORM,)}
+OPS: dict[str, OpSpec] = {spec.name: spec for spec in (RMS_NORM, MHC_PRE, MHC_HEAD)}
 
 
 def get_op(name: str) -> OpSpec:

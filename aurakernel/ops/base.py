@@ -47,10 +47,11 @@ class Tolerance:
 
 @dataclass(frozen=True)
 class Entry:
-    """A C entry point: its symbol and argument kinds ('ptr', 'i64', 'f32')."""
+    """A C entry point: its symbol, argument kinds ('ptr', 'i64', 'f32') and result kind."""
 
     symbol: str
     args: tuple[str, ...]
+    result: str | None = None
 
 
 @dataclass(frozen=True)
@@ -158,6 +159,10 @@ class OpSpec(ABC):
     @abstractmethod
     def module_call(self, problem: Problem, inputs: Tensors) -> tuple[torch.nn.Module, tuple]:
         """The reference module loaded with the inputs' parameters, and the args to call it with."""
+
+    @abstractmethod
+    def call_problem(self, module: torch.nn.Module, args: tuple) -> Problem | None:
+        """The problem a call of `module` with `args` poses (for the profiler), or None."""
 
     @abstractmethod
     def patch(self, module: torch.nn.Module, lookup) -> None:

@@ -19,6 +19,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
 from ..dtypes import DType
 from ..planner.costmodel import RowwisePhase, rowwise_model
 from .base import Entry, OpSpec, Problem, Tensors, Tolerance, Work
+from .layout import like_layout, rows_layout
 
 EPS = 1e-6
 
@@ -62,6 +63,13 @@ class RmsNormSpec(OpSpec):
             with torch.no_grad():
                 mod.weight.copy_(inputs["weight"])
         return mod, (inputs["x"],)
+
+    def call_problem(self, module: torch.nn.Module, args: tuple) -> Problem | None:
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if x is None or x.dtype not in (d.torch for d in self.dtypes):
+            return None
+        variant = "weighted" if isinstance(module, DeepseekV4RMSNorm) else "unweighted"
+        return Problem(self.name, variant, (x.numel() // x.shape[-1], x.shape[-1]), DType.from_torch(x.dtype))
 
     def patch(self, module: torch.nn.Module, lookup) -> None:
         # state lives on the module (a bound method rebinds on deepcopy; a closure would not)
@@ -156,27 +164,9 @@ SPEC = RmsNormSpec(
 # custom_ops with a registered autograd formula, which Dynamo and FSDP2 trace through. The kernel
 # is named by its source hash; build.built_kernel finds it.
 
-def _rows_layout(t: torch.Tensor) -> torch.Tensor:
-    """Row kernels only need each row contiguous and rows packed: any dense layout with a unit
-    last stride qualifies (e.g. the per-head q norm's transposed view); otherwise copy."""
-    if t.stride(-1) == 1 and _dense(t):
-        return t
-    return t.contiguous()
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """True when the elements fill a gap-free block of memory in some order of the dims."""
-    expected = 1
-    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
 def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float, kernel: str):
     from ..build import built_kernel
-    x = _rows_layout(x)
+    x = rows_layout(x)
     outputs = {"y": torch.empty_like(x),
                "rstd": torch.empty(x.numel() // x.shape[-1], dtype=torch.float32, device=x.device)}
     inputs = {"x": x, "eps": eps}
@@ -188,9 +178,8 @@ def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float, kernel: s
 
 def _backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor, kernel: str):
     from ..build import built_kernel
-    x = _rows_layout(x)
-    if dy.stride() != x.stride():  # the kernel walks dy and x with the same offsets
-        dy = torch.empty_like(x).copy_(dy)
+    x = rows_layout(x)
+    dy = like_layout(dy, x)
     inputs, grads = {"x": x}, {"x": torch.empty_like(x)}
     if weight is not None:
         inputs["weight"] = weight.detach().float().contiguous()

@@ -37,9 +37,11 @@ class RowwisePhase:
     fixed_resident_bytes: float = 0.0  # bytes resident in L2 regardless of tile (weight, dw partial)
 
 
-def tile_rows_candidates(rows: int) -> list[int]:
-    cands = [v for v in (1, 2, 4, 8, 16, 32, 64) if v <= max(rows, 1)]
-    return cands or [1]
+def tile_rows_candidates(rows: int, multiple: int = 1) -> list[int]:
+    """Powers of two up to 64 (and not beyond the rows), multiples of `multiple` (a GEMM micro-kernel's
+    row block: smaller tiles would run its scalar edge path)."""
+    cands = [v for v in (1, 2, 4, 8, 16, 32, 64) if v % multiple == 0 and v <= max(rows, multiple)]
+    return cands or [multiple]
 
 
 def col_chunk_candidates(cols: int, simd_elems: int) -> list[int]:
@@ -56,18 +58,27 @@ def thread_candidates(cores: int) -> list[int]:
     return list(range(1, max(cores, 1) + 1))
 
 
-def rowwise_model(rows: int, cols: int, phases: list[RowwisePhase], hw: HardwareProfile) -> ChoiceModel:
+def rowwise_model(rows: int, cols: int, phases: list[RowwisePhase], hw: HardwareProfile,
+                  fixed: dict[str, int] | None = None, row_block: int = 1, resident_level: str = "L2",
+                  chunk_level: str = "L1") -> ChoiceModel:
+    """The tiling model of a row-wise kernel. `fixed` adds single-valued knobs (e.g. the vector
+    width); `row_block` makes tiles whole GEMM row blocks; `resident_level` is the cache the tile must
+    stay in between passes (a per-core share of it when the level is shared); `chunk_level` the one
+    a column chunk's working set must stay in while the tile's rows reuse it."""
     cm = hw.costmodel
     clock = hw.clock_ghz * 1e9
     simd_elems = max(hw.simd_bytes // 4, 1)
     domains = {
-        "tile_rows": tile_rows_candidates(rows),
+        "tile_rows": tile_rows_candidates(rows, row_block),
         "col_chunk": col_chunk_candidates(cols, simd_elems),
         "threads": thread_candidates(hw.cores),
+        **{name: [value] for name, value in (fixed or {}).items()},
     }
     frac = cm.get("cache_fraction", 0.5)
-    l1 = hw.memory["L1"].capacity * frac
-    l2 = hw.memory["L2"].capacity * frac
+    chunk_mem = hw.memory[chunk_level]
+    chunk_limit = chunk_mem.capacity * frac / (1 if chunk_mem.per_core else max(hw.cores, 1))
+    level = hw.memory[resident_level]
+    resident_limit = level.capacity * frac / (1 if level.per_core else max(hw.cores, 1))
     l2_bw = hw.memory["L2"].bandwidth_gbps * 1e9
 
     def busiest_rows(tr: int, th: int) -> int:
@@ -79,13 +90,13 @@ def rowwise_model(rows: int, cols: int, phases: list[RowwisePhase], hw: Hardware
 
     constraints: list[Constraint] = []
     resident = max(p.resident_bytes_per_row for p in phases)
-    fixed = max(p.fixed_resident_bytes for p in phases)
+    fixed_bytes = max(p.fixed_resident_bytes for p in phases)
     constraints.append(Constraint(
-        "L2 capacity", Term.of(("tile_rows",), domains, lambda tr: tr * resident + fixed), l2,
-        f"tile_rows x {resident:,.0f} B + {fixed:,.0f} B"))
+        f"{resident_level} capacity", Term.of(("tile_rows",), domains, lambda tr: tr * resident + fixed_bytes),
+        resident_limit, f"tile_rows x {resident:,.0f} B + {fixed_bytes:,.0f} B"))
     per_col = max(p.l1_bytes_per_col for p in phases)
     constraints.append(Constraint(
-        "L1 capacity", Term.of(("col_chunk",), domains, lambda cc: cc * per_col), l1,
+        f"{chunk_level} capacity (chunk)", Term.of(("col_chunk",), domains, lambda cc: cc * per_col), chunk_limit,
         f"col_chunk x {per_col:,.0f} B"))
 
     model_phases = []

@@ -1,0 +1,273 @@
+"""mHC pre and head: transformers' DeepseekV4HyperConnection and DeepseekV4HyperHead.
+
+mhc_pre (twice per layer): flatten the hc streams, unweighted RMS, the (2 + hc) * hc mix
+projection, sigmoid / scale / base for pre and post, softmax + Sinkhorn for the hc x hc comb,
+and the pre-weighted sum of the streams. mhc_head (once, before the final norm) is the same
+kernel with only the hc pre weights. One template serves both; the eager versions run ~900 tiny
+ops per call (the Sinkhorn loop) forward and backward.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch.func import functional_call
+from transformers import DeepseekV4Config
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection, DeepseekV4HyperHead
+
+from ..dtypes import DType
+from ..planner.costmodel import RowwisePhase, rowwise_model
+from .base import Entry, OpSpec, Problem, Tensors, Tolerance, Work
+from .layout import like_layout, rows_layout
+
+EPS = 1e-6
+ITERS = 20
+
+_TOL = {
+    # y sums pre-weighted streams whose weights come from a W-long fp32 dot product: its rounding
+    # (~1e-6 relative) moves y by ~1e-5 of the streams' scale
+    DType.fp32: {"y": Tolerance(1e-4, 1e-5), "post": Tolerance(1e-5, 1e-5), "comb": Tolerance(1e-5, 1e-4),
+                 "x": Tolerance(2e-5, 1e-4), "fn": Tolerance(1e-4, 1e-3), "base": Tolerance(1e-4, 1e-3),
+                 "scale": Tolerance(1e-4, 1e-3)},
+    DType.bf16: {"y": Tolerance(2e-2, 1.6e-2), "post": Tolerance(1e-3, 1e-3), "comb": Tolerance(1e-3, 1e-3),
+                 "x": Tolerance(4e-2, 3.2e-2), "fn": Tolerance(1e-3, 1e-2), "base": Tolerance(1e-3, 1e-2),
+                 "scale": Tolerance(1e-3, 1e-2)},
+}
+_TOL[DType.fp16] = {**_TOL[DType.bf16], "y": Tolerance(2e-3, 2e-3), "x": Tolerance(4e-3, 4e-3)}
+
+
+def _config(hc: int, d: int) -> DeepseekV4Config:
+    return DeepseekV4Config(hidden_size=d, hc_mult=hc, hc_sinkhorn_iters=ITERS, hc_eps=EPS, rms_norm_eps=EPS,
+                            num_hidden_layers=1, vocab_size=8, layer_types=["sliding_attention"],
+                            mlp_layer_types=["moe"])
+
+
+class MhcSpec(OpSpec):
+    head: bool = False
+
+    def kernel_key(self, problem: Problem) -> tuple[int, ...]:
+        return problem.shape[1:]
+
+    def nout(self, hc: int) -> int:
+        return hc if self.head else (2 + hc) * hc
+
+    # --- semantics ----------------------------------------------------------------------------
+    def param_names(self) -> tuple[str, str, str]:
+        return ("hc_fn", "hc_base", "hc_scale") if self.head else ("fn", "base", "scale")
+
+    def make_inputs(self, problem: Problem, seed: int) -> Tensors:
+        rows, hc, d = problem.shape
+        g = torch.Generator().manual_seed(seed)
+        row_scale = torch.rand(rows, 1, 1, generator=g) * 3 + 0.1
+        n = self.nout(hc)
+        return {
+            "x": (torch.randn(rows, hc, d, generator=g) * row_scale).to(problem.dtype.torch),
+            "fn": torch.randn(n, hc * d, generator=g) * (2.0 / (hc * d) ** 0.5),
+            "base": torch.randn(n, generator=g) * 0.5,
+            "scale": torch.rand(1 if self.head else 3, generator=g) + 0.5,
+        }
+
+    def differentiable(self, problem: Problem) -> tuple[str, ...]:
+        return ("x", "fn", "base", "scale")
+
+    def module(self, problem: Problem) -> torch.nn.Module:
+        cfg = _config(problem.shape[1], problem.shape[2])
+        return DeepseekV4HyperHead(cfg) if self.head else DeepseekV4HyperConnection(cfg)
+
+    def module_call(self, problem: Problem, inputs: Tensors):
+        mod = self.module(problem)
+        with torch.no_grad():
+            for name, key in zip(self.param_names(), ("fn", "base", "scale")):
+                getattr(mod, name).copy_(inputs[key])
+        return mod, (inputs["x"].unsqueeze(0),)
+
+    def reference(self, problem: Problem, inputs: Tensors) -> Tensors:
+        mod = self.module(problem)
+        params = dict(zip(self.param_names(), (inputs["fn"], inputs["base"], inputs["scale"])))
+        out = functional_call(mod, params, (inputs["x"].unsqueeze(0),))
+        if self.head:
+            return {"y": out[0]}
+        post, comb, y = out
+        return {"post": post[0], "comb": comb[0], "y": y[0]}
+
+    def visible_outputs(self) -> tuple[str, ...]:
+        return ("y",) if self.head else ("post", "comb", "y")
+
+    def tolerance(self, dtype: DType, output: str) -> Tolerance:
+        return _TOL[dtype][output]
+
+    # --- cost ---------------------------------------------------------------------------------
+    def work(self, problem: Problem, backward: bool) -> Work:
+        rows, hc, d = problem.shape
+        e, w, n = problem.dtype.itemsize, hc * d, self.nout(hc)
+        if not backward:
+            return Work(rows * (w + d) * e + n * w * 4 + rows * (n + 1 + hc + hc * hc) * 4, rows * w * (2 * n + 3))
+        return Work(rows * (2 * w + d) * e + 2 * n * w * 4 + rows * (2 * n + hc + hc * hc) * 4, rows * w * (4 * n + 8))
+
+    def tiling_problem(self, problem: Problem, hw):
+        rows, hc, d = problem.shape
+        e, w, n = problem.dtype.itemsize, hc * d, self.nout(hc)
+        phases = [
+            RowwisePhase("forward", dram_bytes_per_row=(w + d) * e + (n + 1 + hc * (hc + 1)) * 4,
+                         vector_elems_per_row=w * (n + 2) + d * hc, chunked_passes=1,
+                         resident_bytes_per_row=w * e, l1_bytes_per_col=n * 4 + 4 + e,
+                         l2_bytes_per_tile=n * w * 4),
+            RowwisePhase("backward", dram_bytes_per_row=(2 * w + d) * e + (n + hc * (hc + 1)) * 4,
+                         vector_elems_per_row=w * (2 * n + 6) + d * hc, chunked_passes=1,
+                         resident_bytes_per_row=w * (e + 4), l1_bytes_per_col=2 * n * 4 + 4 + e,
+                         l2_bytes_per_tile=3 * n * w * 4, fixed_resident_bytes=0),
+        ]
+        # the mix projection runs as GEMM tiles of 8 rows; the x tile and the backward's dn spill from
+        # L2 to the (large, shared) L3 without harm, so residency is planned against the L3 share, and a
+        # chunk of fn is streamed by the micro-kernel from L2 (each row block reads it once)
+        return rowwise_model(rows, w, phases, hw, fixed={"vec": max(hw.simd_bytes // 4, 4)}, row_block=8,
+                             resident_level="L3", chunk_level="L2")
+
+    # --- code ---------------------------------------------------------------------------------
+    def template(self, target_kind: str) -> str:
+        return f"{target_kind}/mhc_pre.c.j2"
+
+    def render_params(self, problem: Problem, knobs: dict[str, int]) -> dict:
+        _, hc, d = problem.shape
+        return {"dtype": problem.dtype, "hc": int(hc), "d": int(d), "nout": self.nout(hc), "iters": ITERS,
+                "head": self.head, "vec": int(knobs["vec"]), "tile_rows": int(knobs["tile_rows"]), "col_chunk": int(knobs["col_chunk"]),
+                "threads": int(knobs["threads"])}
+
+    def empty_outputs(self, problem: Problem, inputs: Tensors) -> Tensors:
+        x = inputs["x"]
+        rows, hc, d = x.shape[0], x.shape[-2], x.shape[-1]
+        f32 = {"dtype": torch.float32, "device": x.device}
+        out = {"y": x.new_empty(rows, d), "mix": torch.empty(rows, self.nout(hc), **f32),
+               "rstd": torch.empty(rows, **f32)}
+        if not self.head:
+            out["post"] = torch.empty(rows, hc, **f32)
+            out["comb"] = torch.empty(rows, hc, hc, **f32)
+        return out
+
+    def run_forward(self, kernel, inputs: Tensors, outputs: Tensors) -> None:
+        x = inputs["x"]
+        scratch = kernel.workspace("fwd_scratch")
+        kernel.call("fwd", x, inputs["fn"], inputs["base"], inputs["scale"], outputs["y"], outputs.get("post"),
+                    outputs.get("comb"), outputs["mix"], outputs["rstd"], scratch, outputs["rstd"].numel(), EPS, EPS)
+
+    def run_backward(self, kernel, inputs: Tensors, outputs: Tensors, grad_outputs: Tensors, grads: Tensors) -> None:
+        x = inputs["x"]
+        rows, hc = outputs["rstd"].numel(), kernel.meta["hc"]
+        scratch = kernel.workspace("bwd_scratch")
+        d_scale = torch.empty(3, dtype=torch.float32)
+        d_post = grad_outputs.get("post")
+        d_comb = grad_outputs.get("comb")
+        if not self.head:
+            d_post = d_post if d_post is not None else torch.zeros(rows, hc)
+            d_comb = d_comb if d_comb is not None else torch.zeros(rows, hc, hc)
+        kernel.call("bwd", x, inputs["fn"], inputs["base"], inputs["scale"], outputs["mix"], outputs["rstd"],
+                    grad_outputs["y"], d_post, d_comb, grads["x"], grads["fn"], grads["base"], d_scale, scratch,
+                    rows, EPS)
+        grads["scale"].copy_(d_scale[: grads["scale"].numel()])
+
+    # --- swapping -----------------------------------------------------------------------------
+    def call_problem(self, module: torch.nn.Module, args: tuple) -> Problem | None:
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if x is None or x.dim() < 3 or x.dtype not in (d.torch for d in self.dtypes):
+            return None
+        hc, d = x.shape[-2], x.shape[-1]
+        return Problem(self.name, "default", (x.numel() // (hc * d), hc, d), DType.from_torch(x.dtype))
+
+    def patch(self, module: torch.nn.Module, lookup) -> None:
+        if "_ak_reference_forward" not in module.__dict__:
+            module._ak_reference_forward = module.forward
+        module._ak_lookup = lookup
+        module.forward = types.MethodType(_module_forward, module)
+
+
+# --- the kernel as a torch op ---------------------------------------------------------------------
+
+def _spec_of(module) -> MhcSpec:
+    return HEAD if isinstance(module, DeepseekV4HyperHead) else PRE
+
+
+def _params(module):
+    if isinstance(module, DeepseekV4HyperHead):
+        return module.hc_fn, module.hc_base, module.hc_scale
+    return module.fn, module.base, module.scale
+
+
+class _Mhc(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, fn, base, scale, spec, kernel):
+        from ..build import built_kernel
+        x = rows_layout(x)
+        k = built_kernel(kernel)
+        p32 = [t.detach().float().contiguous() for t in (fn, base, scale)]
+        outputs = spec.empty_outputs(None, {"x": x.view(-1, x.shape[-2], x.shape[-1])})
+        spec.run_forward(k, {"x": x, "fn": p32[0], "base": p32[1], "scale": p32[2]}, outputs)
+        ctx.save_for_backward(x, *p32, outputs["mix"], outputs["rstd"])
+        ctx.spec, ctx.kernel = spec, kernel
+        ctx.dtypes = (fn.dtype, base.dtype, scale.dtype)
+        lead = x.shape[:-2]
+        y = outputs["y"].view(*lead, x.shape[-1])
+        if spec.head:
+            return y
+        hc = x.shape[-2]
+        return outputs["post"].view(*lead, hc), outputs["comb"].view(*lead, hc, hc), y
+
+    @staticmethod
+    def backward(ctx, *grads_out):
+        from ..build import built_kernel
+        x, fn, base, scale, mix, rstd = ctx.saved_tensors
+        spec = ctx.spec
+        hc, d = x.shape[-2], x.shape[-1]
+        rows = rstd.numel()
+        if spec.head:
+            (dy,) = grads_out
+            gout = {}
+        else:
+            d_post, d_comb, dy = grads_out
+            gout = {"post": None if d_post is None else d_post.float().contiguous().view(rows, hc),
+                    "comb": None if d_comb is None else d_comb.float().contiguous().view(rows, hc, hc)}
+        dy = torch.zeros(rows, d, dtype=x.dtype) if dy is None else dy.to(x.dtype).contiguous().view(rows, d)
+        gout["y"] = dy
+        grads = {"x": torch.empty_like(x), "fn": torch.empty_like(fn), "base": torch.empty_like(base),
+                 "scale": torch.empty_like(scale)}
+        spec.run_backward(built_kernel(ctx.kernel), {"x": x, "fn": fn, "base": base, "scale": scale},
+                          {"mix": mix, "rstd": rstd}, gout, grads)
+        return (grads["x"], grads["fn"].to(ctx.dtypes[0]), grads["base"].to(ctx.dtypes[1]),
+                grads["scale"].to(ctx.dtypes[2]), None, None)
+
+
+def _module_forward(module: torch.nn.Module, hidden_streams: torch.Tensor):
+    """forward of a patched DeepseekV4HyperConnection / DeepseekV4HyperHead."""
+    key = tuple(hidden_streams.shape[-2:])
+    kernel = module._ak_lookup(key, hidden_streams.dtype) if hidden_streams.device.type == "cpu" else None
+    if kernel is None or torch.compiler.is_compiling():
+        return module._ak_reference_forward(hidden_streams)
+    return _Mhc.apply(hidden_streams, *_params(module), _spec_of(module), kernel)
+
+
+def _spec(name: str, head: bool) -> MhcSpec:
+    spec = MhcSpec(
+        name=name,
+        summary=("final mHC collapse of the streams (DeepseekV4HyperHead): RMS, hc mixes, sigmoid, weighted sum"
+                 if head else "mHC pre (DeepseekV4HyperConnection): RMS, mix projection, sigmoid, softmax + "
+                              "20-step Sinkhorn, weighted sum of the streams"),
+        shape_meaning="ROWSxHCxD: tokens x streams (hc_mult) x hidden",
+        shape_rank=3,
+        default_shape=(1024, 4, 4096),
+        bench_shapes=((1024, 4, 4096), (512, 4, 7168)),
+        dtypes=(DType.fp32, DType.bf16, DType.fp16),
+        variants=("default",),
+        knob_docs={"tile_rows": "rows per tile (x tile kept in L2 for the second pass)",
+                   "col_chunk": "flattened columns per chunk (fn's chunk kept in L1 across the tile)",
+                   "threads": "OpenMP threads"},
+        entries={"fwd": Entry("ak_mhc_fwd", ("ptr",) * 10 + ("i64", "f32", "f32")),
+                 "bwd": Entry("ak_mhc_bwd", ("ptr",) * 14 + ("i64", "f32")),
+                 "fwd_scratch": Entry("ak_mhc_fwd_scratch", (), "i64"),
+                 "bwd_scratch": Entry("ak_mhc_bwd_scratch", (), "i64")},
+    )
+    spec.head = head
+    return spec
+
+
+PRE = _spec("mhc_pre", head=False)
+HEAD = _spec("mhc_head", head=True)
