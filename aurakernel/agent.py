@@ -76,7 +76,7 @@ def _grad_step(module: torch.nn.Module, args: tuple, grad_out: list[torch.Tensor
     def step():
         out = module(*args)
         outs = list(out) if isinstance(out, tuple | list) else [out]
-        return torch.autograd.grad(outs[: len(grad_out)], wrt, grad_out)
+        return torch.autograd.grad(outs[: len(grad_out)], wrt, grad_out, allow_unused=True)
     return step
 
 
@@ -172,13 +172,11 @@ def problems_from_profile(report: ProfileReport) -> list[Problem]:
     """One problem per (op, variant, compile-time extents, dtype) seen, at the largest row count seen."""
     found: dict[tuple, Problem] = {}
     for group in report.groups:
-        if group.name not in OPS:
-            continue
         for s in group.shapes:
             shape, dtype = tuple(s["shape"]), DType.parse(s["dtype"])
-            key = (group.name, s["variant"], shape[1:], dtype)
+            key = (s["op"], s["variant"], shape[1:], dtype)
             rows = max(shape[0], found[key].shape[0] if key in found else 0)
-            found[key] = Problem(group.name, s["variant"], (rows, *shape[1:]), dtype)
+            found[key] = Problem(s["op"], s["variant"], (rows, *shape[1:]), dtype)
     return list(found.values())
 
 

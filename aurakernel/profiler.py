@@ -43,6 +43,16 @@ GROUP_OF_MODULE: list[tuple[type, str]] = [
     (v4.DeepseekV4DecoderLayer, "mhc_post"),   # what a layer runs outside its children: the stream mixing
     (nn.Embedding, "embedding"),
 ]
+# modules whose calls pose a tuning problem for an operator of the library (it may be part of the group)
+OP_OF_MODULE: list[tuple[type, str]] = [
+    (v4.DeepseekV4RMSNorm, "rms_norm"),
+    (v4.DeepseekV4UnweightedRMSNorm, "rms_norm"),
+    (v4.DeepseekV4HyperConnection, "mhc_pre"),
+    (v4.DeepseekV4HyperHead, "mhc_head"),
+    (v4.DeepseekV4DecoderLayer, "mhc_post"),
+    (v4.DeepseekV4Experts, "swiglu"),
+    (v4.DeepseekV4MLP, "swiglu"),
+]
 MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm", "aten::matmul",
               "aten::linear", "aten::_grouped_mm"}
 PREFIX = "ak.group."
@@ -110,23 +120,24 @@ class _Hooks:
         self.handles = []
         self.calls: dict[str, int] = defaultdict(int)
         self.bytes: dict[str, int] = defaultdict(int)
-        self.problems: dict = defaultdict(int)   # Problem -> calls, for groups that have an OpSpec
+        self.problems: dict = defaultdict(int)   # (group, Problem) -> calls, for ops of the library
         self.stack = []
         for name, module in model.named_modules():
             group = "cross_entropy" if name == "lm_head" else _group_of(module)
             if group is None:
                 continue
-            self.handles.append(module.register_forward_pre_hook(self._pre(group)))
+            op = next((o for cls, o in OP_OF_MODULE if isinstance(module, cls)), None)
+            self.handles.append(module.register_forward_pre_hook(self._pre(group, op)))
             self.handles.append(module.register_forward_hook(self._post(group)))
 
-    def _pre(self, group):
+    def _pre(self, group, op):
         def hook(module, args):
             self.stack.append(torch.ops.profiler._record_function_enter_new(PREFIX + group, None))
             self.calls[group] += 1
-            if group in OPS:
-                problem = OPS[group].call_problem(module, args)
+            if op is not None:
+                problem = OPS[op].call_problem(module, args)
                 if problem is not None:
-                    self.problems[problem] += 1
+                    self.problems[(group, problem)] += 1
         return hook
 
     def _post(self, group):
@@ -241,11 +252,12 @@ def _report(times: dict[str, float], counts: dict[str, int], total: float, steps
         per_step = t / steps
         kind = "matmul" if name == "matmul" else ("fusable" if name in FUSABLE else "other")
         saving, basis, shapes = None, "-", []
-        problems = sorted(((p, n) for p, n in hooks.problems.items() if p.op == name), key=lambda pn: pn[0].describe())
+        problems = sorted(((p, n) for (g, p), n in hooks.problems.items() if g == name),
+                          key=lambda pn: pn[0].describe())
         if problems:
             planned = 0.0
             for problem, n in problems:
-                shapes.append({"variant": problem.variant, "shape": list(problem.shape),
+                shapes.append({"op": problem.op, "variant": problem.variant, "shape": list(problem.shape),
                                "dtype": problem.dtype.value, "calls": n / steps})
                 p = _planned_us(problem, hw)
                 planned += (p if p is not None else 0.0) * n / steps
@@ -254,6 +266,6 @@ def _report(times: dict[str, float], counts: dict[str, int], total: float, steps
             bound_us = 3 * hooks.bytes[name] / steps / bw * 1e6
             saving, basis = max(0.0, per_step - bound_us), "roofline"
         groups.append(GroupStat(name, kind, per_step, t / total if total else 0.0, hooks.calls.get(name, 0) / steps,
-                                counts.get(name, 0) / steps, saving, basis, name in OPS, shapes))
+                                counts.get(name, 0) / steps, saving, basis, bool(problems), shapes))
     groups.sort(key=lambda g: (g.saving_us is None, -(g.saving_us or 0), -g.time_us))
     return ProfileReport(steps, total / steps, groups)

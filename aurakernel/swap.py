@@ -14,8 +14,11 @@ from pathlib import Path
 
 import torch
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+    DeepseekV4DecoderLayer,
+    DeepseekV4Experts,
     DeepseekV4HyperConnection,
     DeepseekV4HyperHead,
+    DeepseekV4MLP,
     DeepseekV4RMSNorm,
     DeepseekV4UnweightedRMSNorm,
 )
@@ -72,6 +75,12 @@ def deepseek_v4_sites(model: torch.nn.Module) -> list[Site]:
             sites.append(Site(name, module, "rms_norm", "unweighted", key))
         elif isinstance(module, DeepseekV4HyperConnection):
             sites.append(Site(name, module, "mhc_pre", "default", (cfg.hc_mult, cfg.hidden_size)))
+        elif isinstance(module, DeepseekV4DecoderLayer):
+            sites.append(Site(name, module, "mhc_post", "default", (cfg.hc_mult, cfg.hidden_size)))
+        elif isinstance(module, DeepseekV4Experts):
+            sites.append(Site(name, module, "swiglu", "default", (module.intermediate_dim,)))
+        elif isinstance(module, DeepseekV4MLP):
+            sites.append(Site(name, module, "swiglu", "default", (module.intermediate_size,)))
         elif isinstance(module, DeepseekV4HyperHead):
             sites.append(Site(name, module, "mhc_head", "default", (cfg.hc_mult, cfg.hidden_size)))
     return sites

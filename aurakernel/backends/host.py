@@ -25,7 +25,8 @@ from ..ops.base import Entry
 from ..paths import cache_dir
 from .base import Kernel
 
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno")
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno",
+          "-fno-trapping-math")  # no FP traps: lets floorf, selects and clamps vectorise
 
 _loaded: dict[str, ctypes.CDLL] = {}
 

@@ -1,0 +1,222 @@
+"""Clamped SwiGLU: DeepseekV4Experts._apply_gate (routed experts, packed gate_up) and the same
+activation in DeepseekV4MLP (the shared expert, separate gate and up projections).
+
+    y = silu(gate.clamp(max=L)) * up.clamp(-L, L),   L = swiglu_limit (10 in V4)
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from transformers import DeepseekV4Config
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Experts, DeepseekV4MLP
+
+from ..dtypes import DType
+from ..planner.costmodel import RowwisePhase, rowwise_model
+from .base import Entry, OpSpec, Problem, Tensors, Tolerance, Work
+
+LIMIT = 10.0
+
+_TOL = {
+    DType.fp32: Tolerance(1e-5, 1e-5),
+    DType.bf16: Tolerance(2e-2, 1.6e-2),
+    DType.fp16: Tolerance(2e-3, 2e-3),
+}
+
+
+def _experts(inter: int, limit: float = LIMIT) -> DeepseekV4Experts:
+    cfg = DeepseekV4Config(hidden_size=8, moe_intermediate_size=inter, n_routed_experts=1, swiglu_limit=limit,
+                           num_hidden_layers=1, vocab_size=8, layer_types=["sliding_attention"],
+                           mlp_layer_types=["moe"])
+    return DeepseekV4Experts(cfg)
+
+
+class SwigluReference(torch.nn.Module):
+    """transformers' own gate: DeepseekV4Experts._apply_gate on a packed [rows, 2I] gate_up."""
+
+    def __init__(self, inter: int, limit: float = LIMIT):
+        super().__init__()
+        self.experts = _experts(inter, limit)
+        self.limit = limit
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.experts._apply_gate(gate_up)
+
+
+class SwigluSpec(OpSpec):
+    def kernel_key(self, problem: Problem) -> tuple[int, ...]:
+        return problem.shape[1:]
+
+    def make_inputs(self, problem: Problem, seed: int) -> Tensors:
+        rows, inter = problem.shape
+        g = torch.Generator().manual_seed(seed)
+        # wide enough that both clamps are active on some elements; exact limits included
+        gate_up = torch.randn(rows, 2 * inter, generator=g) * 6
+        gate_up.view(-1)[:: 97] = LIMIT
+        gate_up.view(-1)[1:: 89] = -LIMIT
+        return {"gate_up": gate_up.to(problem.dtype.torch)}
+
+    def differentiable(self, problem: Problem) -> tuple[str, ...]:
+        return ("gate_up",)
+
+    def module_call(self, problem: Problem, inputs: Tensors):
+        return SwigluReference(problem.shape[1]), (inputs["gate_up"],)
+
+    def reference(self, problem: Problem, inputs: Tensors) -> Tensors:
+        return {"y": SwigluReference(problem.shape[1])(inputs["gate_up"])}
+
+    def tolerance(self, dtype: DType, output: str) -> Tolerance:
+        return _TOL[dtype]
+
+    def work(self, problem: Problem, backward: bool) -> Work:
+        rows, inter = problem.shape
+        e = problem.dtype.itemsize
+        return Work(rows * inter * e * (5 if backward else 3), rows * inter * (20 if backward else 10))
+
+    def tiling_problem(self, problem: Problem, hw):
+        rows, inter = problem.shape
+        e = problem.dtype.itemsize
+        phases = [RowwisePhase("forward", 3 * inter * e, 12 * inter, 0, 0, 0, 0),
+                  RowwisePhase("backward", 5 * inter * e, 20 * inter, 0, 0, 0, 0)]
+        return rowwise_model(rows, inter, phases, hw, fixed={"col_chunk": inter})
+
+    def template(self, target_kind: str) -> str:
+        return f"{target_kind}/swiglu.c.j2"
+
+    def render_params(self, problem: Problem, knobs: dict[str, int]) -> dict:
+        return {"dtype": problem.dtype, "inter": int(problem.shape[1]), "tile_rows": int(knobs["tile_rows"]),
+                "threads": int(knobs["threads"])}
+
+    def empty_outputs(self, problem: Problem, inputs: Tensors) -> Tensors:
+        gu = inputs["gate_up"]
+        return {"y": gu.new_empty(gu.shape[0], gu.shape[1] // 2)}
+
+    def run_forward(self, kernel, inputs: Tensors, outputs: Tensors) -> None:
+        gate, up = _halves(inputs["gate_up"])
+        kernel.call("fwd", gate, up, inputs["gate_up"].stride(0), outputs["y"], gate.shape[0],
+                    float(inputs.get("limit", LIMIT)))
+
+    def run_backward(self, kernel, inputs: Tensors, outputs: Tensors, grad_outputs: Tensors, grads: Tensors) -> None:
+        gate, up = _halves(inputs["gate_up"])
+        dgate, dup = _halves(grads["gate_up"])
+        kernel.call("bwd", gate, up, inputs["gate_up"].stride(0), grad_outputs["y"], dgate, dup,
+                    grads["gate_up"].stride(0), gate.shape[0], float(inputs.get("limit", LIMIT)))
+
+    def call_problem(self, module: torch.nn.Module, args: tuple) -> Problem | None:
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if x is None or x.dtype not in (d.torch for d in self.dtypes):
+            return None
+        if isinstance(module, DeepseekV4Experts):
+            # the experts see every routed (token, expert) pair: rows = tokens x top-k
+            inter = module.intermediate_dim
+            top_k = args[1].shape[-1] if len(args) > 1 and isinstance(args[1], torch.Tensor) else 1
+            rows = x.shape[0] * top_k
+        else:
+            inter = module.intermediate_size
+            rows = x.numel() // x.shape[-1]
+        return Problem(self.name, "default", (rows, inter), DType.from_torch(x.dtype))
+
+    def patch(self, module: torch.nn.Module, lookup) -> None:
+        module._ak_lookup = lookup
+        if isinstance(module, DeepseekV4Experts):
+            module._apply_gate = types.MethodType(_experts_gate, module)
+        elif isinstance(module, DeepseekV4MLP):
+            module.forward = types.MethodType(_mlp_forward, module)
+        elif isinstance(module, SwigluReference):
+            module.forward = types.MethodType(_reference_forward, module)
+        else:
+            raise TypeError(f"swiglu cannot patch {type(module).__name__}")
+
+
+def _halves(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    inter = packed.shape[-1] // 2
+    return packed[..., :inter], packed[..., inter:]
+
+
+class _Swiglu(torch.autograd.Function):
+    """Packed: gate_up [..., 2I] (the experts), gradient returned packed, so autograd does not have
+    to stitch two half-gradients together. Split: gate and up [..., I] (the shared expert)."""
+
+    @staticmethod
+    def forward(ctx, first, up, kernel, limit):
+        from ..build import built_kernel
+        packed = up is None
+        if packed:
+            inter = first.shape[-1] // 2
+            gu = first.reshape(-1, 2 * inter)
+            if gu.stride(-1) != 1:
+                gu = gu.contiguous()
+            g2, u2 = _halves(gu)
+        else:
+            inter = first.shape[-1]
+            g2, u2 = first.reshape(-1, inter), up.reshape(-1, inter)
+            if g2.stride(-1) != 1 or u2.stride(-1) != 1 or g2.stride(0) != u2.stride(0):
+                g2, u2 = g2.contiguous(), u2.contiguous()
+        rows = g2.shape[0]
+        y = g2.new_empty(rows, inter)
+        built_kernel(kernel).call("fwd", g2, u2, g2.stride(0), y, rows, limit)
+        ctx.save_for_backward(g2, u2)
+        ctx.kernel, ctx.limit, ctx.packed, ctx.shape = kernel, limit, packed, first.shape
+        return y.view(*first.shape[:-1], inter)
+
+    @staticmethod
+    def backward(ctx, dy):
+        from ..build import built_kernel
+        g2, u2 = ctx.saved_tensors
+        rows, inter = g2.shape
+        out = torch.empty(rows, 2 * inter, dtype=g2.dtype)
+        dgate, dup = _halves(out)
+        built_kernel(ctx.kernel).call("bwd", g2, u2, g2.stride(0), dy.reshape(rows, inter).contiguous().to(g2.dtype),
+                                      dgate, dup, out.stride(0), rows, ctx.limit)
+        if ctx.packed:
+            return out.view(ctx.shape), None, None, None
+        return dgate.reshape(ctx.shape), dup.reshape(ctx.shape), None, None
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor | None, limit: float, kernel: str) -> torch.Tensor:
+    """silu(gate.clamp(max=limit)) * up.clamp(-limit, limit); with up=None, `gate` is a packed gate_up."""
+    return _Swiglu.apply(gate, up, kernel, float(limit))
+
+
+def _kernel_for(module, inter: int, x: torch.Tensor):
+    if x.device.type != "cpu" or torch.compiler.is_compiling():
+        return None
+    return module._ak_lookup((inter,), x.dtype)
+
+
+def _experts_gate(self: DeepseekV4Experts, gate_up: torch.Tensor) -> torch.Tensor:
+    kernel = _kernel_for(self, gate_up.shape[-1] // 2, gate_up)
+    if kernel is None:
+        return DeepseekV4Experts._apply_gate(self, gate_up)
+    return swiglu(gate_up, None, self.limit, kernel)
+
+
+def _mlp_forward(self: DeepseekV4MLP, x: torch.Tensor) -> torch.Tensor:
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    kernel = _kernel_for(self, self.intermediate_size, gate) if gate.dtype == up.dtype else None
+    if kernel is None:
+        return self.down_proj(self.act_fn(gate.clamp(max=self.limit)) * up.clamp(min=-self.limit, max=self.limit))
+    return self.down_proj(swiglu(gate, up, self.limit, kernel))
+
+
+def _reference_forward(self: SwigluReference, gate_up: torch.Tensor) -> torch.Tensor:
+    kernel = _kernel_for(self, gate_up.shape[-1] // 2, gate_up)
+    if kernel is None:
+        return self.experts._apply_gate(gate_up)
+    return swiglu(gate_up, None, self.limit, kernel)
+
+
+SPEC = SwigluSpec(
+    name="swiglu",
+    summary="clamped SwiGLU of the routed experts (packed gate_up) and the shared expert",
+    shape_meaning="ROWSxI: (token, expert) rows x moe_intermediate_size",
+    shape_rank=2,
+    default_shape=(8192, 2048),
+    bench_shapes=((8192, 2048), (4096, 3072)),
+    dtypes=(DType.fp32, DType.bf16, DType.fp16),
+    variants=("default",),
+    knob_docs={"tile_rows": "rows per tile handed to a thread", "threads": "OpenMP threads"},
+    entries={"fwd": Entry("ak_swiglu_fwd", ("ptr", "ptr", "i64", "ptr", "i64", "f32")),
+             "bwd": Entry("ak_swiglu_bwd", ("ptr", "ptr", "i64", "ptr", "ptr", "ptr", "i64", "i64", "f32"))},
+)
