@@ -6,7 +6,6 @@ with its status and never offered for swapping.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -71,46 +70,10 @@ class TuneResult:
         }
 
 
-def _grad_step(module: torch.nn.Module, args: tuple, grad_out: list[torch.Tensor], wrt: list[torch.Tensor]):
-    """One forward + backward, returning grads (no accumulation into .grad, same for every candidate)."""
-    def step():
-        out = module(*args)
-        outs = list(out) if isinstance(out, tuple | list) else [out]
-        return torch.autograd.grad(outs[: len(grad_out)], wrt, grad_out, allow_unused=True)
-    return step
-
-
 def measure_problem(spec: OpSpec, problem: Problem, kernel_hash: str, *, with_compiled: bool,
                     threads: int) -> tuple[dict[str, float], dict[str, str]]:
-    """Median fwd+bwd microseconds of eager, torch.compile and the kernel, in the same rounds."""
-    inputs = spec.make_inputs(problem, seed=1234)
-    module, args = spec.module_call(problem, inputs)
-    diff = spec.differentiable(problem)
-    args = tuple(a.detach().requires_grad_(True) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
-                 for a in args)
-    wrt = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad] + list(module.parameters())
-    with torch.no_grad():
-        out = module(*args)
-    outs = list(out) if isinstance(out, tuple | list) else [out]
-    grad_out = [torch.randn_like(o) for o in outs[: len(spec.visible_outputs())]]
-    del diff
-
-    candidates = {"eager": _grad_step(module, args, grad_out, wrt)}
-    notes: dict[str, str] = {}
-    if with_compiled:
-        compiled_module = copy.deepcopy(module)
-        compiled = torch.compile(compiled_module)
-        wrt_c = wrt[: len(wrt) - len(list(module.parameters()))] + list(compiled_module.parameters())
-        step = _grad_step(compiled, args, grad_out, wrt_c)
-        try:
-            step()  # compile now, outside the timed rounds
-            candidates["compiled"] = step
-        except Exception as exc:  # noqa: BLE001 - a baseline that cannot compile is reported, not fatal
-            notes["compiled"] = f"torch.compile failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-    ours_module = copy.deepcopy(module)
-    spec.patch(ours_module, lambda key, dtype: kernel_hash)
-    wrt_o = wrt[: len(wrt) - len(list(module.parameters()))] + list(ours_module.parameters())
-    candidates["aurakernel"] = _grad_step(ours_module, args, grad_out, wrt_o)
+    """Median microseconds of eager, torch.compile and the kernel (fwd+bwd), in the same rounds."""
+    candidates, notes = spec.timing_candidates(problem, kernel_hash, with_compiled)
     timings = compare(candidates, threads=threads)
     return {name: t.us for name, t in timings.items()}, notes
 

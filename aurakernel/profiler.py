@@ -228,6 +228,12 @@ def profile_training(cfg, steps: int = 3, warmup: int = 1, hw: HardwareProfile |
     finally:
         hooks.remove()
     times, counts, total = _attribute(prof.events())
+    # the optimizer update is one problem per step: the largest fp32 parameter sets its size
+    largest = max((p.numel() for p in model.parameters() if p.dtype == torch.float32), default=0)
+    if largest:
+        from .ops.base import Problem
+        from .dtypes import DType
+        hooks.problems[("adamw", Problem("adamw", "default", (largest,), DType.fp32))] += steps
     return _report(times, counts, total, steps, hooks, hw)
 
 

@@ -49,9 +49,11 @@ class ApplyReport:
     swapped: list[dict] = field(default_factory=list)     # {"module", "op", "variant", "kernel_key", "dtypes"}
     reference: list[dict] = field(default_factory=list)   # {"module", "op", "reason"}
     rejected: list[dict] = field(default_factory=list)    # plan entries not used: {"op", ..., "reason"}
+    optimizer_kernel: str | None = None                    # the verified adamw kernel, for FusedAdamW
 
     def to_dict(self) -> dict:
-        return {"swapped": self.swapped, "reference": self.reference, "rejected": self.rejected}
+        return {"swapped": self.swapped, "reference": self.reference, "rejected": self.rejected,
+                "optimizer": "FusedAdamW (adamw kernel)" if self.optimizer_kernel else "torch AdamW"}
 
     def summary(self) -> str:
         return (f"{len(self.swapped)} modules swapped, {len(self.reference)} on the reference, "
@@ -93,6 +95,7 @@ def _admit(entry: PlanEntry, simd_elems: int) -> tuple[str | None, str | None]:
         dtype = DType.parse(entry.dtype, spec.dtypes)
         rows = int(entry.shape.split("x")[0])
         problem = Problem(entry.op, entry.variant, (rows, *entry.kernel_key), dtype)
+        spec.check_shape(problem.shape)
         kernel = build_kernel(spec, problem, entry.knobs)
     except BuildError as exc:
         return None, f"build failed: {str(exc).splitlines()[0]}"
@@ -123,6 +126,9 @@ def apply(model: torch.nn.Module, plan: KernelPlan | str | Path, target: str = "
         if reason is not None:
             report.rejected.append({"op": entry.op, "variant": entry.variant, "kernel_key": entry.kernel_key,
                                     "dtype": entry.dtype, "reason": reason})
+            continue
+        if entry.op == "adamw":   # not a module: the trainer builds its optimizer with it
+            report.optimizer_kernel = source_hash
             continue
         table[(entry.op, entry.variant, tuple(entry.kernel_key))][DType.parse(entry.dtype).torch] = source_hash
 

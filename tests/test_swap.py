@@ -188,3 +188,35 @@ def test_plan_file_errors_are_clear(tmp_path):
     bad.write_text(json.dumps({"format": 99, "kernels": []}))
     with pytest.raises(UserError, match="not an AuraKernel plan"):
         KernelPlan.load(bad)
+
+
+def test_fused_adamw_matches_torch_adamw_over_steps(cfg, host):
+    """The trainer's optimizer through the adamw kernel: same weights and states as torch's AdamW
+    after several steps on every parameter of the tiny model, and a compatible state_dict."""
+    from aurakernel.ops.adamw import FusedAdamW
+    from aurakernel.planner import solve_tiling
+
+    spec = get_op("adamw")
+    problem = Problem("adamw", "default", (65536,), DType.fp32)
+    knobs = solve_tiling(spec.tiling_problem(problem, host), op="adamw", variant="default", shape=problem.shape,
+                         dtype="fp32", target="host").knobs
+    kernel = build_kernel(spec, problem, knobs)
+    ref_model = build_model(cfg.model, seed=0)
+    ours = copy.deepcopy(ref_model)
+    hyper = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), foreach=False, **hyper)
+    our_opt = FusedAdamW(ours.parameters(), kernel=kernel.source_hash, **hyper)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        for a, b in zip(ref_model.parameters(), ours.parameters()):
+            grad = torch.randn(a.shape, generator=g) * 0.01
+            a.grad, b.grad = grad.clone(), grad.clone()
+        ref_opt.step()
+        our_opt.step()
+    for (name, a), (_, b) in zip(ref_model.named_parameters(), ours.named_parameters()):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+    ref_state, our_state = ref_opt.state_dict()["state"], our_opt.state_dict()["state"]
+    assert ref_state.keys() == our_state.keys()
+    for k in ref_state:
+        torch.testing.assert_close(our_state[k]["exp_avg_sq"], ref_state[k]["exp_avg_sq"], atol=1e-9, rtol=1e-5)
+        assert float(our_state[k]["step"]) == float(ref_state[k]["step"]) == 4

@@ -60,9 +60,14 @@ def lr_lambda(cfg: TrainConfig):
     return factor
 
 
-def make_run(label: str, model: torch.nn.Module, cfg: TrainConfig) -> Run:
+def make_run(label: str, model: torch.nn.Module, cfg: TrainConfig, adamw_kernel: str | None = None) -> Run:
+    """Model + AdamW over every parameter (through the tuned adamw kernel when one is given) + schedule."""
     t = cfg.train
-    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+    if adamw_kernel is not None:
+        from aurakernel.ops.adamw import FusedAdamW
+        opt = FusedAdamW(model.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, kernel=adamw_kernel)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
     return Run(label, model, opt, sched)
 
@@ -114,7 +119,7 @@ def train(cfg: TrainConfig, *, kernels=None, steps: int | None = None, compare: 
 
         tuned = base_model
         report = apply(tuned, kernels)
-        run = make_run("aurakernel", tuned, cfg)
+        run = make_run("aurakernel", tuned, cfg, adamw_kernel=report.optimizer_kernel)
         run.apply_report = report
         runs.append(run)
 

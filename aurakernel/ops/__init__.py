@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from ..errors import UserError
 from .base import OpSpec, Problem
+from .adamw import SPEC as ADAMW
 from .mhc import HEAD as MHC_HEAD
 from .mhc import PRE as MHC_PRE
 from .mhc_post import SPEC as MHC_POST
 from .rms_norm import SPEC as RMS_NORM
 from .swiglu import SPEC as SWIGLU
 
-OPS: dict[str, OpSpec] = {spec.name: spec for spec in (RMS_NORM, MHC_PRE, MHC_POST, MHC_HEAD, SWIGLU)}
+OPS: dict[str, OpSpec] = {spec.name: spec for spec in (RMS_NORM, MHC_PRE, MHC_POST, MHC_HEAD, SWIGLU, ADAMW)}
 
 
 def get_op(name: str) -> OpSpec:

@@ -169,6 +169,45 @@ class OpSpec(ABC):
         """Make `module` run kernels: lookup(kernel_key, torch dtype) -> source hash or None
         (None: run the reference)."""
 
+    def timing_candidates(self, problem: Problem, kernel_hash: str, with_compiled: bool):
+        """Zero-argument callables to time side by side: "eager" (the reference module), "compiled"
+        (torch.compile of it) and "aurakernel" (the module patched with the kernel), each one
+        forward + backward through the same nn.Module path the trainer runs. Returns (callables, notes)."""
+        import copy
+
+        inputs = self.make_inputs(problem, seed=1234)
+        module, args = self.module_call(problem, inputs)
+        args = tuple(a.detach().requires_grad_(True) if isinstance(a, torch.Tensor) and a.is_floating_point()
+                     else a for a in args)
+        leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        with torch.no_grad():
+            out = module(*args)
+        outs = list(out) if isinstance(out, tuple | list) else [out]
+        grad_out = [torch.randn_like(o) for o in outs[: len(self.visible_outputs())]]
+
+        def step_of(mod):
+            wrt = leaves + list(mod.parameters())
+
+            def step():  # grads are returned, never accumulated into .grad: same work for every candidate
+                o = mod(*args)
+                os_ = list(o) if isinstance(o, tuple | list) else [o]
+                return torch.autograd.grad(os_[: len(grad_out)], wrt, grad_out, allow_unused=True)
+            return step
+
+        candidates, notes = {"eager": step_of(module)}, {}
+        if with_compiled:
+            compiled_module = copy.deepcopy(module)
+            step = step_of(torch.compile(compiled_module))
+            try:
+                step()  # compile now, outside the timed rounds
+                candidates["compiled"] = step
+            except Exception as exc:  # noqa: BLE001 - a baseline that cannot compile is reported, not fatal
+                notes["compiled"] = f"torch.compile failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        ours = copy.deepcopy(module)
+        self.patch(ours, lambda key, dtype: kernel_hash)
+        candidates["aurakernel"] = step_of(ours)
+        return candidates, notes
+
     def verification_problems(self, problem: Problem, knobs: dict[str, int], simd_elems: int) -> list[Problem]:
         """The tuned shape plus tails: rows not divisible by tile x threads, a width off the SIMD grid."""
         rows, cols = problem.shape[0], problem.shape[-1]
