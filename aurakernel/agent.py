@@ -6,6 +6,7 @@ with its status and never offered for swapping.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -132,14 +133,18 @@ class AutotuneResult:
 
 
 def problems_from_profile(report: ProfileReport) -> list[Problem]:
-    """One problem per (op, variant, compile-time extents, dtype) seen, at the largest row count seen."""
+    """One problem per (op, variant, compile-time extents, dtype) seen: the call with the most work
+    (largest leading extents) stands for all of them (the kernel takes any leading extents)."""
     found: dict[tuple, Problem] = {}
     for group in report.groups:
         for s in group.shapes:
-            shape, dtype = tuple(s["shape"]), DType.parse(s["dtype"])
-            key = (s["op"], s["variant"], shape[1:], dtype)
-            rows = max(shape[0], found[key].shape[0] if key in found else 0)
-            found[key] = Problem(s["op"], s["variant"], (rows, *shape[1:]), dtype)
+            spec = OPS[s["op"]]
+            problem = Problem(s["op"], s["variant"], tuple(s["shape"]), DType.parse(s["dtype"]))
+            key = (problem.op, problem.variant, spec.kernel_key(problem), problem.dtype)
+            lead = len(problem.shape) - len(spec.kernel_key(problem))
+            size = math.prod(problem.shape[:lead])
+            if key not in found or size > math.prod(found[key].shape[:lead]):
+                found[key] = problem
     return list(found.values())
 
 

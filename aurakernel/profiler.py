@@ -122,6 +122,7 @@ class _Hooks:
         self.bytes: dict[str, int] = defaultdict(int)
         self.problems: dict = defaultdict(int)   # (group, Problem) -> calls, for ops of the library
         self.stack = []
+        self.groups: list[str] = []   # the open ranges' group names, innermost last
         for name, module in model.named_modules():
             group = "cross_entropy" if name == "lm_head" else _group_of(module)
             if group is None:
@@ -133,6 +134,7 @@ class _Hooks:
     def _pre(self, group, op):
         def hook(module, args):
             self.stack.append(torch.ops.profiler._record_function_enter_new(PREFIX + group, None))
+            self.groups.append(group)
             self.calls[group] += 1
             if op is not None:
                 problem = OPS[op].call_problem(module, args)
@@ -143,11 +145,16 @@ class _Hooks:
     def _post(self, group):
         def hook(module, args, output):
             torch.ops.profiler._record_function_exit._RecordFunction(self.stack.pop())
+            self.groups.pop()
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
             outs = output if isinstance(output, tuple | list) else [output]
             tensors += [o for o in outs if isinstance(o, torch.Tensor)]
             self.bytes[group] += sum(t.numel() * t.element_size() for t in tensors)
         return hook
+
+    def record(self, problem) -> None:
+        """A problem posed by a function call (not a module) inside the innermost open group."""
+        self.problems[(self.groups[-1] if self.groups else "other", problem)] += 1
 
     def remove(self):
         for h in self.handles:
@@ -219,9 +226,11 @@ def profile_training(cfg, steps: int = 3, warmup: int = 1, hw: HardwareProfile |
                            model.config.vocab_size, cfg.train.seed)
     for _ in range(warmup):
         train_step(run, next(batches), cfg)
+    from .ops.rope import record_calls
+
     hooks = _Hooks(model)
     try:
-        with profile(activities=[ProfilerActivity.CPU], record_shapes=False) as prof:
+        with record_calls(hooks.record), profile(activities=[ProfilerActivity.CPU], record_shapes=False) as prof:
             for _ in range(steps):
                 with record_function("ak.step"):
                     train_step(run, next(batches), cfg)

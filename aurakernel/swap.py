@@ -19,6 +19,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
     DeepseekV4HyperConnection,
     DeepseekV4HyperHead,
     DeepseekV4MLP,
+    DeepseekV4Model,
     DeepseekV4RMSNorm,
     DeepseekV4UnweightedRMSNorm,
 )
@@ -83,6 +84,8 @@ def deepseek_v4_sites(model: torch.nn.Module) -> list[Site]:
             sites.append(Site(name, module, "swiglu", "default", (module.intermediate_dim,)))
         elif isinstance(module, DeepseekV4MLP):
             sites.append(Site(name, module, "swiglu", "default", (module.intermediate_size,)))
+        elif isinstance(module, DeepseekV4Model):   # rope is a function: scoped to this model's forward
+            sites.append(Site(name or "model", module, "rope", "default", None))
         elif isinstance(module, DeepseekV4HyperHead):
             sites.append(Site(name, module, "mhc_head", "default", (cfg.hc_mult, cfg.hidden_size)))
     return sites
@@ -93,8 +96,8 @@ def _admit(entry: PlanEntry, simd_elems: int) -> tuple[str | None, str | None]:
     try:
         spec = get_op(entry.op)
         dtype = DType.parse(entry.dtype, spec.dtypes)
-        rows = int(entry.shape.split("x")[0])
-        problem = Problem(entry.op, entry.variant, (rows, *entry.kernel_key), dtype)
+        lead = tuple(int(d) for d in entry.shape.split("x"))[: spec.shape_rank - len(entry.kernel_key)]
+        problem = Problem(entry.op, entry.variant, (*lead, *entry.kernel_key), dtype)
         spec.check_shape(problem.shape)
         kernel = build_kernel(spec, problem, entry.knobs)
     except BuildError as exc:

@@ -26,21 +26,28 @@ def plan_for(model, dtypes=("fp32",), skip_cols=(), ops=None):
     from aurakernel.planner import solve_tiling
 
     hw = host_profile()
-    entries, seen = [], set()
+    c = model.config
+    rope_keys = [(c.head_dim, c.qk_rope_head_dim), (c.index_head_dim, c.qk_rope_head_dim)]
+    wanted = []
     for site in deepseek_v4_sites(model):
+        keys = rope_keys if site.op == "rope" else [site.kernel_key]
+        wanted += [(site, k) for k in keys]
+    entries, seen = [], set()
+    for site, kernel_key in wanted:
         if ops is not None and site.op not in ops:
             continue
         for dt in dtypes:
-            key = (site.op, site.variant, site.kernel_key, dt)
-            if site.kernel_key is None or key in seen or site.kernel_key[-1] in skip_cols:
+            key = (site.op, site.variant, kernel_key, dt)
+            if kernel_key is None or key in seen or kernel_key[-1] in skip_cols:
                 continue
             seen.add(key)
             spec = get_op(site.op)
-            problem = Problem(site.op, site.variant, (64, *site.kernel_key), DType.parse(dt))
+            lead = (64, 2) if site.op == "rope" else (64,)
+            problem = Problem(site.op, site.variant, (*lead, *kernel_key), DType.parse(dt))
             knobs = solve_tiling(spec.tiling_problem(problem, hw), op=site.op, variant=site.variant,
                                  shape=problem.shape, dtype=dt, target="host").knobs
             kernel = build_kernel(spec, problem, knobs)
-            entries.append(PlanEntry(site.op, site.variant, list(site.kernel_key), dt, problem.shape_text,
+            entries.append(PlanEntry(site.op, site.variant, list(kernel_key), dt, problem.shape_text,
                                      knobs, kernel.source_hash))
     return KernelPlan(target="host", kernels=entries)
 

@@ -9,9 +9,10 @@ from .mhc import HEAD as MHC_HEAD
 from .mhc import PRE as MHC_PRE
 from .mhc_post import SPEC as MHC_POST
 from .rms_norm import SPEC as RMS_NORM
+from .rope import SPEC as ROPE
 from .swiglu import SPEC as SWIGLU
 
-OPS: dict[str, OpSpec] = {spec.name: spec for spec in (RMS_NORM, MHC_PRE, MHC_POST, MHC_HEAD, SWIGLU, ADAMW)}
+OPS: dict[str, OpSpec] = {spec.name: spec for spec in (RMS_NORM, MHC_PRE, MHC_POST, MHC_HEAD, SWIGLU, ROPE, ADAMW)}
 
 
 def get_op(name: str) -> OpSpec:

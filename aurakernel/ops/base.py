@@ -177,8 +177,10 @@ class OpSpec(ABC):
 
         inputs = self.make_inputs(problem, seed=1234)
         module, args = self.module_call(problem, inputs)
-        args = tuple(a.detach().requires_grad_(True) if isinstance(a, torch.Tensor) and a.is_floating_point()
-                     else a for a in args)
+        diff_ids = {id(inputs[name]) for name in self.differentiable(problem) if name in inputs}
+        # only the differentiable inputs need gradients (rope's cos/sin, for one, never do)
+        args = tuple(a.detach().requires_grad_(True) if isinstance(a, torch.Tensor) and id(a) in diff_ids else a
+                     for a in args)
         leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
         with torch.no_grad():
             out = module(*args)

@@ -1,0 +1,209 @@
+"""Interleaved partial RoPE: transformers' DeepSeek-V4 `apply_rotary_pos_emb`, as the attention
+uses it on q, on the shared kv, and (with -sin) to de-rotate the attention output, and as the
+compressor and the indexer use it on their pooled keys and queries.
+
+It is a module-level function, not a module, so the swap replaces that function with one that
+dispatches to a kernel only inside the forward of a model `apply` patched (a context variable set
+by hooks on its DeepseekV4Model), and runs the reference everywhere else.
+"""
+
+from __future__ import annotations
+
+import contextvars
+
+import torch
+from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
+
+from ..dtypes import DType
+from ..planner.costmodel import RowwisePhase, rowwise_model
+from .base import Entry, OpSpec, Problem, Tensors, Tolerance, Work
+
+REFERENCE = v4.apply_rotary_pos_emb          # captured at import, before any patch
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("aurakernel_rope", default=None)
+
+# bf16/fp16: the reference rounds each of the two gradient paths (x and rotate_half(x)) to the
+# input dtype before adding them; the kernel rounds once, so they differ by about one ulp
+_TOL = {DType.fp32: Tolerance(1e-6, 1e-5), DType.bf16: Tolerance(3e-2, 1.6e-2), DType.fp16: Tolerance(4e-3, 2e-3)}
+
+
+class RopeReference(torch.nn.Module):
+    """Calls the (possibly patched) module-level function, as the attention does."""
+
+    def forward(self, x, cos, sin):
+        return v4.apply_rotary_pos_emb(x, cos, sin)
+
+
+def _angles(tokens: int, rope_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rope_dim, 2, dtype=torch.float) / rope_dim))
+    freqs = torch.arange(tokens, dtype=torch.float)[None, :, None] * inv_freq
+    return freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+
+class RopeSpec(OpSpec):
+    def kernel_key(self, problem: Problem) -> tuple[int, ...]:
+        return problem.shape[2:]
+
+    def check_shape(self, shape):
+        from ..errors import UserError
+        _, _, head_dim, rope_dim = shape
+        if rope_dim % 2 or rope_dim > head_dim:
+            raise UserError(f"rope shape {shape}: ROPE_DIM must be even and at most HEAD_DIM")
+
+    def make_inputs(self, problem: Problem, seed: int) -> Tensors:
+        tokens, heads, head_dim, rope_dim = problem.shape
+        g = torch.Generator().manual_seed(seed)
+        # [B=1, H, S, D] as the transposed view the attention hands over
+        x = torch.randn(1, tokens, heads, head_dim, generator=g).to(problem.dtype.torch).transpose(1, 2)
+        cos, sin = _angles(tokens, rope_dim, problem.dtype.torch)
+        return {"x": x, "cos": cos, "sin": sin}
+
+    def differentiable(self, problem: Problem) -> tuple[str, ...]:
+        return ("x",)
+
+    def module_call(self, problem: Problem, inputs: Tensors):
+        return RopeReference(), (inputs["x"], inputs["cos"], inputs["sin"])
+
+    def reference(self, problem: Problem, inputs: Tensors) -> Tensors:
+        return {"y": REFERENCE(inputs["x"], inputs["cos"], inputs["sin"])}
+
+    def tolerance(self, dtype: DType, output: str) -> Tolerance:
+        return _TOL[dtype]
+
+    def work(self, problem: Problem, backward: bool) -> Work:
+        tokens, heads, head_dim, rope_dim = problem.shape
+        e = problem.dtype.itemsize
+        return Work(2 * tokens * heads * head_dim * e + tokens * rope_dim * 4, 3 * tokens * heads * rope_dim)
+
+    def tiling_problem(self, problem: Problem, hw):
+        tokens, heads, head_dim, rope_dim = problem.shape
+        e = problem.dtype.itemsize
+        phase = RowwisePhase("forward", 2 * head_dim * e, 3 * rope_dim + head_dim, 0, 0, 0, 0)
+        back = RowwisePhase("backward", 2 * head_dim * e, 3 * rope_dim + head_dim, 0, 0, 0, 0)
+        return rowwise_model(tokens * heads, head_dim, [phase, back], hw, fixed={"col_chunk": head_dim})
+
+    def template(self, target_kind: str) -> str:
+        return f"{target_kind}/rope.c.j2"
+
+    def render_params(self, problem: Problem, knobs: dict[str, int]) -> dict:
+        return {"dtype": problem.dtype, "head_dim": int(problem.shape[2]), "rope_dim": int(problem.shape[3]),
+                "tile_rows": int(knobs["tile_rows"]), "threads": int(knobs["threads"])}
+
+    def empty_outputs(self, problem: Problem, inputs: Tensors) -> Tensors:
+        x = inputs["x"]
+        return {"y": torch.empty(x.shape, dtype=x.dtype)}
+
+    def run_forward(self, kernel, inputs: Tensors, outputs: Tensors) -> None:
+        _call(kernel, "fwd", inputs["x"], inputs["cos"], inputs["sin"], outputs["y"])
+
+    def run_backward(self, kernel, inputs: Tensors, outputs: Tensors, grad_outputs: Tensors, grads: Tensors) -> None:
+        _call(kernel, "bwd", grad_outputs["y"], inputs["cos"], inputs["sin"], grads["x"])
+
+    def verification_problems(self, problem: Problem, knobs: dict[str, int], simd_elems: int) -> list[Problem]:
+        tokens, heads, head_dim, rope_dim = problem.shape
+        tail = min(tokens, knobs["tile_rows"] * knobs["threads"] + 3)
+        return [problem, Problem(problem.op, problem.variant, (tail, heads + 1, head_dim + 3, rope_dim), problem.dtype)]
+
+    def call_problem(self, module, args):
+        return None   # recorded by the profiler's wrapper of the function (see record_calls)
+
+    def patch(self, module: torch.nn.Module, lookup) -> None:
+        """Make rope run kernels inside `module`'s forward (a DeepseekV4Model, or RopeReference)."""
+        install()
+        if getattr(module, "_ak_rope_hooks", None):
+            for h in module._ak_rope_hooks:
+                h.remove()
+        tokens = []
+
+        def enter(mod, args):
+            tokens.append(_ACTIVE.set(lookup))
+
+        def leave(mod, args, output):
+            _ACTIVE.reset(tokens.pop())
+
+        module._ak_rope_hooks = (module.register_forward_pre_hook(enter), module.register_forward_hook(leave))
+
+
+def _call(kernel, entry: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, y: torch.Tensor) -> None:
+    b, h, s, _ = x.shape
+    c32 = cos.float().expand(b, s, cos.shape[-1])
+    s32 = sin.float().expand(b, s, sin.shape[-1])
+    if c32.stride(-1) != 1 or s32.stride() != c32.stride():
+        c32, s32 = c32.contiguous(), s32.contiguous()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    kernel.call(entry, x, x.stride(0), x.stride(1), x.stride(2), c32, s32, c32.stride(0), c32.stride(1),
+                y, b, h, s)
+
+
+class _Rope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin, kernel):
+        from ..build import built_kernel
+        y = torch.empty(x.shape, dtype=x.dtype)
+        _call(built_kernel(kernel), "fwd", x, cos, sin, y)
+        ctx.save_for_backward(cos, sin)
+        ctx.kernel = kernel
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        from ..build import built_kernel
+        cos, sin = ctx.saved_tensors
+        dx = torch.empty(dy.shape, dtype=dy.dtype)
+        _call(built_kernel(ctx.kernel), "bwd", dy, cos, sin, dx)
+        return dx, None, None, None
+
+
+def dispatching_apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim: int = 1):
+    """Drop-in for v4.apply_rotary_pos_emb: a kernel inside a patched model's forward, else the reference."""
+    lookup = _ACTIVE.get()
+    if (lookup is None or unsqueeze_dim != 1 or x.dim() != 4 or cos.dim() != 3 or x.device.type != "cpu"
+            or cos.requires_grad or sin.requires_grad or torch.compiler.is_compiling()):
+        return REFERENCE(x, cos, sin, unsqueeze_dim)
+    kernel = lookup((x.shape[-1], 2 * cos.shape[-1]), x.dtype)
+    if kernel is None:
+        return REFERENCE(x, cos, sin, unsqueeze_dim)
+    return _Rope.apply(x, cos, sin, kernel)
+
+
+def install() -> None:
+    """Route transformers' DeepSeek-V4 rope through the dispatcher (idempotent)."""
+    v4.apply_rotary_pos_emb = dispatching_apply_rotary_pos_emb
+
+
+class record_calls:
+    """Context manager for the profiler: calls `on_call(problem)` for every rope call."""
+
+    def __init__(self, on_call):
+        self.on_call = on_call
+
+    def __enter__(self):
+        self.saved = v4.apply_rotary_pos_emb
+        inner = self.saved
+
+        def recording(x, cos, sin, unsqueeze_dim=1):
+            if x.dim() == 4 and x.dtype in (d.torch for d in SPEC.dtypes):
+                b, h, s, d = x.shape
+                self.on_call(Problem("rope", "default", (b * s, h, d, 2 * cos.shape[-1]), DType.from_torch(x.dtype)))
+            return inner(x, cos, sin, unsqueeze_dim)
+        v4.apply_rotary_pos_emb = recording
+        return self
+
+    def __exit__(self, *exc):
+        v4.apply_rotary_pos_emb = self.saved
+        return False
+
+
+SPEC = RopeSpec(
+    name="rope",
+    summary="interleaved partial RoPE on the trailing rope slice of each head (and its inverse)",
+    shape_meaning="TOKENSxHEADSxHEAD_DIMxROPE_DIM",
+    shape_rank=4,
+    default_shape=(4096, 64, 512, 64),
+    bench_shapes=((4096, 64, 512, 64), (2048, 128, 512, 64)),
+    dtypes=(DType.fp32, DType.bf16, DType.fp16),
+    variants=("default",),
+    knob_docs={"tile_rows": "(token, head) rows per tile", "threads": "OpenMP threads"},
+    entries={"fwd": Entry("ak_rope_fwd", ("ptr", "i64", "i64", "i64", "ptr", "ptr", "i64", "i64", "ptr", "i64", "i64", "i64")),
+             "bwd": Entry("ak_rope_bwd", ("ptr", "i64", "i64", "i64", "ptr", "ptr", "i64", "i64", "ptr", "i64", "i64", "i64"))},
+)
