@@ -50,6 +50,8 @@ OP_OF_MODULE: list[tuple[type, str]] = [
     (v4.DeepseekV4HyperConnection, "mhc_pre"),
     (v4.DeepseekV4HyperHead, "mhc_head"),
     (v4.DeepseekV4DecoderLayer, "mhc_post"),
+    (v4.DeepseekV4TopKRouter, "router"),
+    (v4.DeepseekV4HashRouter, "router"),
     (v4.DeepseekV4Experts, "swiglu"),
     (v4.DeepseekV4MLP, "swiglu"),
 ]

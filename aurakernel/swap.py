@@ -16,11 +16,13 @@ import torch
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
     DeepseekV4DecoderLayer,
     DeepseekV4Experts,
+    DeepseekV4HashRouter,
     DeepseekV4HyperConnection,
     DeepseekV4HyperHead,
     DeepseekV4MLP,
     DeepseekV4Model,
     DeepseekV4RMSNorm,
+    DeepseekV4TopKRouter,
     DeepseekV4UnweightedRMSNorm,
 )
 
@@ -80,6 +82,10 @@ def deepseek_v4_sites(model: torch.nn.Module) -> list[Site]:
             sites.append(Site(name, module, "mhc_pre", "default", (cfg.hc_mult, cfg.hidden_size)))
         elif isinstance(module, DeepseekV4DecoderLayer):
             sites.append(Site(name, module, "mhc_post", "default", (cfg.hc_mult, cfg.hidden_size)))
+        elif isinstance(module, DeepseekV4HashRouter):
+            sites.append(Site(name, module, "router", "hash", (module.num_experts, module.top_k)))
+        elif isinstance(module, DeepseekV4TopKRouter):
+            sites.append(Site(name, module, "router", "topk", (module.num_experts, module.top_k)))
         elif isinstance(module, DeepseekV4Experts):
             sites.append(Site(name, module, "swiglu", "default", (module.intermediate_dim,)))
         elif isinstance(module, DeepseekV4MLP):

@@ -73,13 +73,14 @@ def _check_one(spec: OpSpec, problem: Problem, kernel: Kernel, seed: int) -> lis
     ref_out = spec.reference(problem, ref_inputs)
     g = torch.Generator().manual_seed(10_000 + seed)
     visible = spec.visible_outputs()
-    grad_out = {k: torch.randn(ref_out[k].shape, generator=g).to(ref_out[k].dtype) for k in visible}
-    ref_grads = (torch.autograd.grad([ref_out[k] for k in visible], [ref_inputs[k] for k in diff],
-                                     [grad_out[k] for k in visible], allow_unused=True) if diff else ())
+    with_grad = spec.grad_outputs()
+    grad_out = {k: torch.randn(ref_out[k].shape, generator=g).to(ref_out[k].dtype) for k in with_grad}
+    ref_grads = (torch.autograd.grad([ref_out[k] for k in with_grad], [ref_inputs[k] for k in diff],
+                                     [grad_out[k] for k in with_grad], allow_unused=True) if diff else ())
 
     outputs = spec.empty_outputs(problem, inputs)
-    for t in outputs.values():
-        t.fill_(float("nan"))
+    for t in outputs.values():   # poison: NaN, or an impossible value for integer outputs
+        t.fill_(float("nan") if t.is_floating_point() else torch.iinfo(t.dtype).min)
     spec.run_forward(kernel, inputs, outputs)
     grads = {k: torch.full(inputs[k].shape, float("nan"), dtype=inputs[k].dtype) for k in diff}
     if diff:  # an operator without gradients (the optimizer update) has no backward
@@ -87,6 +88,11 @@ def _check_one(spec: OpSpec, problem: Problem, kernel: Kernel, seed: int) -> lis
 
     checks = []
     for k in visible:
+        if not ref_out[k].is_floating_point():   # indices: exactly equal
+            same = outputs[k].shape == ref_out[k].shape and torch.equal(outputs[k], ref_out[k])
+            checks.append(Check(problem.shape, seed, k, 0.0 if same else float("inf"), 0.0, same,
+                                "" if same else "integer output differs"))
+            continue
         tol = spec.tolerance(problem.dtype, k)
         checks.append(Check(problem.shape, seed, k, *compare(outputs[k], ref_out[k].detach(), tol.atol, tol.rtol)))
     for k, rg in zip(diff, ref_grads):

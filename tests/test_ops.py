@@ -18,6 +18,7 @@ CASES = {
     "swiglu": ["300x256", "37x131"],
     "adamw": ["100003", "4096"],
     "rope": ["37x4x64x16", "9x3x96x32"],
+    "router": ["301x64x6", "17x8x2"],
 }
 
 
@@ -40,3 +41,26 @@ def test_kernel_matches_reference(op, shape, dtype, host):
         tensors = {c.tensor for c in result.checks}
         assert set(spec.visible_outputs()) <= tensors
         assert {f"grad_{k}" for k in spec.differentiable(problem)} <= tensors
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_router_ties_go_exactly_as_torch_topk(dtype, host):
+    """Rows full of exact ties (constant logits, a zero correction bias): the selected experts are
+    torch.topk's own choice, not the kernel's lower-index preference."""
+    import torch
+
+
+    spec = get_op("router")
+    problem = spec.problem("64x256x6", dtype, "topk")
+    plan = solve_tiling(spec.tiling_problem(problem, host), op="router", variant="topk", shape=problem.shape,
+                        dtype=dtype, target="host")
+    kernel = build_kernel(spec, problem, plan.knobs)
+    inputs = spec.make_inputs(problem, seed=0)
+    inputs["logits"][::2] = 0.5                        # every even row: all 256 experts tie
+    inputs["logits"][1::4, 100:] = inputs["logits"][1::4, 100:101]   # many ties at the top in others
+    inputs["bias"].zero_()
+    ref = spec.reference(problem, inputs)
+    out = spec.empty_outputs(problem, inputs)
+    spec.run_forward(kernel, inputs, out)
+    assert torch.equal(out["indices"], ref["indices"])
+    torch.testing.assert_close(out["weights"], ref["weights"])

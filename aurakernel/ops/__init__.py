@@ -10,9 +10,10 @@ from .mhc import PRE as MHC_PRE
 from .mhc_post import SPEC as MHC_POST
 from .rms_norm import SPEC as RMS_NORM
 from .rope import SPEC as ROPE
+from .router import SPEC as ROUTER
 from .swiglu import SPEC as SWIGLU
 
-OPS: dict[str, OpSpec] = {spec.name: spec for spec in (RMS_NORM, MHC_PRE, MHC_POST, MHC_HEAD, SWIGLU, ROPE, ADAMW)}
+OPS: dict[str, OpSpec] = {spec.name: spec for spec in (RMS_NORM, MHC_PRE, MHC_POST, MHC_HEAD, ROUTER, SWIGLU, ROPE, ADAMW)}
 
 
 def get_op(name: str) -> OpSpec:

@@ -155,6 +155,10 @@ class OpSpec(ABC):
         """Outputs the reference also produces (the rest, e.g. saved statistics, are internal)."""
         return ("y",)
 
+    def grad_outputs(self) -> tuple[str, ...]:
+        """The visible outputs a gradient flows back through (not, e.g., integer indices)."""
+        return self.visible_outputs()
+
     # --- modules: timing and swapping use the same nn.Module path the trainer runs ------------
     @abstractmethod
     def module_call(self, problem: Problem, inputs: Tensors) -> tuple[torch.nn.Module, tuple]:
@@ -185,7 +189,7 @@ class OpSpec(ABC):
         with torch.no_grad():
             out = module(*args)
         outs = list(out) if isinstance(out, tuple | list) else [out]
-        grad_out = [torch.randn_like(o) for o in outs[: len(self.visible_outputs())]]
+        grad_out = [torch.randn_like(o) for o in outs[: len(self.grad_outputs())]]
 
         def step_of(mod):
             wrt = leaves + list(mod.parameters())
