@@ -220,10 +220,12 @@ def profile_training(cfg, steps: int = 3, warmup: int = 1, hw: HardwareProfile |
 
     hw = hw or load_profile(cfg.hardware.target)
     model = build_model(cfg.model, cfg.train.seed)
+    report = None
     if kernels is not None:
         from .swap import apply
-        apply(model, kernels)
-    run = make_run("profile", model, cfg)
+        report = apply(model, kernels)
+    run = make_run("profile", model, cfg, adamw_kernel=report.optimizer_kernel if report else None)
+    run.apply_report = report
     batches = TokenBatches(cfg.data.source, cfg.data.path, cfg.data.seq_len, cfg.data.batch_size,
                            model.config.vocab_size, cfg.train.seed)
     for _ in range(warmup):
@@ -241,10 +243,15 @@ def profile_training(cfg, steps: int = 3, warmup: int = 1, hw: HardwareProfile |
     times, counts, total = _attribute(prof.events())
     # the optimizer update is one problem per step: the largest fp32 parameter sets its size
     largest = max((p.numel() for p in model.parameters() if p.dtype == torch.float32), default=0)
+    from .dtypes import DType
+    from .ops.base import Problem
     if largest:
-        from .ops.base import Problem
-        from .dtypes import DType
         hooks.problems[("adamw", Problem("adamw", "default", (largest,), DType.fp32))] += steps
+    # the loss: one row per token over the vocabulary, in the dtype the LM head produces
+    logits_dtype = DType.bf16 if cfg.train.dtype == "bf16" else DType.fp32
+    rows = cfg.data.batch_size * cfg.data.seq_len
+    hooks.problems[("cross_entropy", Problem("cross_entropy", "default", (rows, model.config.vocab_size),
+                                             logits_dtype))] += steps
     return _report(times, counts, total, steps, hooks, hw)
 
 

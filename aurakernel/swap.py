@@ -53,10 +53,16 @@ class ApplyReport:
     reference: list[dict] = field(default_factory=list)   # {"module", "op", "reason"}
     rejected: list[dict] = field(default_factory=list)    # plan entries not used: {"op", ..., "reason"}
     optimizer_kernel: str | None = None                    # the verified adamw kernel, for FusedAdamW
+    loss_kernels: dict = field(default_factory=dict)       # (vocab, torch dtype) -> cross_entropy kernel
+
+    def loss_kernel(self, vocab: int, dtype: torch.dtype) -> str | None:
+        """The verified cross_entropy kernel for logits of this width and dtype, if the plan has one."""
+        return self.loss_kernels.get((vocab, dtype))
 
     def to_dict(self) -> dict:
         return {"swapped": self.swapped, "reference": self.reference, "rejected": self.rejected,
-                "optimizer": "FusedAdamW (adamw kernel)" if self.optimizer_kernel else "torch AdamW"}
+                "optimizer": "FusedAdamW (adamw kernel)" if self.optimizer_kernel else "torch AdamW",
+                "loss": [f"cross_entropy V={v} {str(d).removeprefix('torch.')}" for v, d in self.loss_kernels]}
 
     def summary(self) -> str:
         return (f"{len(self.swapped)} modules swapped, {len(self.reference)} on the reference, "
@@ -138,6 +144,9 @@ def apply(model: torch.nn.Module, plan: KernelPlan | str | Path, target: str = "
             continue
         if entry.op == "adamw":   # not a module: the trainer builds its optimizer with it
             report.optimizer_kernel = source_hash
+            continue
+        if entry.op == "cross_entropy":   # not a module: the trainer's loss calls it
+            report.loss_kernels[(entry.kernel_key[0], DType.parse(entry.dtype).torch)] = source_hash
             continue
         table[(entry.op, entry.variant, tuple(entry.kernel_key))][DType.parse(entry.dtype).torch] = source_hash
 

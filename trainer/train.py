@@ -35,7 +35,7 @@ class Run:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     step_s: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
-    apply_report: object | None = None
+    apply_report: object | None = None   # aurakernel.swap.ApplyReport when kernels are swapped in
 
 
 @dataclass
@@ -72,11 +72,16 @@ def make_run(label: str, model: torch.nn.Module, cfg: TrainConfig, adamw_kernel:
     return Run(label, model, opt, sched)
 
 
-def loss_fn(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over fp32 logits (labels are already shifted)."""
+def loss_fn(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, report=None) -> torch.Tensor:
+    """Mean next-token cross-entropy over fp32 logits (labels are already shifted; -100 is ignored),
+    through the plan's cross_entropy kernel when `report` (an apply report) has one for the logits."""
     logits = model(input_ids=input_ids).logits
     with record_function("ak.group.cross_entropy"):  # profiler range: the LM-head + loss group
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        kernel = report.loss_kernel(logits.shape[-1], logits.dtype) if report is not None else None
+        if kernel is not None:
+            from aurakernel.ops.cross_entropy import cross_entropy
+            return cross_entropy(logits, labels, kernel)
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
 
 
 def train_step(run: Run, batch, cfg: TrainConfig) -> tuple[float, float, float]:
@@ -86,7 +91,7 @@ def train_step(run: Run, batch, cfg: TrainConfig) -> tuple[float, float, float]:
                 else contextlib.nullcontext())
     t0 = time.perf_counter()
     with autocast:
-        loss = loss_fn(run.model, input_ids, labels)
+        loss = loss_fn(run.model, input_ids, labels, run.apply_report)
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.train.grad_clip)
     with record_function("ak.group.adamw"):  # profiler range: the optimizer-update group
