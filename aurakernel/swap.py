@@ -14,10 +14,13 @@ from pathlib import Path
 
 import torch
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+    DeepseekV4CSACompressor,
     DeepseekV4DecoderLayer,
     DeepseekV4Experts,
     DeepseekV4HashRouter,
+    DeepseekV4HCACompressor,
     DeepseekV4HyperConnection,
+    DeepseekV4Indexer,
     DeepseekV4HyperHead,
     DeepseekV4MLP,
     DeepseekV4Model,
@@ -88,6 +91,10 @@ def deepseek_v4_sites(model: torch.nn.Module) -> list[Site]:
             sites.append(Site(name, module, "mhc_pre", "default", (cfg.hc_mult, cfg.hidden_size)))
         elif isinstance(module, DeepseekV4DecoderLayer):
             sites.append(Site(name, module, "mhc_post", "default", (cfg.hc_mult, cfg.hidden_size)))
+        elif isinstance(module, DeepseekV4HCACompressor):
+            sites.append(Site(name, module, "compressor", "hca", (module.compress_rate, module.head_dim)))
+        elif isinstance(module, DeepseekV4CSACompressor | DeepseekV4Indexer):
+            sites.append(Site(name, module, "compressor", "csa", (module.compress_rate, module.head_dim)))
         elif isinstance(module, DeepseekV4HashRouter):
             sites.append(Site(name, module, "router", "hash", (module.num_experts, module.top_k)))
         elif isinstance(module, DeepseekV4TopKRouter):

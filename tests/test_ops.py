@@ -20,6 +20,7 @@ CASES = {
     "rope": ["37x4x64x16", "9x3x96x32"],
     "router": ["301x64x6", "1024x8x2"],
     "cross_entropy": ["67x1000", "5x50257"],
+    "compressor": ["2x9x4x64", "1x3x16x40"],
 }
 
 

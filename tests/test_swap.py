@@ -42,7 +42,7 @@ def plan_for(model, dtypes=("fp32",), skip_cols=(), ops=None):
                 continue
             seen.add(key)
             spec = get_op(site.op)
-            lead = (64, 2) if site.op == "rope" else (64,)
+            lead = {"rope": (64, 2), "compressor": (1, 16)}.get(site.op, (64,))
             problem = Problem(site.op, site.variant, (*lead, *kernel_key), DType.parse(dt))
             knobs = solve_tiling(spec.tiling_problem(problem, hw), op=site.op, variant=site.variant,
                                  shape=problem.shape, dtype=dt, target="host").knobs

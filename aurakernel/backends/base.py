@@ -55,6 +55,13 @@ class Kernel:
             buf = self._scratch[name] = torch.empty(int(self.call(name)), dtype=torch.float32)
         return buf
 
+    def workspace_of(self, floats: int) -> torch.Tensor:
+        """A reusable fp32 scratch buffer of at least `floats` (grows when a call needs more)."""
+        buf = self._scratch.get("_sized")
+        if buf is None or buf.numel() < floats:
+            buf = self._scratch["_sized"] = torch.empty(max(floats, 1), dtype=torch.float32)
+        return buf
+
 
 class Backend(Protocol):
     name: str

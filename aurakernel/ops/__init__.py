@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..errors import UserError
 from .base import OpSpec, Problem
 from .adamw import SPEC as ADAMW
+from .compressor import SPEC as COMPRESSOR
 from .cross_entropy import SPEC as CROSS_ENTROPY
 from .mhc import HEAD as MHC_HEAD
 from .mhc import PRE as MHC_PRE
@@ -15,7 +16,7 @@ from .router import SPEC as ROUTER
 from .swiglu import SPEC as SWIGLU
 
 OPS: dict[str, OpSpec] = {spec.name: spec for spec in (RMS_NORM, MHC_PRE, MHC_POST, MHC_HEAD, ROUTER, SWIGLU, ROPE,
-                                                        CROSS_ENTROPY, ADAMW)}
+                                                        COMPRESSOR, CROSS_ENTROPY, ADAMW)}
 
 
 def get_op(name: str) -> OpSpec:

@@ -87,14 +87,18 @@ class OpSpec(ABC):
 
     # --- problems -----------------------------------------------------------------------------
     def problem(self, shape_text_: str | None, dtype_text: str, variant: str | None = None) -> Problem:
-        shape = (parse_shape(shape_text_, self.shape_rank, self.shape_meaning)
-                 if shape_text_ else self.default_shape)
         dtype = DType.parse(dtype_text, self.dtypes)
         variant = variant or self.variants[0]
         if variant not in self.variants:
             raise UserError(f"unknown variant {variant!r} of {self.name}: accepted are {', '.join(self.variants)}")
+        shape = (parse_shape(shape_text_, self.shape_rank, self.shape_meaning)
+                 if shape_text_ else self.default_shape_for(variant))
         self.check_shape(shape)
         return Problem(self.name, variant, tuple(shape), dtype)
+
+    def default_shape_for(self, variant: str) -> tuple[int, ...]:
+        """The shape `tune` uses without --shape (V4-Flash widths, rows scaled to run in seconds)."""
+        return self.default_shape
 
     def check_shape(self, shape: tuple[int, ...]) -> None:
         """Operator-specific limits on a shape; raise UserError naming what is accepted."""

@@ -1,0 +1,308 @@
+"""Compressor pooling + kv_norm: the softmax-gated pooling of DeepSeek-V4's compressed attention
+(DeepseekV4HCACompressor: non-overlapping windows of m=128; DeepseekV4CSACompressor and the
+lightning indexer's own compressor: overlapping windows of 2m, m=4), followed by the RMSNorm.
+
+The swap replaces those modules' forward in training (no cache) with the same code around one
+kernel call; with a cache (generation) the reference runs.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
+
+from ..dtypes import DType
+from ..planner.costmodel import RowwisePhase, rowwise_model
+from .base import Entry, OpSpec, Problem, Tensors, Tolerance, Work
+
+EPS = 1e-6
+
+_TOL = {
+    DType.fp32: {"y": Tolerance(1e-5, 1e-5), "kv": Tolerance(1e-5, 1e-4), "gate": Tolerance(1e-5, 1e-4),
+                 "position_bias": Tolerance(1e-4, 1e-3), "weight": Tolerance(1e-4, 1e-3)},
+    DType.bf16: {"y": Tolerance(2e-2, 1.6e-2), "kv": Tolerance(4e-2, 3.2e-2), "gate": Tolerance(4e-2, 3.2e-2),
+                 # summed over every window; the reference rounds each term to bf16 first
+                 "position_bias": Tolerance(6e-2, 3e-2), "weight": Tolerance(6e-2, 3e-2)},
+}
+_TOL[DType.fp16] = {k: Tolerance(v.atol / 5, v.rtol / 5) for k, v in _TOL[DType.bf16].items()}
+
+
+def pool_reference(kv, gate, position_bias, ratio: int, head_dim: int, overlap: bool):
+    """transformers 5.24's pooling (training path, no cache), verbatim up to the kv_norm call."""
+    batch = kv.shape[0]
+    usable = (kv.shape[1] // ratio) * ratio
+    chunk_kv, chunk_gate = kv[:, :usable], gate[:, :usable]
+    n_windows = chunk_kv.shape[1] // ratio
+    chunk_kv = chunk_kv.view(batch, n_windows, ratio, -1)
+    chunk_gate = chunk_gate.view(batch, n_windows, ratio, -1) + position_bias
+    if not overlap:
+        return (chunk_kv * chunk_gate.softmax(dim=2, dtype=torch.float32).to(chunk_kv.dtype)).sum(dim=2)
+    new_kv = chunk_kv.new_zeros((batch, n_windows, 2 * ratio, head_dim))
+    new_gate = chunk_gate.new_full((batch, n_windows, 2 * ratio, head_dim), float("-inf"))
+    new_kv[:, :, ratio:] = chunk_kv[..., head_dim:]
+    new_gate[:, :, ratio:] = chunk_gate[..., head_dim:]
+    if n_windows > 1:
+        new_kv[:, 1:, :ratio] = chunk_kv[:, :-1, :, :head_dim]
+        new_gate[:, 1:, :ratio] = chunk_gate[:, :-1, :, :head_dim]
+    return (new_kv * new_gate.softmax(dim=2, dtype=torch.float32).to(new_kv.dtype)).sum(dim=2)
+
+
+class CompressorPool(torch.nn.Module):
+    """Pooling + kv_norm, the unit the kernel replaces (timing reference)."""
+
+    def __init__(self, ratio: int, head_dim: int, overlap: bool):
+        super().__init__()
+        self.ratio, self.head_dim, self.overlap = ratio, head_dim, overlap
+        self.kv_norm = v4.DeepseekV4RMSNorm(head_dim, eps=EPS)
+
+    def forward(self, kv, gate, position_bias):
+        return self.kv_norm(pool_reference(kv, gate, position_bias, self.ratio, self.head_dim, self.overlap))
+
+
+class CompressorSpec(OpSpec):
+    def kernel_key(self, problem: Problem) -> tuple[int, ...]:
+        return problem.shape[2:]
+
+    def default_shape_for(self, variant: str) -> tuple[int, ...]:
+        return (1, 1024, 4, 512) if variant == "csa" else (1, 32, 128, 512)   # 4096 tokens, V4 head_dim
+
+    def make_inputs(self, problem: Problem, seed: int) -> Tensors:
+        batch, windows, ratio, d = problem.shape
+        dk = 2 * d if problem.variant == "csa" else d
+        seq = windows * ratio + ratio // 2          # a tail shorter than a window: not pooled
+        g = torch.Generator().manual_seed(seed)
+        return {"kv": torch.randn(batch, seq, dk, generator=g).to(problem.dtype.torch),
+                "gate": (torch.randn(batch, seq, dk, generator=g) * 2).to(problem.dtype.torch),
+                "position_bias": torch.randn(ratio, dk, generator=g) * 0.5,
+                "weight": 1.0 + 0.3 * torch.randn(d, generator=g)}
+
+    def differentiable(self, problem: Problem) -> tuple[str, ...]:
+        return ("kv", "gate", "position_bias", "weight")
+
+    def module_call(self, problem: Problem, inputs: Tensors):
+        mod = CompressorPool(problem.shape[2], problem.shape[3], problem.variant == "csa")
+        with torch.no_grad():
+            mod.kv_norm.weight.copy_(inputs["weight"])
+        return mod, (inputs["kv"], inputs["gate"], inputs["position_bias"])
+
+    def reference(self, problem: Problem, inputs: Tensors) -> Tensors:
+        from torch.func import functional_call
+        mod, args = self.module_call(problem, inputs)
+        return {"y": functional_call(mod, {"kv_norm.weight": inputs["weight"]}, args)}
+
+    def tolerance(self, dtype: DType, output: str) -> Tolerance:
+        return _TOL[dtype][output]
+
+    def work(self, problem: Problem, backward: bool) -> Work:
+        batch, windows, ratio, d = problem.shape
+        dk = 2 * d if problem.variant == "csa" else d
+        e = problem.dtype.itemsize
+        tokens = batch * windows * ratio
+        return Work(tokens * dk * e * (6 if backward else 2) + batch * windows * d * e, tokens * dk * 12)
+
+    def tiling_problem(self, problem: Problem, hw):
+        batch, windows, ratio, d = problem.shape
+        dk = 2 * d if problem.variant == "csa" else d
+        slots = 2 * ratio if problem.variant == "csa" else ratio
+        e = problem.dtype.itemsize
+        phases = [RowwisePhase("forward", ratio * dk * 2 * e + d * e, slots * d * 20, 0, 0, 0, 0),
+                  RowwisePhase("backward", ratio * dk * 4 * e + d * e, slots * d * 30, 0, 0, 0, 0)]
+        return rowwise_model(batch * windows, d, phases, hw, fixed={"col_chunk": d})
+
+    def template(self, target_kind: str) -> str:
+        return f"{target_kind}/compressor.c.j2"
+
+    def render_params(self, problem: Problem, knobs: dict[str, int]) -> dict:
+        return {"dtype": problem.dtype, "ratio": int(problem.shape[2]), "d": int(problem.shape[3]),
+                "overlap": problem.variant == "csa", "tile_rows": int(knobs["tile_rows"]),
+                "threads": int(knobs["threads"])}
+
+    def empty_outputs(self, problem: Problem, inputs: Tensors) -> Tensors:
+        kv = inputs["kv"]
+        ratio, d = inputs["position_bias"].shape[0], inputs["weight"].shape[0]
+        windows = kv.shape[1] // ratio
+        return {"y": kv.new_empty(kv.shape[0], windows, d), "rstd": torch.empty(kv.shape[0], windows)}
+
+    def run_forward(self, kernel, inputs: Tensors, outputs: Tensors) -> None:
+        kv = inputs["kv"]
+        ratio = inputs["position_bias"].shape[0]
+        scratch = kernel.workspace_of(kernel.meta["threads"] * (2 * ratio) * kernel.meta["d"])
+        kernel.call("fwd", kv, inputs["gate"], inputs["position_bias"], inputs["weight"], outputs["y"],
+                    outputs["rstd"], scratch, kv.shape[0], kv.shape[1], kv.shape[1] // ratio, EPS)
+
+    def run_backward(self, kernel, inputs: Tensors, outputs: Tensors, grad_outputs: Tensors, grads: Tensors) -> None:
+        kv = inputs["kv"]
+        ratio, d = inputs["position_bias"].shape[0], kernel.meta["d"]
+        dk = kv.shape[-1]
+        scratch = kernel.workspace_of(kernel.meta["threads"] * (2 * ratio * d + ratio * dk + d))
+        kernel.call("bwd", kv, inputs["gate"], inputs["position_bias"], inputs["weight"], outputs["rstd"],
+                    grad_outputs["y"].contiguous(), grads["kv"], grads["gate"], grads["position_bias"],
+                    grads["weight"], scratch, kv.shape[0], kv.shape[1], kv.shape[1] // ratio)
+
+    def verification_problems(self, problem: Problem, knobs: dict[str, int], simd_elems: int) -> list[Problem]:
+        batch, windows, ratio, d = problem.shape
+        tail = min(windows, knobs["tile_rows"] * knobs["threads"] + 1)
+        return [problem, Problem(problem.op, problem.variant, (2, tail, ratio, d + 3), problem.dtype)]
+
+    def call_problem(self, module, args):
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if x is None:
+            return None
+        ratio, d = module.compress_rate, module.head_dim
+        variant = "hca" if isinstance(module, v4.DeepseekV4HCACompressor) else "csa"
+        dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else module.kv_proj.weight.dtype
+        if dtype not in (dt.torch for dt in self.dtypes) or x.shape[1] < ratio:
+            return None
+        return Problem(self.name, variant, (x.shape[0], x.shape[1] // ratio, ratio, d), DType.from_torch(dtype))
+
+    def patch(self, module: torch.nn.Module, lookup) -> None:
+        module._ak_lookup = lookup
+        if isinstance(module, v4.DeepseekV4HCACompressor):
+            module.forward = types.MethodType(_hca_forward, module)
+        elif isinstance(module, v4.DeepseekV4CSACompressor):
+            module.forward = types.MethodType(_csa_forward, module)
+        elif isinstance(module, v4.DeepseekV4Indexer):
+            module.forward = types.MethodType(_indexer_forward, module)
+        elif isinstance(module, CompressorPool):
+            module.forward = types.MethodType(_pool_forward, module)
+        else:
+            raise TypeError(f"compressor cannot patch {type(module).__name__}")
+
+
+class _Pool(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, kv, gate, position_bias, weight, kernel):
+        from ..build import built_kernel
+        k = built_kernel(kernel)
+        inputs = {"kv": kv.contiguous(), "gate": gate.contiguous(), "position_bias": position_bias.float().contiguous(),
+                  "weight": weight.float().contiguous()}
+        outputs = SPEC.empty_outputs(None, inputs)
+        SPEC.run_forward(k, inputs, outputs)
+        ctx.save_for_backward(*inputs.values(), outputs["rstd"])
+        ctx.kernel, ctx.dtypes = kernel, (position_bias.dtype, weight.dtype)
+        return outputs["y"]
+
+    @staticmethod
+    def backward(ctx, dy):
+        from ..build import built_kernel
+        kv, gate, pb, weight, rstd = ctx.saved_tensors
+        grads = {"kv": torch.empty_like(kv), "gate": torch.empty_like(gate), "position_bias": torch.empty_like(pb),
+                 "weight": torch.empty_like(weight)}
+        SPEC.run_backward(built_kernel(ctx.kernel), {"kv": kv, "gate": gate, "position_bias": pb, "weight": weight},
+                          {"rstd": rstd}, {"y": dy.to(kv.dtype)}, grads)
+        return (grads["kv"], grads["gate"], grads["position_bias"].to(ctx.dtypes[0]),
+                grads["weight"].to(ctx.dtypes[1]), None)
+
+
+def _pooled(module, kv, gate, ratio: int, head_dim: int, overlap: bool):
+    """kv_norm(pooling) through the kernel when one fits, else the reference lines."""
+    kernel = None
+    if kv.device.type == "cpu" and kv.dtype == gate.dtype and not torch.compiler.is_compiling():
+        kernel = module._ak_lookup((ratio, head_dim), kv.dtype)
+    if kernel is None:
+        return module.kv_norm(pool_reference(kv, gate, module.position_bias, ratio, head_dim, overlap))
+    return _Pool.apply(kv, gate, module.position_bias, module.kv_norm.weight, kernel)
+
+
+def _pool_forward(self: CompressorPool, kv, gate, position_bias):
+    kernel = self._ak_lookup((self.ratio, self.head_dim), kv.dtype)
+    return _Pool.apply(kv, gate, position_bias, self.kv_norm.weight, kernel)
+
+
+def _rope_at_windows(module, compressed, n_windows: int, batch: int, first: int = 0):
+    positions = torch.arange(n_windows, device=compressed.device)
+    positions = (positions * module.compress_rate + first).unsqueeze(0).expand(batch, -1)
+    cos, sin = module.rotary_emb(compressed, position_ids=positions, layer_type=module.rope_layer_type)
+    return v4.apply_rotary_pos_emb(compressed.unsqueeze(1), cos, sin).squeeze(1)
+
+
+def _hca_forward(self, hidden_states, q_residual, position_ids, cache, layer_idx):
+    """DeepseekV4HCACompressor.forward (transformers 5.24), training path through the kernel."""
+    if cache is not None:
+        return v4.DeepseekV4HCACompressor.forward(self, hidden_states, q_residual, position_ids, cache, layer_idx)
+    batch = hidden_states.shape[0]
+    kv, gate = self.kv_proj(hidden_states), self.gate_proj(hidden_states)
+    n_windows = kv.shape[1] // self.compress_rate
+    if n_windows > 0:
+        compressed = _pooled(self, kv, gate, self.compress_rate, self.head_dim, overlap=False)
+        compressed = _rope_at_windows(self, compressed, n_windows, batch)
+    else:
+        compressed = kv.new_zeros((batch, 0, self.head_dim))
+    compressed_kv = compressed.unsqueeze(1)
+    compressed_len, seq_len = compressed_kv.shape[2], position_ids.shape[1]
+    if seq_len == 1 or compressed_len == 0:
+        return compressed_kv, None
+    entry_indices = torch.arange(compressed_len, device=compressed_kv.device)
+    causal_threshold = (position_ids + 1) // self.compress_rate
+    block_bias = compressed_kv.new_zeros((batch, 1, seq_len, compressed_len))
+    block_bias = block_bias.masked_fill(entry_indices.view(1, 1, 1, -1) >= causal_threshold.unsqueeze(1).unsqueeze(-1),
+                                        float("-inf"))
+    return compressed_kv, block_bias
+
+
+def _csa_forward(self, hidden_states, q_residual, position_ids, cache, layer_idx):
+    """DeepseekV4CSACompressor.forward (transformers 5.24), training path through the kernel."""
+    if cache is not None:
+        return v4.DeepseekV4CSACompressor.forward(self, hidden_states, q_residual, position_ids, cache, layer_idx)
+    batch, seq_len, _ = hidden_states.shape
+    kv, gate = self.kv_proj(hidden_states), self.gate_proj(hidden_states)
+    n_windows = kv.shape[1] // self.compress_rate
+    if n_windows > 0:
+        compressed = _pooled(self, kv, gate, self.compress_rate, self.head_dim, overlap=True)
+        compressed = _rope_at_windows(self, compressed, n_windows, batch)
+    else:
+        compressed = kv.new_zeros((batch, 0, self.head_dim))
+    compressed_kv = compressed.unsqueeze(1)
+    top_k_indices = self.indexer(hidden_states, q_residual, position_ids, cache, layer_idx)
+    compressed_len = compressed_kv.shape[2]
+    valid = top_k_indices >= 0
+    safe_indices = torch.where(valid, top_k_indices, torch.full_like(top_k_indices, compressed_len))
+    block_bias = compressed_kv.new_full((batch, 1, seq_len, compressed_len + 1), float("-inf"))
+    block_bias.scatter_(-1, safe_indices.unsqueeze(1), 0.0)
+    return compressed_kv, block_bias[..., :compressed_len]
+
+
+def _indexer_forward(self, hidden_states, q_residual, position_ids, cache, layer_idx):
+    """DeepseekV4Indexer.forward (transformers 5.24), training path with its pooling through the kernel."""
+    if cache is not None:
+        return v4.DeepseekV4Indexer.forward(self, hidden_states, q_residual, position_ids, cache, layer_idx)
+    batch, seq_len, _ = hidden_states.shape
+    kv, gate = self.kv_proj(hidden_states), self.gate_proj(hidden_states)
+    n_windows = kv.shape[1] // self.compress_rate
+    if n_windows > 0:
+        compressed = _pooled(self, kv, gate, self.compress_rate, self.head_dim, overlap=True)
+        compressed_kv = _rope_at_windows(self, compressed, n_windows, batch)
+    else:
+        compressed_kv = kv.new_zeros((batch, 0, self.head_dim))
+    cos_q, sin_q = self.rotary_emb(hidden_states, position_ids=position_ids, layer_type=self.rope_layer_type)
+    q = self.q_b_proj(q_residual).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
+    q = v4.apply_rotary_pos_emb(q, cos_q, sin_q).transpose(1, 2)
+    index_scores = self.scorer(q, compressed_kv, hidden_states)
+    compressed_len = compressed_kv.shape[1]
+    top_k = min(self.index_topk, compressed_len)
+    if compressed_len > 0:
+        causal_threshold = (position_ids + 1) // self.compress_rate
+        entry_indices = torch.arange(compressed_len, device=index_scores.device)
+        future_mask = entry_indices.view(1, 1, -1) >= causal_threshold.unsqueeze(-1)
+        index_scores = index_scores.masked_fill(future_mask, float("-inf"))
+        top_k_indices = index_scores.topk(top_k, dim=-1).indices
+        invalid = top_k_indices >= causal_threshold.unsqueeze(-1)
+        return torch.where(invalid, torch.full_like(top_k_indices, -1), top_k_indices)
+    return index_scores.topk(top_k, dim=-1).indices
+
+
+SPEC = CompressorSpec(
+    name="compressor",
+    summary="compressed attention's softmax pooling with position bias (CSA overlapping / HCA) + kv_norm RMSNorm",
+    shape_meaning="BATCHxWINDOWSxRATIOxHEAD_DIM",
+    shape_rank=4,
+    default_shape=(1, 32, 128, 512),
+    bench_shapes=((1, 32, 128, 512), (1, 1024, 4, 512)),
+    dtypes=(DType.fp32, DType.bf16, DType.fp16),
+    variants=("hca", "csa"),
+    knob_docs={"tile_rows": "windows per tile", "threads": "OpenMP threads"},
+    entries={"fwd": Entry("ak_compressor_fwd", ("ptr",) * 7 + ("i64", "i64", "i64", "f32")),
+             "bwd": Entry("ak_compressor_bwd", ("ptr",) * 11 + ("i64", "i64", "i64"))},
+)
