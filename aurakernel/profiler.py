@@ -56,6 +56,7 @@ OP_OF_MODULE: list[tuple[type, str]] = [
     (v4.DeepseekV4HCACompressor, "compressor"),
     (v4.DeepseekV4CSACompressor, "compressor"),
     (v4.DeepseekV4Indexer, "compressor"),
+    (v4.DeepseekV4IndexerScorer, "indexer_score"),
     (v4.DeepseekV4TopKRouter, "router"),
     (v4.DeepseekV4HashRouter, "router"),
     (v4.DeepseekV4Experts, "swiglu"),

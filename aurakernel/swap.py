@@ -21,6 +21,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
     DeepseekV4HCACompressor,
     DeepseekV4HyperConnection,
     DeepseekV4Indexer,
+    DeepseekV4IndexerScorer,
     DeepseekV4HyperHead,
     DeepseekV4MLP,
     DeepseekV4Model,
@@ -30,7 +31,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
 )
 
 from .build import build_kernel
-from .dtypes import DType
+from .dtypes import DType, parse_shape
 from .errors import BuildError
 from .hardware import load_profile
 from .ops import get_op
@@ -95,6 +96,8 @@ def deepseek_v4_sites(model: torch.nn.Module) -> list[Site]:
             sites.append(Site(name, module, "compressor", "hca", (module.compress_rate, module.head_dim)))
         elif isinstance(module, DeepseekV4CSACompressor | DeepseekV4Indexer):
             sites.append(Site(name, module, "compressor", "csa", (module.compress_rate, module.head_dim)))
+        elif isinstance(module, DeepseekV4IndexerScorer):
+            sites.append(Site(name, module, "indexer_score", "default", (cfg.index_n_heads, cfg.index_head_dim)))
         elif isinstance(module, DeepseekV4HashRouter):
             sites.append(Site(name, module, "router", "hash", (module.num_experts, module.top_k)))
         elif isinstance(module, DeepseekV4TopKRouter):
@@ -115,9 +118,10 @@ def _admit(entry: PlanEntry, simd_elems: int) -> tuple[str | None, str | None]:
     try:
         spec = get_op(entry.op)
         dtype = DType.parse(entry.dtype, spec.dtypes)
-        lead = tuple(int(d) for d in entry.shape.split("x"))[: spec.shape_rank - len(entry.kernel_key)]
-        problem = Problem(entry.op, entry.variant, (*lead, *entry.kernel_key), dtype)
+        problem = Problem(entry.op, entry.variant, parse_shape(entry.shape, spec.shape_rank), dtype)
         spec.check_shape(problem.shape)
+        if tuple(spec.kernel_key(problem)) != tuple(entry.kernel_key):
+            return None, f"shape {entry.shape} does not have the entry's extents {entry.kernel_key}"
         kernel = build_kernel(spec, problem, entry.knobs)
     except BuildError as exc:
         return None, f"build failed: {str(exc).splitlines()[0]}"

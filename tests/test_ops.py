@@ -21,6 +21,7 @@ CASES = {
     "router": ["301x64x6", "1024x8x2"],
     "cross_entropy": ["67x1000", "5x50257"],
     "compressor": ["2x9x4x64", "1x3x16x40"],
+    "indexer_score": ["2x19x4x32x23", "1x5x8x16x3"],
 }
 
 

@@ -42,8 +42,9 @@ def plan_for(model, dtypes=("fp32",), skip_cols=(), ops=None):
                 continue
             seen.add(key)
             spec = get_op(site.op)
-            lead = {"rope": (64, 2), "compressor": (1, 16)}.get(site.op, (64,))
-            problem = Problem(site.op, site.variant, (*lead, *kernel_key), DType.parse(dt))
+            lead = {"rope": (64, 2), "compressor": (1, 16), "indexer_score": (1, 16)}.get(site.op, (64,))
+            shape_tail = (8,) if site.op == "indexer_score" else ()
+            problem = Problem(site.op, site.variant, (*lead, *kernel_key, *shape_tail), DType.parse(dt))
             knobs = solve_tiling(spec.tiling_problem(problem, hw), op=site.op, variant=site.variant,
                                  shape=problem.shape, dtype=dt, target="host").knobs
             kernel = build_kernel(spec, problem, knobs)

@@ -7,6 +7,7 @@ from .base import OpSpec, Problem
 from .adamw import SPEC as ADAMW
 from .compressor import SPEC as COMPRESSOR
 from .cross_entropy import SPEC as CROSS_ENTROPY
+from .indexer_score import SPEC as INDEXER_SCORE
 from .mhc import HEAD as MHC_HEAD
 from .mhc import PRE as MHC_PRE
 from .mhc_post import SPEC as MHC_POST
@@ -16,7 +17,7 @@ from .router import SPEC as ROUTER
 from .swiglu import SPEC as SWIGLU
 
 OPS: dict[str, OpSpec] = {spec.name: spec for spec in (RMS_NORM, MHC_PRE, MHC_POST, MHC_HEAD, ROUTER, SWIGLU, ROPE,
-                                                        COMPRESSOR, CROSS_ENTROPY, ADAMW)}
+                                                        COMPRESSOR, INDEXER_SCORE, CROSS_ENTROPY, ADAMW)}
 
 
 def get_op(name: str) -> OpSpec:

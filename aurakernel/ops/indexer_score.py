@@ -1,0 +1,194 @@
+"""The lightning indexer's scoring: transformers' DeepseekV4IndexerScorer,
+
+    score[b, s, t] = sum_h w[b, s, h] * relu(q[b, s, h] . k[b, t]) * index_head_dim^-0.5,
+    w = weights_proj(hidden) * index_n_heads^-0.5   (that small projection stays a matmul)
+
+fused so the [B, S, H, T] products are never materialised. Its top-k stays torch.topk on these
+scores in the indexer; the scores match the reference to fp32 rounding, so only entries whose
+reference scores are equal to rounding can be picked differently (a test pins this down).
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call
+from transformers import DeepseekV4Config
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4IndexerScorer
+
+from ..dtypes import DType
+from ..planner.costmodel import RowwisePhase, rowwise_model
+from .base import Entry, OpSpec, Problem, Tensors, Tolerance, Work
+
+HIDDEN = 64   # hidden size of the test inputs (the weights projection's input)
+
+# scores and the weights' gradients are fp32; q's and k's gradients come back in their own dtype
+_TOL = {DType.fp32: {"q": Tolerance(1e-5, 1e-4), "k": Tolerance(1e-5, 1e-4)},
+        DType.bf16: {"q": Tolerance(2e-2, 1.6e-2), "k": Tolerance(2e-2, 1.6e-2)},
+        DType.fp16: {"q": Tolerance(2e-3, 2e-3), "k": Tolerance(2e-3, 2e-3)}}
+_FP32_OUT = Tolerance(1e-4, 1e-3)
+
+
+def _scorer(heads: int, dim: int) -> DeepseekV4IndexerScorer:
+    cfg = DeepseekV4Config(hidden_size=HIDDEN, index_n_heads=heads, index_head_dim=dim, num_hidden_layers=1,
+                           vocab_size=8, layer_types=["sliding_attention"], mlp_layer_types=["moe"])
+    return DeepseekV4IndexerScorer(cfg)
+
+
+class IndexerScoreSpec(OpSpec):
+    def kernel_key(self, problem: Problem) -> tuple[int, ...]:
+        return problem.shape[2:4]
+
+    def make_inputs(self, problem: Problem, seed: int) -> Tensors:
+        batch, seq, heads, dim, entries = problem.shape
+        g = torch.Generator().manual_seed(seed)
+        dt = problem.dtype.torch
+        return {"q": torch.randn(batch, seq, heads, dim, generator=g).to(dt),
+                "k": torch.randn(batch, entries, dim, generator=g).to(dt),
+                "hidden": torch.randn(batch, seq, HIDDEN, generator=g),
+                "proj": torch.randn(heads, HIDDEN, generator=g) * 0.2}
+
+    def differentiable(self, problem: Problem) -> tuple[str, ...]:
+        return ("q", "k", "hidden", "proj")
+
+    def module_call(self, problem: Problem, inputs: Tensors):
+        mod = _scorer(problem.shape[2], problem.shape[3])
+        with torch.no_grad():
+            mod.weights_proj.weight.copy_(inputs["proj"])
+        return mod, (inputs["q"], inputs["k"], inputs["hidden"])
+
+    def reference(self, problem: Problem, inputs: Tensors) -> Tensors:
+        mod = _scorer(problem.shape[2], problem.shape[3])
+        return {"y": functional_call(mod, {"weights_proj.weight": inputs["proj"]},
+                                     (inputs["q"], inputs["k"], inputs["hidden"]))}
+
+    def tolerance(self, dtype: DType, output: str) -> Tolerance:
+        return _TOL[dtype].get(output, _FP32_OUT if dtype is not DType.fp32 else Tolerance(1e-5, 1e-4))
+
+    def work(self, problem: Problem, backward: bool) -> Work:
+        batch, seq, heads, dim, entries = problem.shape
+        e = problem.dtype.itemsize
+        flops = 2 * batch * seq * heads * dim * entries
+        return Work(batch * (seq * heads * dim + entries * dim) * e * (2 if backward else 1) + batch * seq * entries * 4,
+                    flops * (2 if backward else 1))
+
+    def tiling_problem(self, problem: Problem, hw):
+        batch, seq, heads, dim, entries = problem.shape
+        e = problem.dtype.itemsize
+        per_row_flops = 2 * heads * dim * entries
+        phases = [RowwisePhase("forward", heads * dim * e + entries * 4, per_row_flops / 16, 0, 0, 0, 0),
+                  RowwisePhase("backward", 2 * heads * dim * e + entries * 4, 3 * per_row_flops / 16, 0, 0, 0, 0)]
+        return rowwise_model(batch * seq, heads * dim, phases, hw,
+                             fixed={"col_chunk": heads * dim, "vec": max(hw.simd_bytes // 4, 4)})
+
+    def template(self, target_kind: str) -> str:
+        return f"{target_kind}/indexer_score.c.j2"
+
+    def render_params(self, problem: Problem, knobs: dict[str, int]) -> dict:
+        return {"dtype": problem.dtype, "heads": int(problem.shape[2]), "dim": int(problem.shape[3]),
+                "vec": int(knobs["vec"]), "tile_rows": int(knobs["tile_rows"]), "threads": int(knobs["threads"])}
+
+    def empty_outputs(self, problem: Problem, inputs: Tensors) -> Tensors:
+        q, k = inputs["q"], inputs["k"]
+        return {"y": torch.empty(q.shape[0], q.shape[1], k.shape[1])}
+
+    @staticmethod
+    def weights(hidden, proj, heads):
+        return F.linear(hidden, proj).float() * heads**-0.5
+
+    def run_forward(self, kernel, inputs: Tensors, outputs: Tensors) -> None:
+        q, k = inputs["q"].contiguous(), inputs["k"].contiguous()
+        w = self.weights(inputs["hidden"], inputs["proj"], q.shape[2]).contiguous()
+        _fwd(kernel, q, k, w, outputs["y"])
+
+    def run_backward(self, kernel, inputs: Tensors, outputs: Tensors, grad_outputs: Tensors, grads: Tensors) -> None:
+        q, k, hidden, proj = (inputs[n] for n in ("q", "k", "hidden", "proj"))
+        heads = q.shape[2]
+        w = self.weights(hidden, proj, heads).contiguous()
+        dw = torch.empty_like(w)
+        _bwd(kernel, q.contiguous(), k.contiguous(), w, grad_outputs["y"].float().contiguous(), grads["q"], grads["k"], dw)
+        dw = dw * heads**-0.5   # back through the scaling and the projection (torch ops)
+        grads["hidden"].copy_(dw.to(hidden.dtype) @ proj)
+        grads["proj"].copy_(dw.reshape(-1, heads).t() @ hidden.reshape(-1, hidden.shape[-1]))
+
+    def verification_problems(self, problem: Problem, knobs: dict[str, int], simd_elems: int) -> list[Problem]:
+        batch, seq, heads, dim, entries = problem.shape
+        tail = min(seq, knobs["tile_rows"] * knobs["threads"] + 1)
+        return [problem, Problem(problem.op, problem.variant, (2, tail, heads, dim + 3, entries + 5), problem.dtype)]
+
+    def call_problem(self, module, args):
+        if len(args) < 2 or not all(isinstance(a, torch.Tensor) for a in args[:2]):
+            return None
+        q, k = args[0], args[1]
+        if q.dtype not in (d.torch for d in self.dtypes) or q.dim() != 4:
+            return None
+        return Problem(self.name, "default", (q.shape[0], q.shape[1], q.shape[2], q.shape[3], k.shape[1]),
+                       DType.from_torch(q.dtype))
+
+    def patch(self, module: torch.nn.Module, lookup) -> None:
+        module._ak_lookup = lookup
+        module.forward = types.MethodType(_scorer_forward, module)
+
+
+def _scratch_fwd(kernel, b, t, h, dim):
+    return kernel.workspace_of(b * dim * t + kernel.meta["threads"] * (h * dim + h * t))
+
+
+def _fwd(kernel, q, k, w, out):
+    b, s, h, dim = q.shape
+    t = k.shape[1]
+    kernel.call("fwd", q, k, w, out, _scratch_fwd(kernel, b, t, h, dim), b, s, t, dim**-0.5)
+
+
+def _bwd(kernel, q, k, w, g, dq, dk, dw):
+    b, s, h, dim = q.shape
+    t = k.shape[1]
+    scratch = kernel.workspace_of(2 * b * dim * t + kernel.meta["threads"] * (b * t * dim + h * dim + 2 * h * t))
+    kernel.call("bwd", q, k, w, g, dq, dk, dw, scratch, b, s, t, dim**-0.5)
+
+
+class _Score(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, w, kernel):
+        from ..build import built_kernel
+        q, k, w = q.contiguous(), k.contiguous(), w.contiguous()
+        out = torch.empty(q.shape[0], q.shape[1], k.shape[1])
+        _fwd(built_kernel(kernel), q, k, w, out)
+        ctx.save_for_backward(q, k, w)
+        ctx.kernel = kernel
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        from ..build import built_kernel
+        q, k, w = ctx.saved_tensors
+        dq, dk, dw = torch.empty_like(q), torch.empty_like(k), torch.empty_like(w)
+        _bwd(built_kernel(ctx.kernel), q, k, w, g.float().contiguous(), dq, dk, dw)
+        return dq, dk, dw, None
+
+
+def _scorer_forward(self: DeepseekV4IndexerScorer, q, compressed_kv, hidden_states):
+    kernel = None
+    if q.device.type == "cpu" and q.dtype == compressed_kv.dtype and not torch.compiler.is_compiling():
+        kernel = self._ak_lookup((q.shape[2], q.shape[3]), q.dtype)
+    if kernel is None or compressed_kv.shape[1] == 0:
+        return DeepseekV4IndexerScorer.forward(self, q, compressed_kv, hidden_states)
+    weights = self.weights_proj(hidden_states).float() * self.weights_scaling
+    return _Score.apply(q, compressed_kv, weights, kernel)
+
+
+SPEC = IndexerScoreSpec(
+    name="indexer_score",
+    summary="lightning indexer scores: heads-weighted ReLU(q . k), without the [B,S,H,T] intermediate",
+    shape_meaning="BATCHxSEQxHEADSxDIMxENTRIES: queries x indexer heads x index_head_dim x compressed entries",
+    shape_rank=5,
+    default_shape=(1, 512, 64, 128, 256),
+    bench_shapes=((1, 512, 64, 128, 256),),
+    dtypes=(DType.fp32, DType.bf16, DType.fp16),
+    variants=("default",),
+    knob_docs={"tile_rows": "queries per tile", "threads": "OpenMP threads"},
+    entries={"fwd": Entry("ak_indexer_fwd", ("ptr",) * 5 + ("i64", "i64", "i64", "f32")),
+             "bwd": Entry("ak_indexer_bwd", ("ptr",) * 8 + ("i64", "i64", "i64", "f32"))},
+)
