@@ -21,8 +21,13 @@ run: install
 test: install
 	$(BIN)/python -m pytest -q tests
 
-bench: install
+bench: plan.json
 	$(BIN)/python -m benchmarks.rms_norm
+	$(BIN)/python -m benchmarks.ops
+	$(BIN)/python -m benchmarks.train_step --plan plan.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info plan.json
+
+plan.json: $(STAMP)
+	$(BIN)/aurakernel autotune --config trainer/configs/tiny.yaml --out plan.json

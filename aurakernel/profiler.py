@@ -237,11 +237,13 @@ def profile_training(cfg, steps: int = 3, warmup: int = 1, hw: HardwareProfile |
                            model.config.vocab_size, cfg.train.seed)
     for _ in range(warmup):
         train_step(run, next(batches), cfg)
-    from .ops.rope import record_calls
+    from .ops import attn_softmax, rope
 
     hooks = _Hooks(model)
     try:
-        with record_calls(hooks.record), profile(activities=[ProfilerActivity.CPU], record_shapes=False) as prof:
+        with rope.SWAP.recording(hooks.record, rope.call_problem), \
+                attn_softmax.SWAP.recording(hooks.record, attn_softmax.call_problem), \
+                profile(activities=[ProfilerActivity.CPU], record_shapes=False) as prof:
             for _ in range(steps):
                 with record_function("ak.step"):
                     train_step(run, next(batches), cfg)

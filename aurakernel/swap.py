@@ -106,8 +106,9 @@ def deepseek_v4_sites(model: torch.nn.Module) -> list[Site]:
             sites.append(Site(name, module, "swiglu", "default", (module.intermediate_dim,)))
         elif isinstance(module, DeepseekV4MLP):
             sites.append(Site(name, module, "swiglu", "default", (module.intermediate_size,)))
-        elif isinstance(module, DeepseekV4Model):   # rope is a function: scoped to this model's forward
+        elif isinstance(module, DeepseekV4Model):   # functions, scoped to this model's forward
             sites.append(Site(name or "model", module, "rope", "default", None))
+            sites.append(Site(name or "model", module, "attn_softmax", "default", ()))
         elif isinstance(module, DeepseekV4HyperHead):
             sites.append(Site(name, module, "mhc_head", "default", (cfg.hc_mult, cfg.hidden_size)))
     return sites

@@ -22,6 +22,7 @@ CASES = {
     "cross_entropy": ["67x1000", "5x50257"],
     "compressor": ["2x9x4x64", "1x3x16x40"],
     "indexer_score": ["2x19x4x32x23", "1x5x8x16x3"],
+    "attn_softmax": ["2x4x37x53", "1x3x9x130"],
 }
 
 

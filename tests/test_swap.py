@@ -38,11 +38,12 @@ def plan_for(model, dtypes=("fp32",), skip_cols=(), ops=None):
             continue
         for dt in dtypes:
             key = (site.op, site.variant, kernel_key, dt)
-            if kernel_key is None or key in seen or kernel_key[-1] in skip_cols:
+            if kernel_key is None or key in seen or (kernel_key and kernel_key[-1] in skip_cols):
                 continue
             seen.add(key)
             spec = get_op(site.op)
-            lead = {"rope": (64, 2), "compressor": (1, 16), "indexer_score": (1, 16)}.get(site.op, (64,))
+            lead = {"rope": (64, 2), "compressor": (1, 16), "indexer_score": (1, 16),
+                    "attn_softmax": (1, 4, 16, 20)}.get(site.op, (64,))
             shape_tail = (8,) if site.op == "indexer_score" else ()
             problem = Problem(site.op, site.variant, (*lead, *kernel_key, *shape_tail), DType.parse(dt))
             knobs = solve_tiling(spec.tiling_problem(problem, hw), op=site.op, variant=site.variant,

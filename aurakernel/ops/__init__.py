@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..errors import UserError
 from .base import OpSpec, Problem
 from .adamw import SPEC as ADAMW
+from .attn_softmax import SPEC as ATTN_SOFTMAX
 from .compressor import SPEC as COMPRESSOR
 from .cross_entropy import SPEC as CROSS_ENTROPY
 from .indexer_score import SPEC as INDEXER_SCORE
@@ -16,7 +17,7 @@ from .rope import SPEC as ROPE
 from .router import SPEC as ROUTER
 from .swiglu import SPEC as SWIGLU
 
-OPS: dict[str, OpSpec] = {spec.name: spec for spec in (RMS_NORM, MHC_PRE, MHC_POST, MHC_HEAD, ROUTER, SWIGLU, ROPE,
+OPS: dict[str, OpSpec] = {spec.name: spec for spec in (RMS_NORM, MHC_PRE, MHC_POST, MHC_HEAD, ROUTER, SWIGLU, ROPE, ATTN_SOFTMAX,
                                                         COMPRESSOR, INDEXER_SCORE, CROSS_ENTROPY, ADAMW)}
 
 

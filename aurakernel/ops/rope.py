@@ -9,17 +9,13 @@ by hooks on its DeepseekV4Model), and runs the reference everywhere else.
 
 from __future__ import annotations
 
-import contextvars
-
 import torch
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
 
 from ..dtypes import DType
 from ..planner.costmodel import RowwisePhase, rowwise_model
+from . import scoped
 from .base import Entry, OpSpec, Problem, Tensors, Tolerance, Work
-
-REFERENCE = v4.apply_rotary_pos_emb          # captured at import, before any patch
-_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("aurakernel_rope", default=None)
 
 # bf16/fp16: the reference rounds each of the two gradient paths (x and rotate_half(x)) to the
 # input dtype before adding them; the kernel rounds once, so they differ by about one ulp
@@ -64,7 +60,7 @@ class RopeSpec(OpSpec):
         return RopeReference(), (inputs["x"], inputs["cos"], inputs["sin"])
 
     def reference(self, problem: Problem, inputs: Tensors) -> Tensors:
-        return {"y": REFERENCE(inputs["x"], inputs["cos"], inputs["sin"])}
+        return {"y": SWAP.reference(inputs["x"], inputs["cos"], inputs["sin"])}
 
     def tolerance(self, dtype: DType, output: str) -> Tolerance:
         return _TOL[dtype]
@@ -104,23 +100,12 @@ class RopeSpec(OpSpec):
         return [problem, Problem(problem.op, problem.variant, (tail, heads + 1, head_dim + 3, rope_dim), problem.dtype)]
 
     def call_problem(self, module, args):
-        return None   # recorded by the profiler's wrapper of the function (see record_calls)
+        return None   # a function, not a module: the profiler records it through SWAP.recording
 
     def patch(self, module: torch.nn.Module, lookup) -> None:
         """Make rope run kernels inside `module`'s forward (a DeepseekV4Model, or RopeReference)."""
-        install()
-        if getattr(module, "_ak_rope_hooks", None):
-            for h in module._ak_rope_hooks:
-                h.remove()
-        tokens = []
-
-        def enter(mod, args):
-            tokens.append(_ACTIVE.set(lookup))
-
-        def leave(mod, args, output):
-            _ACTIVE.reset(tokens.pop())
-
-        module._ak_rope_hooks = (module.register_forward_pre_hook(enter), module.register_forward_hook(leave))
+        SWAP.install()
+        scoped.scope(module, "rope", lookup)
 
 
 def _call(kernel, entry: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, y: torch.Tensor) -> None:
@@ -156,42 +141,25 @@ class _Rope(torch.autograd.Function):
 
 def dispatching_apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim: int = 1):
     """Drop-in for v4.apply_rotary_pos_emb: a kernel inside a patched model's forward, else the reference."""
-    lookup = _ACTIVE.get()
+    lookup = scoped.current("rope")
     if (lookup is None or unsqueeze_dim != 1 or x.dim() != 4 or cos.dim() != 3 or x.device.type != "cpu"
             or cos.requires_grad or sin.requires_grad or torch.compiler.is_compiling()):
-        return REFERENCE(x, cos, sin, unsqueeze_dim)
+        return SWAP.reference(x, cos, sin, unsqueeze_dim)
     kernel = lookup((x.shape[-1], 2 * cos.shape[-1]), x.dtype)
     if kernel is None:
-        return REFERENCE(x, cos, sin, unsqueeze_dim)
+        return SWAP.reference(x, cos, sin, unsqueeze_dim)
     return _Rope.apply(x, cos, sin, kernel)
 
 
-def install() -> None:
-    """Route transformers' DeepSeek-V4 rope through the dispatcher (idempotent)."""
-    v4.apply_rotary_pos_emb = dispatching_apply_rotary_pos_emb
+SWAP = scoped.FunctionSwap(v4, "apply_rotary_pos_emb", dispatching_apply_rotary_pos_emb)
 
 
-class record_calls:
-    """Context manager for the profiler: calls `on_call(problem)` for every rope call."""
-
-    def __init__(self, on_call):
-        self.on_call = on_call
-
-    def __enter__(self):
-        self.saved = v4.apply_rotary_pos_emb
-        inner = self.saved
-
-        def recording(x, cos, sin, unsqueeze_dim=1):
-            if x.dim() == 4 and x.dtype in (d.torch for d in SPEC.dtypes):
-                b, h, s, d = x.shape
-                self.on_call(Problem("rope", "default", (b * s, h, d, 2 * cos.shape[-1]), DType.from_torch(x.dtype)))
-            return inner(x, cos, sin, unsqueeze_dim)
-        v4.apply_rotary_pos_emb = recording
-        return self
-
-    def __exit__(self, *exc):
-        v4.apply_rotary_pos_emb = self.saved
-        return False
+def call_problem(x, cos, sin, unsqueeze_dim=1):
+    """The rope problem of one call (for the profiler's recorder)."""
+    if x.dim() != 4 or x.dtype not in (d.torch for d in SPEC.dtypes):
+        return None
+    b, h, s, d = x.shape
+    return Problem("rope", "default", (b * s, h, d, 2 * cos.shape[-1]), DType.from_torch(x.dtype))
 
 
 SPEC = RopeSpec(
