@@ -141,10 +141,14 @@ class RouterSpec(OpSpec):
                 "indices": torch.empty(rows, top_k, dtype=torch.long)}
 
     def run_forward(self, kernel, inputs: Tensors, outputs: Tensors) -> None:
-        given = inputs["tid2eid"][inputs["input_ids"]] if "input_ids" in inputs else None
-        scores, indices = select(inputs["logits"], inputs.get("bias"), outputs["indices"].shape[1], given, kernel)
+        rows = inputs["logits"].shape[0]
+        if "input_ids" in inputs:   # hash routing: the kernel scores the table's experts itself
+            outputs["indices"].copy_(inputs["tid2eid"][inputs["input_ids"]].sort(dim=-1).values)
+            kernel.call("fwd_given", inputs["logits"], outputs["indices"], outputs["weights"], rows, SCALE)
+            return
+        scores, indices = select(inputs["logits"], inputs.get("bias"), outputs["indices"].shape[1], None, kernel)
         outputs["indices"].copy_(indices)
-        kernel.call("fwd", scores.contiguous(), outputs["indices"], outputs["weights"], inputs["logits"].shape[0], SCALE)
+        kernel.call("fwd", scores.contiguous(), outputs["indices"], outputs["weights"], rows, SCALE)
 
     def run_backward(self, kernel, inputs: Tensors, outputs: Tensors, grad_outputs: Tensors, grads: Tensors) -> None:
         kernel.call("bwd", inputs["logits"], outputs["indices"], grad_outputs["weights"].contiguous(), grads["logits"],
@@ -202,11 +206,15 @@ def select(logits, bias, top_k: int, indices=None, kernel=None):
 class _Route(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, scores, indices, kernel, scale):
+        """scores=None: hash routing, the kernel scores only the given experts."""
         from ..build import built_kernel
         rows, top_k = indices.shape
         idx = indices.contiguous()
         weights = logits.new_empty(rows, top_k)
-        built_kernel(kernel).call("fwd", scores.contiguous(), idx, weights, rows, scale)
+        if scores is None:
+            built_kernel(kernel).call("fwd_given", logits.contiguous(), idx, weights, rows, scale)
+        else:
+            built_kernel(kernel).call("fwd", scores.contiguous(), idx, weights, rows, scale)
         ctx.save_for_backward(logits, idx)
         ctx.kernel, ctx.scale = kernel, scale
         return weights
@@ -224,8 +232,11 @@ class _Route(torch.autograd.Function):
 def route(logits, bias, top_k: int, scale: float, kernel: str, indices=None):
     """(weights, indices) of the router for `logits` through the kernel."""
     from ..build import built_kernel
+    if indices is not None:   # hash routing: nothing to select, no full score matrix needed
+        indices = indices.sort(dim=-1).values
+        return _Route.apply(logits, None, indices, kernel, scale), indices
     with torch.no_grad():
-        scores, indices = select(logits, bias, top_k, indices, built_kernel(kernel))
+        scores, indices = select(logits, bias, top_k, None, built_kernel(kernel))
     return _Route.apply(logits, scores, indices, kernel, scale), indices
 
 
@@ -275,5 +286,6 @@ SPEC = RouterSpec(
     knob_docs={"tile_rows": "token rows per tile", "threads": "OpenMP threads"},
     entries={"select": Entry("ak_router_select", ("ptr", "ptr", "ptr", "ptr", "i64")),
              "fwd": Entry("ak_router_fwd", ("ptr", "ptr", "ptr", "i64", "f32")),
+             "fwd_given": Entry("ak_router_fwd_given", ("ptr", "ptr", "ptr", "i64", "f32")),
              "bwd": Entry("ak_router_bwd", ("ptr", "ptr", "ptr", "ptr", "i64", "f32"))},
 )
