@@ -10,6 +10,7 @@ OpSpec and its templates.
 
 from __future__ import annotations
 
+import types
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,18 @@ if TYPE_CHECKING:
     from ..planner.tiling import TilingProblem
 
 Tensors = dict[str, torch.Tensor]
+
+
+def bind(module: torch.nn.Module, lookup, op: str, methods) -> None:
+    """Patch `module` for `op`: of (class, attribute, function) triples, the first whose class the
+    module is gets `module.<attribute>` = function bound to the module (a bound method survives
+    deepcopy, a closure would keep pointing at the original); `lookup` is stored for it."""
+    for cls, attribute, fn in methods:
+        if isinstance(module, cls):
+            module._ak_lookup = lookup
+            setattr(module, attribute, types.MethodType(fn, module))
+            return
+    raise TypeError(f"{op} cannot patch {type(module).__name__}")
 
 
 @dataclass(frozen=True)

@@ -8,14 +8,12 @@ kernel call; with a cache (generation) the reference runs.
 
 from __future__ import annotations
 
-import types
-
 import torch
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
 
 from ..dtypes import DType
 from ..planner.costmodel import RowwisePhase, rowwise_model
-from .base import Entry, OpSpec, Problem, Tensors, Tolerance, Work
+from .base import Entry, OpSpec, Problem, Tensors, Tolerance, Work, bind
 
 EPS = 1e-6
 
@@ -158,17 +156,10 @@ class CompressorSpec(OpSpec):
         return Problem(self.name, variant, (x.shape[0], x.shape[1] // ratio, ratio, d), DType.from_torch(dtype))
 
     def patch(self, module: torch.nn.Module, lookup) -> None:
-        module._ak_lookup = lookup
-        if isinstance(module, v4.DeepseekV4HCACompressor):
-            module.forward = types.MethodType(_hca_forward, module)
-        elif isinstance(module, v4.DeepseekV4CSACompressor):
-            module.forward = types.MethodType(_csa_forward, module)
-        elif isinstance(module, v4.DeepseekV4Indexer):
-            module.forward = types.MethodType(_indexer_forward, module)
-        elif isinstance(module, CompressorPool):
-            module.forward = types.MethodType(_pool_forward, module)
-        else:
-            raise TypeError(f"compressor cannot patch {type(module).__name__}")
+        bind(module, lookup, self.name, [(v4.DeepseekV4HCACompressor, "forward", _hca_forward),
+                                         (v4.DeepseekV4CSACompressor, "forward", _csa_forward),
+                                         (v4.DeepseekV4Indexer, "forward", _indexer_forward),
+                                         (CompressorPool, "forward", _pool_forward)])
 
 
 class _Pool(torch.autograd.Function):

@@ -9,15 +9,13 @@ keeps one fp32 log-sum-exp per row, backward rebuilds softmax from it.
 
 from __future__ import annotations
 
-import types
-
 import torch
 import torch.nn.functional as F
 
 from ..dtypes import DType
 from ..errors import UserError
 from ..planner.costmodel import RowwisePhase, rowwise_model
-from .base import Entry, OpSpec, Problem, Tensors, Tolerance, Work
+from .base import Entry, OpSpec, Problem, Tensors, Tolerance, Work, bind
 
 IGNORE = -100
 
@@ -97,8 +95,7 @@ class CrossEntropySpec(OpSpec):
         return None   # the trainer's loss is not a module: the profiler records it from the config
 
     def patch(self, module: torch.nn.Module, lookup) -> None:
-        module._ak_lookup = lookup
-        module.forward = types.MethodType(_module_forward, module)
+        bind(module, lookup, self.name, [(CrossEntropy, "forward", _module_forward)])
 
 
 def _check_labels(labels: torch.Tensor, vocab: int) -> None:

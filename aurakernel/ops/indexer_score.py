@@ -10,8 +10,6 @@ reference scores are equal to rounding can be picked differently (a test pins th
 
 from __future__ import annotations
 
-import types
-
 import torch
 import torch.nn.functional as F
 from torch.func import functional_call
@@ -20,7 +18,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Index
 
 from ..dtypes import DType
 from ..planner.costmodel import RowwisePhase, rowwise_model
-from .base import Entry, OpSpec, Problem, Tensors, Tolerance, Work
+from .base import Entry, OpSpec, Problem, Tensors, Tolerance, Work, bind
 
 HIDDEN = 64   # hidden size of the test inputs (the weights projection's input)
 
@@ -128,8 +126,7 @@ class IndexerScoreSpec(OpSpec):
                        DType.from_torch(q.dtype))
 
     def patch(self, module: torch.nn.Module, lookup) -> None:
-        module._ak_lookup = lookup
-        module.forward = types.MethodType(_scorer_forward, module)
+        bind(module, lookup, self.name, [(DeepseekV4IndexerScorer, "forward", _scorer_forward)])
 
 
 def _scratch_fwd(kernel, b, t, h, dim):

@@ -15,8 +15,6 @@ unspecified; the experts loop does not depend on it); the reference is put in th
 
 from __future__ import annotations
 
-import types
-
 import torch
 import torch.nn.functional as F
 from transformers import DeepseekV4Config
@@ -25,7 +23,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HashR
 
 from ..dtypes import DType
 from ..planner.costmodel import RowwisePhase, rowwise_model
-from .base import Entry, OpSpec, Problem, Tensors, Tolerance, Work
+from .base import Entry, OpSpec, Problem, Tensors, Tolerance, Work, bind
 
 SCALE = 1.5
 VOCAB = 64   # hash-routing table rows in the test inputs
@@ -173,15 +171,9 @@ class RouterSpec(OpSpec):
                        DType.from_torch(logits_dtype))
 
     def patch(self, module: torch.nn.Module, lookup) -> None:
-        module._ak_lookup = lookup
-        if isinstance(module, DeepseekV4HashRouter):
-            module.forward = types.MethodType(_hash_forward, module)
-        elif isinstance(module, DeepseekV4TopKRouter):
-            module.forward = types.MethodType(_topk_forward, module)
-        elif isinstance(module, RouterAfterLogits):
-            module.forward = types.MethodType(_after_logits_forward, module)
-        else:
-            raise TypeError(f"router cannot patch {type(module).__name__}")
+        bind(module, lookup, self.name, [(DeepseekV4HashRouter, "forward", _hash_forward),
+                                         (DeepseekV4TopKRouter, "forward", _topk_forward),
+                                         (RouterAfterLogits, "forward", _after_logits_forward)])
 
 
 def select(logits, bias, top_k: int, indices=None, kernel=None):

@@ -6,15 +6,13 @@ activation in DeepseekV4MLP (the shared expert, separate gate and up projections
 
 from __future__ import annotations
 
-import types
-
 import torch
 from transformers import DeepseekV4Config
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Experts, DeepseekV4MLP
 
 from ..dtypes import DType
 from ..planner.costmodel import RowwisePhase, rowwise_model
-from .base import Entry, OpSpec, Problem, Tensors, Tolerance, Work
+from .base import Entry, OpSpec, Problem, Tensors, Tolerance, Work, bind
 
 LIMIT = 10.0
 
@@ -118,15 +116,9 @@ class SwigluSpec(OpSpec):
         return Problem(self.name, "default", (rows, inter), DType.from_torch(x.dtype))
 
     def patch(self, module: torch.nn.Module, lookup) -> None:
-        module._ak_lookup = lookup
-        if isinstance(module, DeepseekV4Experts):
-            module._apply_gate = types.MethodType(_experts_gate, module)
-        elif isinstance(module, DeepseekV4MLP):
-            module.forward = types.MethodType(_mlp_forward, module)
-        elif isinstance(module, SwigluReference):
-            module.forward = types.MethodType(_reference_forward, module)
-        else:
-            raise TypeError(f"swiglu cannot patch {type(module).__name__}")
+        bind(module, lookup, self.name, [(DeepseekV4Experts, "_apply_gate", _experts_gate),
+                                         (DeepseekV4MLP, "forward", _mlp_forward),
+                                         (SwigluReference, "forward", _reference_forward)])
 
 
 def _halves(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
