@@ -134,11 +134,12 @@ class _Hooks:
         self.groups: list[str] = []   # the open ranges' group names, innermost last
         for name, module in model.named_modules():
             group = "cross_entropy" if name == "lm_head" else _group_of(module)
-            if group is None:
-                continue
             op = next((o for cls, o in OP_OF_MODULE if isinstance(module, cls)), None)
-            self.handles.append(module.register_forward_pre_hook(self._pre(group, op)))
-            self.handles.append(module.register_forward_hook(self._post(group)))
+            if group is not None:
+                self.handles.append(module.register_forward_pre_hook(self._pre(group, op)))
+                self.handles.append(module.register_forward_hook(self._post(group)))
+            elif op is not None:   # part of its parent's group (e.g. the indexer's scorer)
+                self.handles.append(module.register_forward_pre_hook(self._record_only(op)))
 
     def _pre(self, group, op):
         def hook(module, args):
@@ -149,6 +150,13 @@ class _Hooks:
                 problem = OPS[op].call_problem(module, args)
                 if problem is not None:
                     self.problems[(group, problem)] += 1
+        return hook
+
+    def _record_only(self, op):
+        def hook(module, args):
+            problem = OPS[op].call_problem(module, args)
+            if problem is not None:
+                self.record(problem)
         return hook
 
     def _post(self, group):

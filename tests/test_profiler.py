@@ -52,3 +52,11 @@ def test_json_and_chart(report, tmp_path):
     assert data["groups"][0]["name"] and data["step_us"] > 0
     png = rep.save_chart(tmp_path / "p.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_every_operator_of_the_library_is_found(report):
+    """Autotune can only tune what the profile records: every op appears as a problem."""
+    from aurakernel.ops import OPS
+
+    _, rep = report
+    assert {p.op for p in problems_from_profile(rep)} == set(OPS)
