@@ -11,7 +11,8 @@ std::nth_element or partial_sort depending on k and E), and such ties are common
 and a zero correction bias. The kernel flags every row whose k-th and (k+1)-th values tie (or that
 holds a NaN); those rows are re-selected by torch.topk itself, so ties go exactly as in the
 reference. The k experts come back in ascending expert order (torch's sorted=False order is
-unspecified; the experts loop does not depend on it); the reference is put in the same order."""
+unspecified; the experts loop does not depend on it); the reference is put in the same order.
+Hash routing keeps the table's order, exactly as the reference."""
 
 from __future__ import annotations
 
@@ -95,6 +96,8 @@ class RouterSpec(OpSpec):
                 mod.e_score_correction_bias.copy_(inputs["bias"])
         args = (logits, inputs["input_ids"]) if problem.variant == "hash" else (logits,)
         _, weights, indices = mod(*args)
+        if problem.variant == "hash":     # the table's order, kept by the kernel
+            return {"weights": weights, "indices": indices}
         order = indices.argsort(dim=-1)   # the kernel's (equally valid) ascending expert order
         return {"weights": weights.gather(-1, order), "indices": indices.gather(-1, order)}
 
@@ -141,7 +144,7 @@ class RouterSpec(OpSpec):
     def run_forward(self, kernel, inputs: Tensors, outputs: Tensors) -> None:
         rows = inputs["logits"].shape[0]
         if "input_ids" in inputs:   # hash routing: the kernel scores the table's experts itself
-            outputs["indices"].copy_(inputs["tid2eid"][inputs["input_ids"]].sort(dim=-1).values)
+            outputs["indices"].copy_(inputs["tid2eid"][inputs["input_ids"]])
             kernel.call("fwd_given", inputs["logits"], outputs["indices"], outputs["weights"], rows, SCALE)
             return
         scores, indices = select(inputs["logits"], inputs.get("bias"), outputs["indices"].shape[1], None, kernel)
@@ -224,8 +227,7 @@ class _Route(torch.autograd.Function):
 def route(logits, bias, top_k: int, scale: float, kernel: str, indices=None):
     """(weights, indices) of the router for `logits` through the kernel."""
     from ..build import built_kernel
-    if indices is not None:   # hash routing: nothing to select, no full score matrix needed
-        indices = indices.sort(dim=-1).values
+    if indices is not None:   # hash routing: nothing to select, no full score matrix needed; the table's order
         return _Route.apply(logits, None, indices, kernel, scale), indices
     with torch.no_grad():
         scores, indices = select(logits, bias, top_k, None, built_kernel(kernel))
