@@ -16,6 +16,12 @@ from ..planner.costmodel import RowwisePhase, rowwise_model
 from .base import Entry, OpSpec, Problem, Tensors, Tolerance, Work, bind
 
 EPS = 1e-6
+CHANNEL_BLOCK = 64   # channels per block of the kernel's softmax-weight scratch (16 KB of it per 64 slots)
+
+
+def _p_floats(ratio: int, d: int, overlap: bool) -> int:
+    """Floats of one thread's softmax-weight scratch: slots x channels rounded up to whole blocks."""
+    return (2 * ratio if overlap else ratio) * -(-d // CHANNEL_BLOCK) * CHANNEL_BLOCK
 
 _TOL = {
     DType.fp32: {"y": Tolerance(1e-5, 1e-5), "kv": Tolerance(1e-5, 1e-4), "gate": Tolerance(1e-5, 1e-4),
@@ -114,7 +120,7 @@ class CompressorSpec(OpSpec):
 
     def render_params(self, problem: Problem, knobs: dict[str, int]) -> dict:
         return {"dtype": problem.dtype, "ratio": int(problem.shape[2]), "d": int(problem.shape[3]),
-                "overlap": problem.variant == "csa", "tile_rows": int(knobs["tile_rows"]),
+                "overlap": problem.variant == "csa", "tile_rows": int(knobs["tile_rows"]), "channel_block": CHANNEL_BLOCK,
                 "threads": int(knobs["threads"])}
 
     def empty_outputs(self, problem: Problem, inputs: Tensors) -> Tensors:
@@ -126,7 +132,7 @@ class CompressorSpec(OpSpec):
     def run_forward(self, kernel, inputs: Tensors, outputs: Tensors) -> None:
         kv = inputs["kv"]
         ratio = inputs["position_bias"].shape[0]
-        scratch = kernel.workspace_of(kernel.meta["threads"] * (2 * ratio) * kernel.meta["d"])
+        scratch = kernel.workspace_of(kernel.meta["threads"] * _p_floats(ratio, kernel.meta["d"], True))
         kernel.call("fwd", kv, inputs["gate"], inputs["position_bias"], inputs["weight"], outputs["y"],
                     outputs["rstd"], scratch, kv.shape[0], kv.shape[1], kv.shape[1] // ratio, EPS)
 
@@ -134,7 +140,7 @@ class CompressorSpec(OpSpec):
         kv = inputs["kv"]
         ratio, d = inputs["position_bias"].shape[0], kernel.meta["d"]
         dk = kv.shape[-1]
-        scratch = kernel.workspace_of(kernel.meta["threads"] * (2 * ratio * d + ratio * dk + d))
+        scratch = kernel.workspace_of(kernel.meta["threads"] * (_p_floats(ratio, d, True) + ratio * dk + d))
         kernel.call("bwd", kv, inputs["gate"], inputs["position_bias"], inputs["weight"], outputs["rstd"],
                     grad_outputs["y"].contiguous(), grads["kv"], grads["gate"], grads["position_bias"],
                     grads["weight"], scratch, kv.shape[0], kv.shape[1], kv.shape[1] // ratio)
