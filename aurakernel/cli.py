@@ -56,8 +56,10 @@ def tune(
     db: Annotated[str | None, typer.Option(help="tuning DB path (SQLite)")] = None,
     compiled: Annotated[bool, typer.Option("--compiled/--no-compiled", help="also time torch.compile")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    out_dir: Annotated[str | None, typer.Option("--out", help="AscendC targets: write the op project here")] = None,
 ):
-    """Solve the tiling model, build, verify, measure and record one kernel."""
+    """Solve the tiling model, build, verify, measure and record one kernel (AscendC targets:
+    render the op project, verify it in the emulator and estimate its cycles)."""
     from .agent import tune as run_tune
     from .ops import get_op
     from .planner.model import SOLVERS
@@ -69,11 +71,14 @@ def tune(
     _ensure_calibrated(target)
     with err.status(f"tuning {op}..."):
         result = run_tune(op, shape, dtype, variant=variant, target=target, solver=solver, db_path=db,
-                          with_compiled=compiled)
+                          with_compiled=compiled, out_dir=out_dir)
     if as_json:
-        print(json.dumps(result.to_json()))
+        print(json.dumps(result.to_json(), default=str))
         return
     d = result.to_json()
+    if "est_cycles" in d:
+        _print_ascend(d)
+        return
     t = Table(title=f"{d['op']}[{d['variant']}] {d['shape']} {d['dtype']} on {d['target']}", show_header=False)
     t.add_column(style="bold")
     t.add_column()
@@ -89,6 +94,35 @@ def tune(
     t.add_row("verified", ("[green]yes[/] " if d["verified"] else "[red]no[/] ") + (d["verification"] or ""))
     t.add_row("status", d["status"] + (": " + "; ".join(d["reasons"]) if d["reasons"] else ""))
     out.print(t)
+
+
+def _print_ascend(d: dict) -> None:
+    t = Table(title=f"{d['op']}[{d['variant']}] {d['shape']} {d['dtype']} on {d['target']} (AscendC, emulated)",
+              show_header=False)
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("plan", ", ".join(f"{k}={v}" for k, v in d["plan"].items()))
+    t.add_row("binding constraint", d["binding_constraint"])
+    t.add_row("predicted fwd+bwd", _fmt(d["predicted_us"], suffix=" us"))
+    t.add_row("emulator estimate", _fmt(d["est_us"], suffix=" us") + f" ({d['est_cycles']:,.0f} cycles)")
+    t.add_row("roofline bound", _fmt(d["roofline_us"], suffix=" us") + f"  (ratio {_fmt(d['roofline_ratio'], 2, 'x')})")
+    t.add_row("verified", ("[green]yes[/] " if d["verified"] else "[red]no[/] ") + (d["verification"] or ""))
+    if d["project_dir"]:
+        t.add_row("op project", d["project_dir"])
+    out.print(t)
+    for phase, ph in d["phases"].items():
+        pt = Table(title=f"{phase}: {ph['est_us']:.2f} us estimated, {ph['roofline_us']:.2f} us at the HBM bound")
+        pt.add_column("pipe")
+        pt.add_column("busy cycles (slowest core)", justify="right")
+        for pipe, cyc in ph["pipes_cycles"].items():
+            pt.add_row(pipe, f"{cyc:,.0f}")
+        out.print(pt)
+        ub = Table(title=f"{phase}: UB {ph['ub_bytes']:,} B")
+        ub.add_column("buffer")
+        ub.add_column("bytes", justify="right")
+        for name, size in ph["buffers"]:
+            ub.add_row(name, f"{size:,}")
+        out.print(ub)
 
 
 @app.command()

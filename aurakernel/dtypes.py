@@ -70,3 +70,4 @@ def parse_shape(text: str, rank: int | None = None, meaning: str = "") -> tuple[
 
 def shape_text(shape: tuple[int, ...]) -> str:
     return "x".join(str(d) for d in shape)
+

@@ -119,6 +119,72 @@ class RmsNormSpec(OpSpec):
                 "tile_rows": int(knobs["tile_rows"]), "col_chunk": int(knobs["col_chunk"]),
                 "threads": int(knobs["threads"])}
 
+    # --- AscendC (backends/ascendc.py, templates/ascendc/rms_norm/) --------------------------------
+    def ascend_phases(self, problem: Problem):
+        from ..planner.ascend import AscendRowPhase
+        cols = problem.shape[1]
+        weighted = problem.variant == "weighted"
+        cast = 0 if problem.dtype is DType.fp32 else 1
+        return [
+            # pass 1: cast, x^2, ReduceSum; pass 2: cast, Muls rstd, (Mul gamma), cast
+            AscendRowPhase("forward", 1, 1, 0, 4, cols * 4 if weighted else 0, 2,
+                           fast_ops_per_elem=3 + 3 * cast + weighted, slow_ops_per_elem=0,
+                           instrs_per_chunk=4 + 3 * cast + weighted),
+            # pass 1: 2 casts, Muls, Mul gamma, Mul, ReduceSum (+ cast, Mul, Add for dgamma);
+            # pass 2: 2 casts, Muls, Mul gamma, Muls, Sub, Muls, cast
+            AscendRowPhase("backward", 2, 1, 4, 0, cols * 8 if weighted else 0, 3,
+                           fast_ops_per_elem=9 + 5 * cast + 3 * weighted, slow_ops_per_elem=0,
+                           instrs_per_chunk=9 + 5 * cast + 3 * weighted),
+        ]
+
+    def ascend_params(self, problem: Problem, knobs: dict[str, int]) -> dict:
+        return {"dtype": problem.dtype, "cols": int(problem.shape[1]), "weighted": problem.variant == "weighted",
+                "tile_rows": int(knobs["tile_rows"]), "buffers": int(knobs["buffers"]), "chunk": int(knobs["chunk"]),
+                "block_dim": int(knobs["block_dim"]), "eps": float(EPS)}
+
+    def ascend_verification_problems(self, problem: Problem, knobs: dict[str, int]) -> list[Problem]:
+        """The plan's width with rows that leave a tail core and a tail tile; and a width that is not a
+        multiple of 16 elements (the same kernel source handles any width)."""
+        rows, cols = problem.shape
+        tail_rows = min(rows, 2 * knobs["block_dim"] + 3)
+        odd = cols + 3 if cols % 16 == 0 else cols
+        return [Problem(problem.op, problem.variant, (tail_rows, cols), problem.dtype),
+                Problem(problem.op, problem.variant, (min(rows, knobs["block_dim"] + 5), odd), problem.dtype)]
+
+    def ascend_output_likes(self, problem: Problem, inputs: Tensors) -> Tensors:
+        return {"y": inputs["x"]}
+
+    def ascend_run(self, problem: Problem, knobs: dict[str, int], inputs: Tensors, grad_out: Tensors, emu):
+        """Forward and backward kernels in the emulator: (outputs, grads, {phase: RunReport})."""
+        import struct
+
+        from .. import emulator
+        from ..backends.ascendc import from_bytes, to_bytes
+        x = inputs["x"]
+        rows, cols = x.shape
+        weighted = problem.variant == "weighted"
+        gamma = (inputs["weight"] if weighted else torch.ones(cols)).float()
+        block_rows = -(-rows // min(rows, knobs["block_dim"]))
+        block_dim = -(-rows // block_rows)
+        pitch = -(-cols * x.element_size() // 32) * 32 // x.element_size()
+        tiling = bytearray(struct.pack("<6I2f", rows, cols, pitch, block_rows, knobs["tile_rows"], knobs["chunk"],
+                                       EPS, 1.0 / cols))
+        y = torch.full_like(x, float("nan"))
+        rstd = torch.full((rows,), float("nan"))
+        fwd_bufs = [to_bytes(x), to_bytes(gamma), to_bytes(y), to_bytes(rstd), bytearray(32), tiling]
+        fwd = emulator.run(emu.exe("ak_rms_norm_fwd", 6), block_dim, fwd_bufs)
+        y, rstd = from_bytes(fwd_bufs[2], y), from_bytes(fwd_bufs[3], rstd)
+        dy = grad_out["y"].to(x.dtype)
+        dx = torch.full_like(x, float("nan"))
+        dgamma = torch.full((block_dim, cols), float("nan"))
+        bwd_bufs = [to_bytes(dy), to_bytes(x), to_bytes(gamma), to_bytes(rstd), to_bytes(dx), to_bytes(dgamma),
+                    bytearray(32), bytearray(tiling)]
+        bwd = emulator.run(emu.exe("ak_rms_norm_bwd", 8), block_dim, bwd_bufs)
+        grads = {"x": from_bytes(bwd_bufs[4], dx)}
+        if weighted:
+            grads["weight"] = from_bytes(bwd_bufs[5], dgamma).sum(0)   # the cores' partials
+        return {"y": y, "rstd": rstd}, grads, {"forward": fwd, "backward": bwd}
+
     def empty_outputs(self, problem: Problem, inputs: Tensors) -> Tensors:
         x = inputs["x"]
         return {"y": torch.empty_like(x), "rstd": torch.empty(x.numel() // x.shape[-1], dtype=torch.float32)}

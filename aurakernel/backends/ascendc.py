@@ -1,0 +1,196 @@
+"""AscendC backend: plan -> render an op project -> build it against the emulator -> verify and
+estimate, for Ascend targets (profiles with kind: ascend).
+
+Without CANN there is no NPU to run on: the rendered kernel is compiled with g++ against
+aurakernel/emulator (the documented AscendC API with the hardware's rules enforced) and run on the
+CPU, which proves the numerics and yields per-pipe cycle estimates. With CANN (ASCEND_HOME_PATH)
+the same project builds for real with its CMakeLists (see the project's README).
+
+An operator takes part by implementing the OpSpec hooks `ascend_phases`, `ascend_params` and
+`ascend_run` and by shipping templates/ascendc/<op>/.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .. import emulator
+from ..codegen import render
+from ..errors import UserError
+from ..hardware import HardwareProfile
+from ..ops.base import OpSpec, Problem
+from ..planner import Plan, solve_tiling
+from ..planner.ascend import ascend_rowwise_model, roofline_us
+from ..verify import Check, Verification, compare
+
+PROJECT_FILES = {   # template -> file written into the op project
+    "kernel.cpp.j2": "{op}_kernel.cpp",
+    "tiling.h.j2": "{op}_tiling.h",
+    "host.cpp.j2": "{op}_host.cpp",
+    "binding.cpp.j2": "{op}_binding.cpp",
+    "CMakeLists.txt.j2": "CMakeLists.txt",
+    "README.md.j2": "README.md",
+}
+SEEDS = (0, 1, 2)
+
+
+def supported(spec: OpSpec) -> bool:
+    return (Path(__file__).parents[2] / "templates" / "ascendc" / spec.name / "kernel.cpp.j2").is_file()
+
+
+def require_supported(spec: OpSpec) -> None:
+    if not supported(spec):
+        from ..ops import OPS
+        have = ", ".join(sorted(n for n, s in OPS.items() if supported(s)))
+        raise UserError(f"operator {spec.name!r} has no AscendC kernel yet: available for {have}")
+
+
+def plan(spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, solver: str) -> Plan:
+    rows = math.prod(problem.shape[:-1])
+    model = ascend_rowwise_model(rows, problem.shape[-1], problem.dtype.itemsize, spec.ascend_phases(problem), hw)
+    return solve_tiling(model, op=problem.op, variant=problem.variant, shape=problem.shape, dtype=problem.dtype.value,
+                        target=target, solver=solver)
+
+
+def render_project(spec: OpSpec, problem: Problem, knobs: dict[str, int], out_dir: Path) -> dict[str, Path]:
+    """Write the op project (kernel, tiling, host, binding, CMake, README) into out_dir."""
+    params = spec.ascend_params(problem, knobs)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = {}
+    for template, name in PROJECT_FILES.items():
+        text = render(f"ascendc/{spec.name}/{template}", params).text
+        path = out_dir / name.format(op=spec.name)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+        written[template] = path
+    return written
+
+
+class Emulated:
+    """The project's kernels built against the emulator; `exe(entry, nargs)` builds on first use."""
+
+    def __init__(self, project: dict[str, Path], hw: HardwareProfile, block_dim: int):
+        self.source = project["kernel.cpp.j2"].read_text()
+        self.include = project["tiling.h.j2"].parent
+        self.hw, self.block_dim = hw, block_dim
+        self._exes: dict[str, Path] = {}
+
+    def exe(self, entry: str, nargs: int) -> Path:
+        if entry not in self._exes:
+            self._exes[entry] = emulator.build(self.source, entry=entry, nargs=nargs, hw=self.hw,
+                                               block_dim=self.block_dim, include_dirs=(self.include,))
+        return self._exes[entry]
+
+
+def to_bytes(t: torch.Tensor) -> bytearray:
+    return bytearray(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+
+
+def from_bytes(buf: bytearray, like: torch.Tensor) -> torch.Tensor:
+    return torch.frombuffer(buf, dtype=torch.uint8).view(like.dtype).reshape(like.shape).clone()
+
+
+def verify(spec: OpSpec, problems: list[Problem], knobs: dict[str, int], emu: Emulated,
+           seeds=SEEDS) -> tuple[Verification, list]:
+    """Forward and backward in the emulator against the PyTorch reference; rule errors fail a check."""
+    result, reports = Verification(passed=True), []
+    for problem in problems:
+        for seed in seeds:
+            inputs = spec.make_inputs(problem, seed)
+            diff = spec.differentiable(problem)
+            ref_in = {k: (v.clone().requires_grad_(True) if k in diff else v.clone()) for k, v in inputs.items()}
+            ref_out = spec.reference(problem, ref_in)
+            g = torch.Generator().manual_seed(10_000 + seed)
+            grad_out = {k: torch.randn(ref_out[k].shape, generator=g).to(ref_out[k].dtype) for k in spec.grad_outputs()}
+            ref_grads = torch.autograd.grad([ref_out[k] for k in grad_out], [ref_in[k] for k in diff],
+                                            [grad_out[k] for k in grad_out])
+            outputs, grads, run_reports = spec.ascend_run(problem, knobs, inputs, grad_out, emu)
+            reports.append((problem, seed, run_reports))
+            errors = [e for r in run_reports.values() for e in r.errors]
+            if errors:
+                result.checks.append(Check(problem.shape, seed, "emulator", float("nan"), float("nan"), False, errors[0]))
+                continue
+            for k in spec.visible_outputs():
+                tol = spec.tolerance(problem.dtype, k)
+                result.checks.append(Check(problem.shape, seed, k, *compare(outputs[k], ref_out[k].detach(), tol.atol, tol.rtol)))
+            for k, rg in zip(diff, ref_grads):
+                tol = spec.tolerance(problem.dtype, k)
+                result.checks.append(Check(problem.shape, seed, f"grad_{k}", *compare(grads[k], rg, tol.atol, tol.rtol)))
+    result.passed = bool(result.checks) and all(c.passed for c in result.checks)
+    return result, reports
+
+
+@dataclass
+class AscendTuneResult:
+    problem: Problem
+    target: str
+    plan: Plan
+    hw: HardwareProfile
+    verification: Verification
+    estimate: dict[str, emulator.RunReport]     # phase -> the emulator's run at the full shape
+    project: dict[str, Path] = field(default_factory=dict)
+
+    @property
+    def verified(self) -> bool:
+        return self.verification.passed
+
+    def phase_summary(self) -> dict[str, dict]:
+        out = {}
+        for phase, rep in self.estimate.items():
+            busiest, _ = rep.gm_bytes()
+            bound = roofline_us(busiest, self.hw)
+            est_us = rep.cycles / (self.hw.clock_ghz * 1e3)
+            slowest = max(rep.blocks, key=lambda b: b.makespan)
+            out[phase] = {"est_cycles": rep.cycles, "est_us": est_us, "pipes_cycles": rep.pipe_cycles(),
+                          "roofline_us": bound, "roofline_ratio": est_us / bound if bound else None,
+                          "ub_bytes": slowest.ub_used, "buffers": slowest.buffers}
+        return out
+
+    def to_json(self) -> dict:
+        p = self.problem
+        phases = self.phase_summary()
+        est_us = sum(ph["est_us"] for ph in phases.values())
+        bound = sum(ph["roofline_us"] for ph in phases.values())
+        return {
+            "op": p.op, "variant": p.variant, "shape": p.shape_text, "dtype": p.dtype.value, "target": self.target,
+            "plan": self.plan.knobs, "binding_constraint": self.plan.binding_constraint,
+            "predicted_us": self.plan.predicted_us, "predicted_pipes_us": self.plan.pipes_us,
+            "measured_us": None, "eager_us": None, "compiled_us": None,
+            "speedup_vs_eager": None, "speedup_vs_compiled": None,
+            "verified": self.verified, "verification": self.verification.summary,
+            "ub_bytes": max((ph["ub_bytes"] for ph in phases.values()), default=0),
+            "est_cycles": sum(ph["est_cycles"] for ph in phases.values()),
+            "est_us": est_us, "roofline_us": bound, "roofline_ratio": est_us / bound if bound else None,
+            "phases": phases, "project_dir": str(next(iter(self.project.values())).parent) if self.project else None,
+            "solver": self.plan.solver, "solve_s": self.plan.solve_s,
+        }
+
+
+def tune(spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, solver: str,
+         out_dir: Path | None) -> AscendTuneResult:
+    """Plan, render the op project, verify it in the emulator at tail shapes (3 seeds) and estimate
+    its cycles at the full shape."""
+    require_supported(spec)
+    the_plan = plan(spec, problem, hw, target=target, solver=solver)
+    knobs = the_plan.knobs
+    keep = out_dir is not None
+    work = Path(out_dir) if keep else Path(tempfile.mkdtemp(prefix=f"ak-{spec.name}-"))
+    project = render_project(spec, problem, knobs, work)
+    emu = Emulated(project, hw, knobs["block_dim"])
+    verification, _ = verify(spec, spec.ascend_verification_problems(problem, knobs), knobs, emu)
+    inputs = spec.make_inputs(problem, 0)
+    grad_out = {k: torch.randn_like(v, dtype=torch.float32).to(v.dtype)
+                for k, v in spec.ascend_output_likes(problem, inputs).items()}
+    _, _, estimate = spec.ascend_run(problem, knobs, inputs, grad_out, emu)
+    errors = [e for r in estimate.values() for e in r.errors]
+    if errors:
+        verification.checks.append(Check(problem.shape, 0, "emulator", float("nan"), float("nan"), False, errors[0]))
+        verification.passed = False
+    return AscendTuneResult(problem, target, the_plan, hw, verification, estimate, project if keep else {})

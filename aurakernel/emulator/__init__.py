@@ -1,0 +1,153 @@
+"""AuraKernel's emulator of the AscendC kernel API: build a kernel against include/kernel_operator.h
+with g++, run every block on the CPU, and read back outputs, per-pipe counters and rule errors.
+
+    exe = build(kernel_source, entry="rms_norm_fwd", nargs=6, hw=profile, block_dim=48)
+    report = run(exe, block_dim=48, buffers=[x_bytes, gamma_bytes, ...])   # buffers updated in place
+
+The runner executes in a subprocess so that an out-of-bounds GM access (a guard page fault) is a
+reported error, not a crash of the caller.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import BuildError
+from ..hardware import HardwareProfile
+from ..paths import cache_dir
+
+HERE = Path(__file__).parent
+INCLUDE = HERE / "include"
+RUNNER = HERE / "runner.cpp"
+PIPES = ("MTE2", "MTE3", "Vector", "Scalar")
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def documented_apis() -> set[str]:
+    """The AscendC API names the emulator implements (its AK_EMULATED_APIS list)."""
+    text = (INCLUDE / "kernel_operator.h").read_text()
+    block = text[text.index("#define AK_EMULATED_APIS"):]
+    return set(" ".join(re.findall(r'"([^"]*)"', block)).split())
+
+
+def compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
+
+
+def pipe_defines(hw: HardwareProfile, block_dim: int) -> dict[str, float]:
+    """The emulator's cost figures for `hw`: a core's MTE rate is its own limit or its share of HBM."""
+    pipes = hw.extra.get("pipes", {})
+    hbm_bytes_per_cycle = hw.memory["HBM"].bandwidth_gbps * 1e9 / (hw.clock_ghz * 1e9)
+    share = hbm_bytes_per_cycle / max(1, min(block_dim, hw.cores))
+    return {
+        "AK_UB_BYTES": int(hw.memory["UB"].capacity),
+        "AK_UB_RESERVED": int(hw.extra.get("ub_reserved", 8192)),
+        "AK_MTE_BYTES_PER_CYCLE": float(min(float(pipes.get("mte_bytes_per_cycle", 64)), share)),
+        "AK_MTE_LATENCY": float(pipes.get("mte_latency_cycles", 200)),
+        "AK_VEC_ISSUE": float(pipes.get("vec_issue_cycles", 12)),
+        "AK_VEC_SLOW_FACTOR": float(pipes.get("vec_slow_factor", 4)),
+        "AK_SCALAR_OP": float(pipes.get("scalar_op_cycles", 4)),
+    }
+
+
+def build(kernel_source: str, *, entry: str, nargs: int, hw: HardwareProfile, block_dim: int,
+          include_dirs: tuple[Path, ...] = ()) -> Path:
+    """Compile kernel + runner into an executable (cached by content hash); BuildError on failure."""
+    if not _NAME.match(entry) or not 0 < nargs <= 32:
+        raise ValueError(f"bad kernel entry {entry!r} / nargs {nargs}")
+    cxx = compiler()
+    if cxx is None:
+        raise BuildError("no C++ compiler found for the AscendC emulator (set CXX or install g++)")
+    defines = {**pipe_defines(hw, block_dim), "AK_KERNEL": entry,
+               "AK_PARAMS": ",".join(["uint8_t*"] * nargs), "AK_ARGS": ",".join(f"gm[{i}]" for i in range(nargs))}
+    flags = ["-std=c++20", "-O2", "-pthread", f"-I{INCLUDE}", *(f"-I{d}" for d in include_dirs),
+             *(f"-D{k}={v}" for k, v in defines.items())]
+    extra = "".join(p.read_text() for d in include_dirs for p in sorted(Path(d).glob("*.h")))
+    key = hashlib.sha256("\0".join([kernel_source, extra, RUNNER.read_text(), (INCLUDE / "kernel_operator.h").read_text(),
+                                    cxx, *flags]).encode()).hexdigest()[:24]
+    out_dir = cache_dir() / "ascendc-emu"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    exe = out_dir / f"{entry}-{key}"
+    if exe.exists():
+        return exe
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        src = Path(tmp) / "kernel.cpp"
+        src.write_text(kernel_source)
+        tmp_exe = Path(tmp) / "runner"
+        proc = subprocess.run([cxx, *flags, str(src), str(RUNNER), "-o", str(tmp_exe)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise BuildError(f"AscendC emulator build of {entry} failed:\n{proc.stderr[-4000:]}")
+        os.replace(tmp_exe, exe)   # atomic: a concurrent build never sees half a file
+    return exe
+
+
+@dataclass
+class BlockReport:
+    busy: dict[str, float]          # cycles each pipe worked
+    makespan: float                 # cycles until the block's last instruction completed
+    gm_read: int
+    gm_written: int
+    ub_used: int
+    buffers: list[tuple[str, int]]  # every InitBuffer: name, bytes
+    error: str | None
+
+
+@dataclass
+class RunReport:
+    blocks: list[BlockReport] = field(default_factory=list)
+    fatal: str | None = None
+
+    @property
+    def errors(self) -> list[str]:
+        errs = [f"block {i}: {b.error}" for i, b in enumerate(self.blocks) if b.error]
+        return ([self.fatal] if self.fatal else []) + errs
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    @property
+    def cycles(self) -> float:
+        """The kernel's estimate: the slowest block's makespan (blocks run in parallel, one per core)."""
+        return max((b.makespan for b in self.blocks), default=0.0)
+
+    def pipe_cycles(self) -> dict[str, float]:
+        """Busy cycles per pipe of the slowest block."""
+        slowest = max(self.blocks, key=lambda b: b.makespan)
+        return dict(slowest.busy)
+
+    def gm_bytes(self) -> tuple[int, int]:
+        """Bytes of the busiest block, and of all blocks, that crossed GM."""
+        per = [b.gm_read + b.gm_written for b in self.blocks]
+        return max(per, default=0), sum(per)
+
+
+def run(exe: Path, block_dim: int, buffers: list[bytearray], timeout_s: float = 600.0) -> RunReport:
+    """Run every block over the GM buffers (updated in place) and return the report."""
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, b in enumerate(buffers):
+            Path(tmp, f"arg{i}.bin").write_bytes(bytes(b))
+        proc = subprocess.run([str(exe), str(block_dim), tmp, str(len(buffers))], capture_output=True, text=True,
+                              timeout=timeout_s)
+        last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else "{}"
+        data = json.loads(last) if last.startswith("{") else {}
+        if "fatal" in data:
+            return RunReport(fatal=data["fatal"])
+        if proc.returncode != 0 or "blocks" not in data:
+            return RunReport(fatal=f"emulator exited with {proc.returncode}: {proc.stderr.strip()[-500:]}")
+        for i, b in enumerate(buffers):
+            b[:] = Path(tmp, f"arg{i}.bin").read_bytes()
+    report = RunReport()
+    for blk in data["blocks"]:
+        report.blocks.append(BlockReport(dict(zip(PIPES, blk["busy"])), blk["makespan"], blk["gm_read"],
+                                         blk["gm_written"], blk["ub_used"], [tuple(x) for x in blk["buffers"]],
+                                         blk["error"]))
+    return report

@@ -1,0 +1,775 @@
+// AuraKernel's emulation of the AscendC kernel API (vector path, Atlas A2/A3), for g++ on a CPU.
+//
+// Written from the documented signatures (see the project's docs/ascendc notes), not from CANN
+// sources. A kernel includes it as "kernel_operator.h" and compiles unchanged; the runner
+// (runner.cpp) executes every block and reports what the hardware would have refused:
+//   * UB capacity       the InitBuffer sizes (each rounded up to 32 B, times its buffer count)
+//                       must fit the UB minus the reserved top (AK_UB_BYTES - AK_UB_RESERVED);
+//   * 32 B alignment    every LocalTensor a vector op or a copy touches starts on 32 B;
+//   * DataCopy 32 B     count * sizeof(T) must be a multiple of 32 B (hardware rounds down silently);
+//   * repeat <= 255     level-0 calls;
+//   * queue discipline  AllocTensor beyond the queue's buffers, DeQue of an empty queue, EnQue
+//                       beyond the depth, SetFlag/WaitFlag unpaired at the end of the kernel;
+//   * GM bounds         a copy beyond a GlobalTensor's SetGlobalBuffer size.
+// A broken rule throws ak::RuleError("<rule>: <what> (<buffer>)"), reported by the runner.
+//
+// Timing: each instruction is charged to its pipe (MTE2: GM->UB, MTE3: UB->GM, V: vector,
+// S: scalar) and starts when its pipe is free and the UB buffers it reads or writes are ready
+// (data written by another pipe, or a buffer still being read before it is overwritten). That is
+// exactly the overlap the kernel's queue order and buffer counts allow; per-pipe busy cycles and
+// the block's makespan are returned as counters.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+#include <algorithm>
+#include <type_traits>
+#include <utility>
+
+#ifndef AK_UB_BYTES
+#define AK_UB_BYTES 196608
+#endif
+#ifndef AK_UB_RESERVED
+#define AK_UB_RESERVED 8192
+#endif
+// Cost figures (cycles), from the target profile; the defaults are estimates for 910B.
+#ifndef AK_MTE_BYTES_PER_CYCLE
+#define AK_MTE_BYTES_PER_CYCLE 64.0
+#endif
+#ifndef AK_MTE_LATENCY
+#define AK_MTE_LATENCY 200.0
+#endif
+#ifndef AK_VEC_ISSUE
+#define AK_VEC_ISSUE 12.0
+#endif
+#ifndef AK_VEC_SLOW_FACTOR
+#define AK_VEC_SLOW_FACTOR 4.0
+#endif
+#ifndef AK_SCALAR_OP
+#define AK_SCALAR_OP 4.0
+#endif
+
+#define __global__
+#define __aicore__
+#define __gm__
+#define __ubuf__
+#define GM_ADDR uint8_t*
+
+namespace ak {
+
+struct RuleError : std::runtime_error {
+    explicit RuleError(const std::string& m) : std::runtime_error(m) {}
+};
+
+[[noreturn]] inline void fail(const std::string& rule, const std::string& what) { throw RuleError(rule + ": " + what); }
+
+enum Pipe { MTE2 = 0, MTE3 = 1, VEC = 2, SCALAR = 3, NPIPES = 4 };
+
+// The timing state of one UB buffer slot (a queue buffer or a TBuf).
+struct Slot {
+    std::string name;
+    double ready = 0;     // when its last write completes
+    double free_at = 0;   // when its last read completes
+};
+
+struct Counters {
+    double busy[NPIPES] = {0, 0, 0, 0};   // cycles each pipe worked
+    double at[NPIPES] = {0, 0, 0, 0};     // when each pipe is next free
+    uint64_t gm_read = 0, gm_written = 0, vec_repeats = 0, instrs[NPIPES] = {0, 0, 0, 0};
+    double makespan() const { return *std::max_element(at, at + NPIPES); }
+};
+
+// Per-block context: the UB arena, the allocation cursor, counters and event bookkeeping.
+struct Core {
+    int64_t block_idx = 0, block_num = 1;
+    std::vector<uint8_t> ub = std::vector<uint8_t>(AK_UB_BYTES + 64);
+    uint8_t* ub_base = nullptr;
+    uint32_t ub_used = 0;
+    int init_count = 0;
+    std::vector<Slot*> slots;
+    Counters c;
+    int flags[64] = {0};
+    std::vector<std::pair<std::string, uint32_t>> allocs;   // every InitBuffer, for the UB report
+    Core() { ub_base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(ub.data()) + 63) & ~uintptr_t(63)); }
+    ~Core() { for (auto* s : slots) delete s; }
+    Slot* new_slot(const std::string& name) { slots.push_back(new Slot{name}); return slots.back(); }
+    uint8_t* alloc(uint32_t bytes, const std::string& what) {
+        if (ub_used + bytes > AK_UB_BYTES - AK_UB_RESERVED)
+            fail("UB capacity", what + " needs " + std::to_string(bytes) + " B at offset " + std::to_string(ub_used) +
+                 ", beyond the " + std::to_string(AK_UB_BYTES - AK_UB_RESERVED) + " B usable (" +
+                 std::to_string(AK_UB_BYTES) + " B UB, top " + std::to_string(AK_UB_RESERVED) + " B reserved)");
+        uint8_t* p = ub_base + ub_used;
+        ub_used += bytes;
+        allocs.emplace_back(what, bytes);
+        return p;
+    }
+    // Charge `cycles` to `pipe`, starting after its inputs are ready and its outputs are free.
+    void issue(Pipe pipe, double cycles, std::initializer_list<Slot*> reads, std::initializer_list<Slot*> writes) {
+        double start = c.at[pipe];
+        for (Slot* s : reads) if (s) start = std::max(start, s->ready);
+        for (Slot* s : writes) if (s) start = std::max({start, s->free_at, s->ready});
+        const double end = start + cycles;
+        for (Slot* s : reads) if (s) s->free_at = std::max(s->free_at, end);
+        for (Slot* s : writes) if (s) s->ready = end;
+        c.at[pipe] = end;
+        c.busy[pipe] += cycles;
+        c.instrs[pipe] += 1;
+    }
+};
+
+inline thread_local Core* current = nullptr;
+inline Core& core() { return *current; }
+
+}  // namespace ak
+
+// ---- element types ---------------------------------------------------------------------------
+using half = _Float16;
+struct bfloat16_t {
+    uint16_t bits = 0;
+    bfloat16_t() = default;
+    bfloat16_t(float f) {   // round to nearest even; NaN stays a quiet NaN
+        uint32_t u;
+        std::memcpy(&u, &f, 4);
+        if ((u & 0x7fffffffu) > 0x7f800000u) { bits = uint16_t((u >> 16) | 0x40u); return; }
+        u += 0x7fffu + ((u >> 16) & 1u);
+        bits = uint16_t(u >> 16);
+    }
+    operator float() const { uint32_t u = uint32_t(bits) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+};
+
+namespace AscendC {
+
+enum class TPosition : uint8_t { GM, A1, A2, B1, B2, C1, C2, CO1, CO2, VECIN, VECOUT, VECCALC, LCM = VECCALC,
+                                 SPM, SHM = SPM, TSCM, C2PIPE2GM, C2PIPE2LOCAL, MAX };
+using QuePosition = TPosition;
+enum class RoundMode : uint8_t { CAST_NONE = 0, CAST_RINT, CAST_FLOOR, CAST_CEIL, CAST_ROUND, CAST_TRUNC, CAST_ODD };
+enum class HardEvent : uint8_t { MTE2_MTE1, MTE1_MTE2, MTE1_M, M_MTE1, MTE2_V, V_MTE2, MTE3_V, V_MTE3, M_V, V_M, V_V,
+    MTE3_MTE1, MTE1_MTE3, MTE1_V, MTE2_M, M_MTE2, V_MTE1, M_FIX, FIX_M, MTE3_MTE2, MTE2_MTE3, S_V, V_S, S_MTE2,
+    MTE2_S, S_MTE3, MTE3_S, MTE2_FIX, FIX_MTE2, FIX_S, M_S, FIX_MTE3, MTE1_FIX, FIX_MTE1, FIX_FIX, MAX };
+enum class CMPMODE : uint8_t { LT = 0, GT, EQ, LE, GE, NE };
+enum class SELMODE : uint8_t { VSEL_CMPMASK_SPR = 0, VSEL_TENSOR_SCALAR_MODE, VSEL_TENSOR_TENSOR_MODE };
+enum class ReduceOrder : uint8_t { ORDER_VALUE_INDEX = 0, ORDER_INDEX_VALUE, ORDER_ONLY_VALUE, ORDER_ONLY_INDEX };
+enum pipe_t { PIPE_S = 0, PIPE_V, PIPE_M, PIPE_MTE1, PIPE_MTE2, PIPE_MTE3, PIPE_FIX, PIPE_ALL };
+using TEventID = int8_t;
+enum event_t { EVENT_ID0 = 0, EVENT_ID1, EVENT_ID2, EVENT_ID3, EVENT_ID4, EVENT_ID5, EVENT_ID6, EVENT_ID7 };
+
+constexpr int32_t ONE_BLK_SIZE = 32;
+constexpr int32_t ONE_REPEAT_BYTE_SIZE = 256;
+constexpr int32_t MAX_REPEAT_TIMES = 255;
+
+struct DataCopyParams {
+    uint16_t blockCount = 1, blockLen = 0, srcStride = 0, dstStride = 0;
+    DataCopyParams() = default;
+    DataCopyParams(uint16_t c, uint16_t l, uint16_t s, uint16_t d) : blockCount(c), blockLen(l), srcStride(s), dstStride(d) {}
+};
+struct DataCopyExtParams {
+    uint16_t blockCount = 1; uint32_t blockLen = 0, srcStride = 0, dstStride = 0, rsv = 0;
+    DataCopyExtParams() = default;
+    DataCopyExtParams(uint16_t c, uint32_t l, uint32_t s, uint32_t d, uint32_t r = 0)
+        : blockCount(c), blockLen(l), srcStride(s), dstStride(d), rsv(r) {}
+};
+template <typename T> struct DataCopyPadExtParams {
+    bool isPad = false; uint8_t leftPadding = 0, rightPadding = 0; T paddingValue = 0;
+    DataCopyPadExtParams() = default;
+    DataCopyPadExtParams(bool p, uint8_t l, uint8_t r, T v) : isPad(p), leftPadding(l), rightPadding(r), paddingValue(v) {}
+};
+struct UnaryRepeatParams {
+    uint32_t blockNumber = 8; uint16_t dstBlkStride = 1, srcBlkStride = 1; uint8_t dstRepStride = 8, srcRepStride = 8;
+    UnaryRepeatParams() = default;
+    UnaryRepeatParams(uint16_t db, uint16_t sb, uint8_t dr, uint8_t sr) : dstBlkStride(db), srcBlkStride(sb), dstRepStride(dr), srcRepStride(sr) {}
+};
+struct BinaryRepeatParams {
+    uint32_t blockNumber = 8; uint8_t dstBlkStride = 1, src0BlkStride = 1, src1BlkStride = 1;
+    uint8_t dstRepStride = 8, src0RepStride = 8, src1RepStride = 8;
+    BinaryRepeatParams() = default;
+    BinaryRepeatParams(uint8_t db, uint8_t s0b, uint8_t s1b, uint8_t dr, uint8_t s0r, uint8_t s1r)
+        : dstBlkStride(db), src0BlkStride(s0b), src1BlkStride(s1b), dstRepStride(dr), src0RepStride(s0r), src1RepStride(s1r) {}
+};
+struct BrcbRepeatParams {
+    uint16_t dstBlkStride = 1, dstRepStride = 8;
+    BrcbRepeatParams() = default;
+    BrcbRepeatParams(uint16_t b, uint16_t r) : dstBlkStride(b), dstRepStride(r) {}
+};
+
+// ---- tensors -----------------------------------------------------------------------------------
+template <typename T> class GlobalTensor {
+ public:
+    using PrimType = T;
+    void SetGlobalBuffer(__gm__ T* buffer, uint64_t bufferSize) { base_ = buffer; size_ = bufferSize; }
+    void SetGlobalBuffer(__gm__ T* buffer) { base_ = buffer; size_ = UINT64_MAX; }
+    __gm__ T* GetPhyAddr(uint64_t offset = 0) const { return base_ + offset; }
+    T GetValue(uint64_t off) const { check(off, 1); ak::core().c.gm_read += sizeof(T); return base_[off]; }
+    void SetValue(uint64_t off, T v) { check(off, 1); ak::core().c.gm_written += sizeof(T); base_[off] = v; }
+    uint64_t GetSize() const { return size_; }
+    GlobalTensor operator[](uint64_t offset) const {
+        GlobalTensor g; g.base_ = base_ + offset; g.size_ = size_ == UINT64_MAX ? size_ : (offset <= size_ ? size_ - offset : 0);
+        return g;
+    }
+    void check(uint64_t off, uint64_t n) const {
+        if (size_ != UINT64_MAX && off + n > size_)
+            ak::fail("GM bounds", "access to elements [" + std::to_string(off) + ", " + std::to_string(off + n) +
+                     ") of a GlobalTensor of " + std::to_string(size_));
+    }
+ private:
+    T* base_ = nullptr;
+    uint64_t size_ = 0;
+};
+
+template <typename T> class LocalTensor {
+ public:
+    using PrimType = T;
+    LocalTensor() = default;
+    LocalTensor(T* p, uint32_t len, ak::Slot* slot) : ptr_(p), len_(len), slot_(slot) {}
+    LocalTensor operator[](uint32_t offset) const { return LocalTensor(ptr_ + offset, offset <= len_ ? len_ - offset : 0, slot_); }
+    T GetValue(uint32_t i) const { ak::core().issue(ak::SCALAR, AK_SCALAR_OP, {slot_}, {}); return ptr_[i]; }
+    template <typename S> void SetValue(uint32_t i, S v) const { ak::core().issue(ak::SCALAR, AK_SCALAR_OP, {}, {slot_}); ptr_[i] = T(v); }
+    T& operator()(uint32_t i) const { return ptr_[i]; }
+    template <typename U> LocalTensor<U> ReinterpretCast() const {
+        return LocalTensor<U>(reinterpret_cast<U*>(ptr_), uint32_t(len_ * sizeof(T) / sizeof(U)), slot_);
+    }
+    void SetSize(uint32_t n) { len_ = n; }
+    uint32_t GetSize() const { return len_; }
+    T* GetPhyAddr() const { return ptr_; }
+    ak::Slot* slot() const { return slot_; }
+    // the 32 B rule and the extent of an access of n elements
+    void check(uint32_t n, const char* api) const {
+        if (ptr_ == nullptr) ak::fail("queue discipline", std::string(api) + " on an unallocated LocalTensor");
+        const uintptr_t off = reinterpret_cast<uintptr_t>(ptr_) - reinterpret_cast<uintptr_t>(ak::core().ub_base);
+        if (off % 32 != 0)
+            ak::fail("32 B alignment", std::string(api) + " on a LocalTensor at UB offset " + std::to_string(off) +
+                     " (" + slot_->name + ")");
+        if (n > len_)
+            ak::fail("UB bounds", std::string(api) + " of " + std::to_string(n) + " elements on a LocalTensor of " +
+                     std::to_string(len_) + " (" + slot_->name + ")");
+    }
+ private:
+    T* ptr_ = nullptr;
+    uint32_t len_ = 0;
+    ak::Slot* slot_ = nullptr;
+};
+
+// ---- TPipe / TQue / TBuf -----------------------------------------------------------------------
+template <TPosition pos, int32_t depth, auto mask = 0> class TQue {
+ public:
+    void init(uint8_t num, uint32_t len, int index) {
+        num_ = num; len_ = len;
+        for (int i = 0; i < num; ++i) {
+            std::string name = "InitBuffer #" + std::to_string(index) + " (TQue " + (pos == TPosition::VECIN ? "VECIN" :
+                               pos == TPosition::VECOUT ? "VECOUT" : "VECCALC") + ", buffer " + std::to_string(i) + " of " +
+                               std::to_string(num) + ", " + std::to_string(len) + " B)";
+            bufs_.push_back(ak::core().alloc(len, name));
+            slots_.push_back(ak::core().new_slot(name));
+            busy_.push_back(false);
+        }
+    }
+    template <typename T> LocalTensor<T> AllocTensor() {
+        for (size_t i = 0; i < bufs_.size(); ++i)
+            if (!busy_[i]) { busy_[i] = true; return LocalTensor<T>(reinterpret_cast<T*>(bufs_[i]), len_ / sizeof(T), slots_[i]); }
+        ak::fail("queue discipline", "AllocTensor beyond the " + std::to_string(num_) + " buffer(s) of " +
+                 (slots_.empty() ? std::string("an uninitialised queue") : slots_[0]->name) + " without a FreeTensor");
+    }
+    template <typename T> void FreeTensor(LocalTensor<T>& t) {
+        for (size_t i = 0; i < bufs_.size(); ++i)
+            if (slots_[i] == t.slot()) {
+                if (!busy_[i]) ak::fail("queue discipline", "FreeTensor of a buffer that is not allocated (" + slots_[i]->name + ")");
+                busy_[i] = false; return;
+            }
+        ak::fail("queue discipline", "FreeTensor of a tensor from another queue");
+    }
+    template <typename T> bool EnQue(const LocalTensor<T>& t) {
+        if (depth > 0 && int32_t(queued_.size()) >= std::max<int32_t>(depth, 1) && int32_t(queued_.size()) >= num_)
+            ak::fail("queue discipline", "EnQue beyond the queue depth " + std::to_string(depth) + " (" + t.slot()->name + ")");
+        queued_.push_back({reinterpret_cast<uint8_t*>(t.GetPhyAddr()), t.slot(), t.GetSize() * uint32_t(sizeof(T))});
+        return true;
+    }
+    template <typename T> LocalTensor<T> DeQue() {
+        if (queued_.empty())
+            ak::fail("queue discipline", "DeQue of an empty queue (" + (slots_.empty() ? std::string("uninitialised") : slots_[0]->name) + ")");
+        auto e = queued_.front();
+        queued_.erase(queued_.begin());
+        return LocalTensor<T>(reinterpret_cast<T*>(e.ptr), e.bytes / sizeof(T), e.slot);
+    }
+    template <typename T> void DeQue(LocalTensor<T>& t) { t = DeQue<T>(); }
+    bool VacantInQue() { return std::any_of(busy_.begin(), busy_.end(), [](bool b) { return !b; }); }
+    bool HasTensorInQue() { return !queued_.empty(); }
+ private:
+    struct Entry { uint8_t* ptr; ak::Slot* slot; uint32_t bytes; };
+    int32_t num_ = 0;
+    uint32_t len_ = 0;
+    std::vector<uint8_t*> bufs_;
+    std::vector<ak::Slot*> slots_;
+    std::vector<bool> busy_;
+    std::vector<Entry> queued_;
+};
+template <TPosition src, TPosition dst, int32_t depth, auto mask = 0> class TQueBind : public TQue<src, depth, mask> {};
+
+template <TPosition pos = TPosition::VECCALC> class TBuf {
+ public:
+    void init(uint32_t len, int index) {
+        len_ = len;
+        std::string name = "InitBuffer #" + std::to_string(index) + " (TBuf, " + std::to_string(len) + " B)";
+        buf_ = ak::core().alloc(len, name);
+        slot_ = ak::core().new_slot(name);
+    }
+    template <typename T> LocalTensor<T> Get() { return LocalTensor<T>(reinterpret_cast<T*>(buf_), len_ / sizeof(T), slot_); }
+    template <typename T> LocalTensor<T> Get(uint32_t len) {
+        if (len * sizeof(T) > len_) ak::fail("UB bounds", "TBuf::Get of " + std::to_string(len * sizeof(T)) + " B from " + slot_->name);
+        return LocalTensor<T>(reinterpret_cast<T*>(buf_), len, slot_);
+    }
+    template <typename T> LocalTensor<T> GetWithOffset(uint32_t size, uint32_t bufOffset) {
+        if (bufOffset + size * sizeof(T) > len_) ak::fail("UB bounds", "TBuf::GetWithOffset beyond " + slot_->name);
+        return LocalTensor<T>(reinterpret_cast<T*>(buf_ + bufOffset), size, slot_);
+    }
+ private:
+    uint8_t* buf_ = nullptr;
+    uint32_t len_ = 0;
+    ak::Slot* slot_ = nullptr;
+};
+
+class TPipe {
+ public:
+    template <class Q> bool InitBuffer(Q& que, uint8_t num, uint32_t len) {
+        que.init(num, (len + 31) / 32 * 32, ++ak::core().init_count);   // sizes round up to 32 B
+        return true;
+    }
+    template <TPosition pos> bool InitBuffer(TBuf<pos>& buf, uint32_t len) {
+        buf.init((len + 31) / 32 * 32, ++ak::core().init_count);
+        return true;
+    }
+    void Init() {}
+    void Destroy() {}
+    void Reset() {}
+};
+
+// ---- core indexing and synchronisation ---------------------------------------------------------
+inline int64_t GetBlockIdx() { return ak::core().block_idx; }
+inline int64_t GetBlockNum() { return ak::core().block_num; }
+constexpr int16_t GetDataBlockSizeInBytes() { return 32; }
+
+template <pipe_t pipe> inline void PipeBarrier() {
+    static_assert(pipe != PIPE_S, "PipeBarrier takes PIPE_V, PIPE_MTE2, PIPE_MTE3, PIPE_M, PIPE_MTE1, PIPE_FIX or PIPE_ALL");
+    auto& c = ak::core().c;
+    if (pipe == PIPE_ALL) { const double t = c.makespan(); for (double& a : c.at) a = t; }
+}
+inline int event_slot(HardEvent e, int32_t id) { return (int(e) * 8 + id) % 64; }
+inline ak::Pipe event_src(HardEvent e) {
+    switch (e) {
+        case HardEvent::MTE2_V: case HardEvent::MTE2_S: case HardEvent::MTE2_MTE3: return ak::MTE2;
+        case HardEvent::MTE3_V: case HardEvent::MTE3_S: case HardEvent::MTE3_MTE2: return ak::MTE3;
+        case HardEvent::V_MTE2: case HardEvent::V_MTE3: case HardEvent::V_S: case HardEvent::V_V: return ak::VEC;
+        default: return ak::SCALAR;
+    }
+}
+inline ak::Pipe event_dst(HardEvent e) {
+    switch (e) {
+        case HardEvent::V_MTE2: case HardEvent::S_MTE2: case HardEvent::MTE3_MTE2: return ak::MTE2;
+        case HardEvent::V_MTE3: case HardEvent::S_MTE3: case HardEvent::MTE2_MTE3: return ak::MTE3;
+        case HardEvent::MTE2_V: case HardEvent::MTE3_V: case HardEvent::S_V: case HardEvent::V_V: return ak::VEC;
+        default: return ak::SCALAR;
+    }
+}
+template <HardEvent event> inline void SetFlag(int32_t eventID) {
+    if (eventID < 0 || eventID > 7) ak::fail("events", "event id " + std::to_string(eventID) + " outside 0..7");
+    int& f = ak::core().flags[event_slot(event, eventID)];
+    if (f > 0) ak::fail("queue discipline", "SetFlag twice on event " + std::to_string(int(event)) + " id " +
+                        std::to_string(eventID) + " without a WaitFlag between");
+    f = 1;
+}
+template <HardEvent event> inline void WaitFlag(int32_t eventID) {
+    int& f = ak::core().flags[event_slot(event, eventID)];
+    if (f == 0) ak::fail("queue discipline", "WaitFlag on event " + std::to_string(int(event)) + " id " +
+                         std::to_string(eventID) + " that was never set");
+    f = 0;
+    auto& c = ak::core().c;   // the waiting pipe resumes when the signalling pipe got there
+    c.at[event_dst(event)] = std::max(c.at[event_dst(event)], c.at[event_src(event)]);
+}
+template <bool isAIVOnly = true> void SyncAll();   // defined by the runner (a barrier across blocks)
+
+// ---- data movement -----------------------------------------------------------------------------
+namespace detail {
+inline double mte_cycles(uint64_t bytes) { return AK_MTE_LATENCY + double(bytes) / AK_MTE_BYTES_PER_CYCLE; }
+}
+
+template <typename T> void DataCopy(const LocalTensor<T>& dst, const GlobalTensor<T>& src, const uint32_t count) {
+    if ((uint64_t(count) * sizeof(T)) % 32 != 0)
+        ak::fail("DataCopy 32 B", "GM->UB DataCopy of " + std::to_string(count) + " x " + std::to_string(sizeof(T)) +
+                 " B is not a multiple of 32 B (hardware rounds it down; use DataCopyPad) (" + dst.slot()->name + ")");
+    dst.check(count, "DataCopy");
+    src.check(0, count);
+    std::memcpy(dst.GetPhyAddr(), src.GetPhyAddr(), count * sizeof(T));
+    ak::core().c.gm_read += count * sizeof(T);
+    ak::core().issue(ak::MTE2, detail::mte_cycles(count * sizeof(T)), {}, {dst.slot()});
+}
+template <typename T> void DataCopy(const GlobalTensor<T>& dst, const LocalTensor<T>& src, const uint32_t count) {
+    if ((uint64_t(count) * sizeof(T)) % 32 != 0)
+        ak::fail("DataCopy 32 B", "UB->GM DataCopy of " + std::to_string(count) + " x " + std::to_string(sizeof(T)) +
+                 " B is not a multiple of 32 B (hardware rounds it down; use DataCopyPad) (" + src.slot()->name + ")");
+    src.check(count, "DataCopy");
+    dst.check(0, count);
+    std::memcpy(dst.GetPhyAddr(), src.GetPhyAddr(), count * sizeof(T));
+    ak::core().c.gm_written += count * sizeof(T);
+    ak::core().issue(ak::MTE3, detail::mte_cycles(count * sizeof(T)), {src.slot()}, {});
+}
+template <typename T> void DataCopy(const LocalTensor<T>& dst, const LocalTensor<T>& src, const uint32_t count) {
+    if ((uint64_t(count) * sizeof(T)) % 32 != 0)
+        ak::fail("DataCopy 32 B", "UB->UB DataCopy of " + std::to_string(count * sizeof(T)) + " B is not a multiple of 32 B");
+    dst.check(count, "DataCopy"); src.check(count, "DataCopy");
+    std::memmove(dst.GetPhyAddr(), src.GetPhyAddr(), count * sizeof(T));
+    ak::core().issue(ak::VEC, AK_VEC_ISSUE + double(count * sizeof(T)) / 256.0, {src.slot()}, {dst.slot()});
+}
+// strided bursts: blockLen and strides in 32 B blocks
+template <typename T> void DataCopy(const LocalTensor<T>& dst, const GlobalTensor<T>& src, const DataCopyParams& p) {
+    const uint32_t blk = 32 / sizeof(T);
+    dst.check(uint32_t(p.blockCount) * (p.blockLen + p.dstStride) * blk - p.dstStride * blk, "DataCopy");
+    for (uint32_t i = 0; i < p.blockCount; ++i) {
+        src.check(uint64_t(i) * (p.blockLen + p.srcStride) * blk, p.blockLen * blk);
+        std::memcpy(dst.GetPhyAddr() + i * (p.blockLen + p.dstStride) * blk,
+                    src.GetPhyAddr(uint64_t(i) * (p.blockLen + p.srcStride) * blk), p.blockLen * 32);
+    }
+    ak::core().c.gm_read += uint64_t(p.blockCount) * p.blockLen * 32;
+    ak::core().issue(ak::MTE2, detail::mte_cycles(uint64_t(p.blockCount) * p.blockLen * 32), {}, {dst.slot()});
+}
+template <typename T> void DataCopy(const GlobalTensor<T>& dst, const LocalTensor<T>& src, const DataCopyParams& p) {
+    const uint32_t blk = 32 / sizeof(T);
+    src.check(uint32_t(p.blockCount) * (p.blockLen + p.srcStride) * blk - p.srcStride * blk, "DataCopy");
+    for (uint32_t i = 0; i < p.blockCount; ++i) {
+        dst.check(uint64_t(i) * (p.blockLen + p.dstStride) * blk, p.blockLen * blk);
+        std::memcpy(dst.GetPhyAddr(uint64_t(i) * (p.blockLen + p.dstStride) * blk),
+                    src.GetPhyAddr() + i * (p.blockLen + p.srcStride) * blk, p.blockLen * 32);
+    }
+    ak::core().c.gm_written += uint64_t(p.blockCount) * p.blockLen * 32;
+    ak::core().issue(ak::MTE3, detail::mte_cycles(uint64_t(p.blockCount) * p.blockLen * 32), {src.slot()}, {});
+}
+// GM -> UB with padding: blockLen and srcStride (GM) in bytes, dstStride (UB) in 32 B blocks; each
+// block is padded on the right to 32 B in UB.
+template <typename T> void DataCopyPad(const LocalTensor<T>& dst, const GlobalTensor<T>& src, const DataCopyExtParams& p,
+                                       const DataCopyPadExtParams<T>& pad) {
+    if (p.blockLen % sizeof(T) != 0) ak::fail("DataCopyPad", "blockLen " + std::to_string(p.blockLen) + " B is not a multiple of the element size");
+    if (p.blockCount > 4095) ak::fail("DataCopyPad", "blockCount " + std::to_string(p.blockCount) + " > 4095");
+    const uint32_t n = p.blockLen / sizeof(T), padded = (p.blockLen + 31) / 32 * 32 / sizeof(T);
+    const uint32_t pitch = padded + p.dstStride * (32 / sizeof(T));
+    if (p.blockCount == 0 || p.blockLen == 0) return;
+    dst.check((p.blockCount - 1) * pitch + padded, "DataCopyPad");
+    const uint8_t* g = reinterpret_cast<const uint8_t*>(src.GetPhyAddr());
+    for (uint32_t i = 0; i < p.blockCount; ++i) {
+        const uint64_t goff = uint64_t(i) * (p.blockLen + p.srcStride);
+        src.check(goff / sizeof(T), n);
+        T* row = dst.GetPhyAddr() + i * pitch;
+        std::memcpy(row, g + goff, p.blockLen);
+        const T fill = pad.isPad ? pad.paddingValue : row[0];
+        for (uint32_t j = n; j < padded; ++j) row[j] = fill;
+    }
+    ak::core().c.gm_read += uint64_t(p.blockCount) * p.blockLen;
+    ak::core().issue(ak::MTE2, detail::mte_cycles(uint64_t(p.blockCount) * padded * sizeof(T)), {}, {dst.slot()});
+}
+// UB -> GM: only blockLen bytes per block are written; srcStride (UB) in 32 B blocks, dstStride (GM) in bytes.
+template <typename T> void DataCopyPad(const GlobalTensor<T>& dst, const LocalTensor<T>& src, const DataCopyExtParams& p) {
+    if (p.blockLen % sizeof(T) != 0) ak::fail("DataCopyPad", "blockLen " + std::to_string(p.blockLen) + " B is not a multiple of the element size");
+    if (p.blockCount > 4095) ak::fail("DataCopyPad", "blockCount " + std::to_string(p.blockCount) + " > 4095");
+    const uint32_t n = p.blockLen / sizeof(T), padded = (p.blockLen + 31) / 32 * 32 / sizeof(T);
+    const uint32_t pitch = padded + p.srcStride * (32 / sizeof(T));
+    if (p.blockCount == 0 || p.blockLen == 0) return;
+    src.check((p.blockCount - 1) * pitch + padded, "DataCopyPad");
+    uint8_t* g = reinterpret_cast<uint8_t*>(dst.GetPhyAddr());
+    for (uint32_t i = 0; i < p.blockCount; ++i) {
+        const uint64_t goff = uint64_t(i) * (p.blockLen + p.dstStride);
+        dst.check(goff / sizeof(T), n);
+        std::memcpy(g + goff, src.GetPhyAddr() + i * pitch, p.blockLen);
+    }
+    ak::core().c.gm_written += uint64_t(p.blockCount) * p.blockLen;
+    ak::core().issue(ak::MTE3, detail::mte_cycles(uint64_t(p.blockCount) * padded * sizeof(T)), {src.slot()}, {});
+}
+
+// ---- vector compute (count form and level-0 form) ----------------------------------------------
+namespace detail {
+inline double vec_cycles(uint64_t bytes, double factor) {
+    const double repeats = std::ceil(double(bytes) / ONE_REPEAT_BYTE_SIZE);
+    ak::core().c.vec_repeats += uint64_t(repeats);
+    return AK_VEC_ISSUE + repeats * factor;
+}
+template <typename T> void check_dtype_arith() {
+    static_assert(std::is_same_v<T, float> || std::is_same_v<T, half> || std::is_same_v<T, int32_t> || std::is_same_v<T, int16_t>,
+                  "vector arithmetic on A2/A3 takes half, float, int16_t or int32_t: Cast bfloat16_t to float first");
+}
+inline void check_repeat(int32_t repeat) {
+    if (repeat > MAX_REPEAT_TIMES || repeat < 0)
+        ak::fail("repeat <= 255", "a level-0 call with repeatTime " + std::to_string(repeat));
+}
+// elements of repeat r, block b, lane j for a level-0 operand with strides in 32 B blocks
+template <typename T> inline uint32_t l0_index(uint32_t r, uint32_t b, uint32_t j, uint32_t blkStride, uint32_t repStride) {
+    return (r * repStride + b * blkStride) * (32 / sizeof(T)) + j;
+}
+template <typename T> inline bool mask_bit(uint64_t mask, uint32_t lane) { return lane < mask; }   // continuous mode
+}  // namespace detail
+
+#define AK_BINARY(NAME, EXPR)                                                                                  \
+    template <typename T> void NAME(const LocalTensor<T>& dst, const LocalTensor<T>& src0, const LocalTensor<T>& src1, \
+                                    const int32_t& count) {                                                    \
+        detail::check_dtype_arith<T>();                                                                        \
+        dst.check(count, #NAME); src0.check(count, #NAME); src1.check(count, #NAME);                           \
+        T* d = dst.GetPhyAddr(); const T* a = src0.GetPhyAddr(); const T* b = src1.GetPhyAddr();              \
+        for (int32_t i = 0; i < count; ++i) { const T x = a[i], y = b[i]; d[i] = (EXPR); }                    \
+        ak::core().issue(ak::VEC, detail::vec_cycles(uint64_t(count) * sizeof(T), FACTOR_##NAME),               \
+                         {src0.slot(), src1.slot()}, {dst.slot()});                                            \
+    }                                                                                                          \
+    template <typename T, bool isSetMask = true> void NAME(const LocalTensor<T>& dst, const LocalTensor<T>& src0, \
+            const LocalTensor<T>& src1, uint64_t mask, const uint8_t repeatTime, const BinaryRepeatParams& p) { \
+        detail::check_dtype_arith<T>();                                                                        \
+        detail::check_repeat(repeatTime);                                                                      \
+        const uint32_t per_blk = 32 / sizeof(T);                                                               \
+        for (uint32_t r = 0; r < repeatTime; ++r)                                                              \
+            for (uint32_t lane = 0; lane < 8 * per_blk; ++lane) {                                              \
+                if (!detail::mask_bit<T>(mask, lane)) continue;                                                \
+                const uint32_t blk = lane / per_blk, j = lane % per_blk;                                       \
+                const T x = src0.GetPhyAddr()[detail::l0_index<T>(r, blk, j, p.src0BlkStride, p.src0RepStride)]; \
+                const T y = src1.GetPhyAddr()[detail::l0_index<T>(r, blk, j, p.src1BlkStride, p.src1RepStride)]; \
+                dst.GetPhyAddr()[detail::l0_index<T>(r, blk, j, p.dstBlkStride, p.dstRepStride)] = (EXPR);    \
+            }                                                                                                  \
+        ak::core().issue(ak::VEC, detail::vec_cycles(uint64_t(repeatTime) * 256, FACTOR_##NAME),                \
+                         {src0.slot(), src1.slot()}, {dst.slot()});                                            \
+    }
+
+constexpr double FACTOR_Add = 1, FACTOR_Sub = 1, FACTOR_Mul = 1, FACTOR_Max = 1, FACTOR_Min = 1, FACTOR_Div = AK_VEC_SLOW_FACTOR;
+AK_BINARY(Add, T(x + y))
+AK_BINARY(Sub, T(x - y))
+AK_BINARY(Mul, T(x * y))
+AK_BINARY(Div, T(x / y))
+AK_BINARY(Max, (x > y ? x : y))
+AK_BINARY(Min, (x < y ? x : y))
+#undef AK_BINARY
+
+#define AK_SCALAR_BINARY(NAME, EXPR)                                                                           \
+    template <typename T> void NAME(const LocalTensor<T>& dst, const LocalTensor<T>& src, const T& scalarValue, \
+                                    const int32_t& count) {                                                    \
+        detail::check_dtype_arith<T>();                                                                        \
+        dst.check(count, #NAME); src.check(count, #NAME);                                                      \
+        T* d = dst.GetPhyAddr(); const T* a = src.GetPhyAddr(); const T s = scalarValue;                      \
+        for (int32_t i = 0; i < count; ++i) { const T x = a[i]; d[i] = (EXPR); }                              \
+        ak::core().issue(ak::VEC, detail::vec_cycles(uint64_t(count) * sizeof(T), 1.0), {src.slot()}, {dst.slot()}); \
+    }                                                                                                          \
+    template <typename T, bool isSetMask = true> void NAME(const LocalTensor<T>& dst, const LocalTensor<T>& src, \
+            const T& scalarValue, uint64_t mask, const uint8_t repeatTime, const UnaryRepeatParams& p) {        \
+        detail::check_dtype_arith<T>();                                                                        \
+        detail::check_repeat(repeatTime);                                                                      \
+        const uint32_t per_blk = 32 / sizeof(T); const T s = scalarValue;                                      \
+        for (uint32_t r = 0; r < repeatTime; ++r)                                                              \
+            for (uint32_t lane = 0; lane < 8 * per_blk; ++lane) {                                              \
+                if (!detail::mask_bit<T>(mask, lane)) continue;                                                \
+                const uint32_t blk = lane / per_blk, j = lane % per_blk;                                       \
+                const T x = src.GetPhyAddr()[detail::l0_index<T>(r, blk, j, p.srcBlkStride, p.srcRepStride)];  \
+                dst.GetPhyAddr()[detail::l0_index<T>(r, blk, j, p.dstBlkStride, p.dstRepStride)] = (EXPR);    \
+            }                                                                                                  \
+        ak::core().issue(ak::VEC, detail::vec_cycles(uint64_t(repeatTime) * 256, 1.0), {src.slot()}, {dst.slot()}); \
+    }
+AK_SCALAR_BINARY(Adds, T(x + s))
+AK_SCALAR_BINARY(Muls, T(x * s))
+AK_SCALAR_BINARY(Maxs, (x > s ? x : s))
+AK_SCALAR_BINARY(Mins, (x < s ? x : s))
+#undef AK_SCALAR_BINARY
+
+#define AK_UNARY(NAME, EXPR, FACTOR)                                                                           \
+    template <typename T> void NAME(const LocalTensor<T>& dst, const LocalTensor<T>& src, const int32_t& count) { \
+        detail::check_dtype_arith<T>();                                                                        \
+        dst.check(count, #NAME); src.check(count, #NAME);                                                      \
+        T* d = dst.GetPhyAddr(); const T* a = src.GetPhyAddr();                                                \
+        for (int32_t i = 0; i < count; ++i) { const float x = float(a[i]); d[i] = T(EXPR); }                  \
+        ak::core().issue(ak::VEC, detail::vec_cycles(uint64_t(count) * sizeof(T), FACTOR), {src.slot()}, {dst.slot()}); \
+    }                                                                                                          \
+    template <typename T, bool isSetMask = true> void NAME(const LocalTensor<T>& dst, const LocalTensor<T>& src, \
+            uint64_t mask, const uint8_t repeatTime, const UnaryRepeatParams& p) {                             \
+        detail::check_dtype_arith<T>();                                                                        \
+        detail::check_repeat(repeatTime);                                                                      \
+        const uint32_t per_blk = 32 / sizeof(T);                                                               \
+        for (uint32_t r = 0; r < repeatTime; ++r)                                                              \
+            for (uint32_t lane = 0; lane < 8 * per_blk; ++lane) {                                              \
+                if (!detail::mask_bit<T>(mask, lane)) continue;                                                \
+                const uint32_t blk = lane / per_blk, j = lane % per_blk;                                       \
+                const float x = float(src.GetPhyAddr()[detail::l0_index<T>(r, blk, j, p.srcBlkStride, p.srcRepStride)]); \
+                dst.GetPhyAddr()[detail::l0_index<T>(r, blk, j, p.dstBlkStride, p.dstRepStride)] = T(EXPR);   \
+            }                                                                                                  \
+        ak::core().issue(ak::VEC, detail::vec_cycles(uint64_t(repeatTime) * 256, FACTOR), {src.slot()}, {dst.slot()}); \
+    }
+AK_UNARY(Exp, std::exp(x), AK_VEC_SLOW_FACTOR)
+AK_UNARY(Ln, std::log(x), AK_VEC_SLOW_FACTOR)
+AK_UNARY(Sqrt, std::sqrt(x), AK_VEC_SLOW_FACTOR)
+AK_UNARY(Rsqrt, 1.0f / std::sqrt(x), AK_VEC_SLOW_FACTOR)
+AK_UNARY(Reciprocal, 1.0f / x, AK_VEC_SLOW_FACTOR)
+AK_UNARY(Abs, std::fabs(x), 1.0)
+AK_UNARY(Relu, (x > 0.0f ? x : 0.0f), 1.0)
+#undef AK_UNARY
+
+namespace detail {
+template <typename T> float to_f(T v) { return float(v); }
+template <typename T> T from_f(float f, RoundMode mode) {
+    float r = f;
+    switch (mode) {
+        case RoundMode::CAST_FLOOR: r = std::floor(f); break;
+        case RoundMode::CAST_CEIL: r = std::ceil(f); break;
+        case RoundMode::CAST_ROUND: r = std::round(f); break;
+        case RoundMode::CAST_TRUNC: r = std::trunc(f); break;
+        default: break;
+    }
+    if constexpr (std::is_integral_v<T>) {
+        if (mode == RoundMode::CAST_NONE || mode == RoundMode::CAST_RINT) r = std::nearbyint(f);
+        return T(r);
+    } else {
+        return T(r);   // float -> half / bfloat16_t: round to nearest even (CAST_NONE, CAST_RINT)
+    }
+}
+}  // namespace detail
+
+template <typename T, typename U> void Cast(const LocalTensor<T>& dst, const LocalTensor<U>& src, const RoundMode& roundMode,
+                                            const uint32_t count) {
+    dst.check(count, "Cast"); src.check(count, "Cast");
+    T* d = dst.GetPhyAddr(); const U* s = src.GetPhyAddr();
+    for (uint32_t i = 0; i < count; ++i) d[i] = detail::from_f<T>(detail::to_f(s[i]), roundMode);
+    ak::core().issue(ak::VEC, detail::vec_cycles(uint64_t(count) * std::max(sizeof(T), sizeof(U)), 1.0), {src.slot()}, {dst.slot()});
+}
+
+template <typename T> void Duplicate(const LocalTensor<T>& dst, const T& scalarValue, const int32_t& count) {
+    dst.check(count, "Duplicate");
+    T* d = dst.GetPhyAddr();
+    for (int32_t i = 0; i < count; ++i) d[i] = scalarValue;
+    ak::core().issue(ak::VEC, detail::vec_cycles(uint64_t(count) * sizeof(T), 1.0), {}, {dst.slot()});
+}
+
+// per repeat i, element src[i*8+j] fills one 32 B block of dst at block i*dstRepStride + j*dstBlkStride
+template <typename T> void Brcb(const LocalTensor<T>& dst, const LocalTensor<T>& src0, const uint8_t repeatTime,
+                                const BrcbRepeatParams& p) {
+    detail::check_repeat(repeatTime);
+    src0.check(uint32_t(repeatTime) * 8, "Brcb");
+    const uint32_t per_blk = 32 / sizeof(T), bs = p.dstBlkStride == 0 ? 1 : p.dstBlkStride;
+    dst.check(((repeatTime - 1) * p.dstRepStride + 7 * bs + 1) * per_blk, "Brcb");
+    for (uint32_t i = 0; i < repeatTime; ++i)
+        for (uint32_t j = 0; j < 8; ++j)
+            for (uint32_t k = 0; k < per_blk; ++k)
+                dst.GetPhyAddr()[(i * p.dstRepStride + j * bs) * per_blk + k] = src0.GetPhyAddr()[i * 8 + j];
+    ak::core().issue(ak::VEC, detail::vec_cycles(uint64_t(repeatTime) * 256, 1.0), {src0.slot()}, {dst.slot()});
+}
+
+// count form: the result in dst[0]; the sum runs as the hardware's pairwise tree per 256 B repeat,
+// then over the repeat results.
+namespace detail {
+template <typename T> T tree_sum(const T* v, uint32_t n) {
+    if (n == 0) return T(0);
+    if (n == 1) return v[0];
+    const uint32_t h = (n + 1) / 2;
+    std::vector<T> next(h);
+    for (uint32_t i = 0; i < h; ++i) next[i] = (2 * i + 1 < n) ? T(v[2 * i] + v[2 * i + 1]) : v[2 * i];
+    return tree_sum(next.data(), h);
+}
+}  // namespace detail
+template <typename T, bool isSetMask = true> void ReduceSum(const LocalTensor<T>& dst, const LocalTensor<T>& src,
+                                                            const LocalTensor<T>& sharedTmpBuffer, const int32_t count) {
+    detail::check_dtype_arith<T>();
+    dst.check(1, "ReduceSum"); src.check(count, "ReduceSum");
+    sharedTmpBuffer.check(std::min<uint32_t>(uint32_t(count), (uint32_t(count) * sizeof(T) + 255) / 256), "ReduceSum");
+    const uint32_t per_rep = 256 / sizeof(T);
+    std::vector<T> partial;
+    for (uint32_t i = 0; i < uint32_t(count); i += per_rep)
+        partial.push_back(detail::tree_sum(src.GetPhyAddr() + i, std::min<uint32_t>(per_rep, count - i)));
+    dst.GetPhyAddr()[0] = detail::tree_sum(partial.data(), uint32_t(partial.size()));
+    ak::core().issue(ak::VEC, detail::vec_cycles(uint64_t(count) * sizeof(T), 1.0) + 2 * AK_VEC_ISSUE,
+                     {src.slot()}, {dst.slot(), sharedTmpBuffer.slot()});
+}
+template <typename T> void ReduceMax(const LocalTensor<T>& dst, const LocalTensor<T>& src, const LocalTensor<T>& sharedTmpBuffer,
+                                     const int32_t count, bool calIndex = 0) {
+    detail::check_dtype_arith<T>();
+    dst.check(calIndex ? 2 : 1, "ReduceMax"); src.check(count, "ReduceMax");
+    uint32_t best = 0;
+    for (uint32_t i = 1; i < uint32_t(count); ++i) if (src.GetPhyAddr()[i] > src.GetPhyAddr()[best]) best = i;
+    dst.GetPhyAddr()[0] = src.GetPhyAddr()[best];
+    if (calIndex) { uint32_t idx = best; std::memcpy(dst.GetPhyAddr() + 1, &idx, std::min(sizeof(T), sizeof(idx))); }
+    ak::core().issue(ak::VEC, detail::vec_cycles(uint64_t(count) * sizeof(T), 1.0) + 2 * AK_VEC_ISSUE,
+                     {src.slot()}, {dst.slot(), sharedTmpBuffer.slot()});
+}
+// level-0: each repeat sums (max) the first `mask` lanes of up to 256 B of src into dst[r * dstRepStride]
+template <typename T, bool isSetMask = true> void WholeReduceSum(const LocalTensor<T>& dst, const LocalTensor<T>& src,
+        const int32_t mask, const int32_t repeatTime, const int32_t dstRepStride, const int32_t srcBlkStride, const int32_t srcRepStride) {
+    detail::check_dtype_arith<T>();
+    detail::check_repeat(repeatTime);
+    const uint32_t per_blk = 32 / sizeof(T);
+    if (uint32_t(mask) > 8 * per_blk) ak::fail("mask", "WholeReduceSum mask " + std::to_string(mask) + " > " + std::to_string(8 * per_blk));
+    for (int32_t r = 0; r < repeatTime; ++r) {
+        std::vector<T> v(mask);
+        for (int32_t lane = 0; lane < mask; ++lane)
+            v[lane] = src.GetPhyAddr()[detail::l0_index<T>(r, lane / per_blk, lane % per_blk, srcBlkStride, srcRepStride)];
+        dst.GetPhyAddr()[r * dstRepStride] = detail::tree_sum(v.data(), uint32_t(mask));
+    }
+    ak::core().issue(ak::VEC, detail::vec_cycles(uint64_t(repeatTime) * 256, 1.0), {src.slot()}, {dst.slot()});
+}
+template <typename T, bool isSetMask = true> void WholeReduceMax(const LocalTensor<T>& dst, const LocalTensor<T>& src,
+        const int32_t mask, const int32_t repeatTime, const int32_t dstRepStride, const int32_t srcBlkStride, const int32_t srcRepStride,
+        ReduceOrder order = ReduceOrder::ORDER_VALUE_INDEX) {
+    detail::check_dtype_arith<T>();
+    detail::check_repeat(repeatTime);
+    const uint32_t per_blk = 32 / sizeof(T);
+    if (uint32_t(mask) > 8 * per_blk) ak::fail("mask", "WholeReduceMax mask " + std::to_string(mask) + " > " + std::to_string(8 * per_blk));
+    for (int32_t r = 0; r < repeatTime; ++r) {
+        uint32_t best = 0;
+        T bv = src.GetPhyAddr()[detail::l0_index<T>(r, 0, 0, srcBlkStride, srcRepStride)];
+        for (int32_t lane = 1; lane < mask; ++lane) {
+            const T v = src.GetPhyAddr()[detail::l0_index<T>(r, lane / per_blk, lane % per_blk, srcBlkStride, srcRepStride)];
+            if (v > bv) { bv = v; best = lane; }
+        }
+        T idx; std::memset(&idx, 0, sizeof(T)); std::memcpy(&idx, &best, std::min(sizeof(T), sizeof(best)));
+        T* d = dst.GetPhyAddr() + r * dstRepStride;
+        if (order == ReduceOrder::ORDER_ONLY_VALUE) d[0] = bv;
+        else if (order == ReduceOrder::ORDER_ONLY_INDEX) d[0] = idx;
+        else if (order == ReduceOrder::ORDER_INDEX_VALUE) { d[0] = idx; d[1] = bv; }
+        else { d[0] = bv; d[1] = idx; }
+    }
+    ak::core().issue(ak::VEC, detail::vec_cycles(uint64_t(repeatTime) * 256, 1.0), {src.slot()}, {dst.slot()});
+}
+
+// Compare writes one bit per element (bit i of byte i/8); count * sizeof(T) must be 256 B aligned.
+template <typename T, typename U> void Compare(const LocalTensor<U>& dst, const LocalTensor<T>& src0, const LocalTensor<T>& src1,
+                                               CMPMODE cmpMode, uint32_t count) {
+    if ((count * sizeof(T)) % 256 != 0)
+        ak::fail("Compare 256 B", "Compare of " + std::to_string(count * sizeof(T)) + " B is not a multiple of 256 B");
+    src0.check(count, "Compare"); src1.check(count, "Compare");
+    dst.check((count / 8 + sizeof(U) - 1) / sizeof(U), "Compare");
+    uint8_t* bits = reinterpret_cast<uint8_t*>(dst.GetPhyAddr());
+    std::memset(bits, 0, count / 8);
+    for (uint32_t i = 0; i < count; ++i) {
+        const float a = float(src0.GetPhyAddr()[i]), b = float(src1.GetPhyAddr()[i]);
+        bool r = false;
+        switch (cmpMode) {
+            case CMPMODE::LT: r = a < b; break; case CMPMODE::GT: r = a > b; break; case CMPMODE::EQ: r = a == b; break;
+            case CMPMODE::LE: r = a <= b; break; case CMPMODE::GE: r = a >= b; break; case CMPMODE::NE: r = a != b; break;
+        }
+        if (r) bits[i / 8] |= uint8_t(1u << (i % 8));
+    }
+    ak::core().issue(ak::VEC, detail::vec_cycles(uint64_t(count) * sizeof(T), 1.0), {src0.slot(), src1.slot()}, {dst.slot()});
+}
+// bit 1 -> src0, 0 -> src1 (tensor-tensor mode), consecutive mask bits
+template <typename T, typename U> void Select(const LocalTensor<T>& dst, const LocalTensor<U>& selMask, const LocalTensor<T>& src0,
+                                              const LocalTensor<T>& src1, SELMODE selMode, uint32_t count) {
+    dst.check(count, "Select"); src0.check(count, "Select"); src1.check(count, "Select");
+    const uint8_t* bits = reinterpret_cast<const uint8_t*>(selMask.GetPhyAddr());
+    for (uint32_t i = 0; i < count; ++i)
+        dst.GetPhyAddr()[i] = (bits[i / 8] >> (i % 8)) & 1 ? src0.GetPhyAddr()[i] : src1.GetPhyAddr()[i];
+    ak::core().issue(ak::VEC, detail::vec_cycles(uint64_t(count) * sizeof(T), 1.0), {selMask.slot(), src0.slot(), src1.slot()}, {dst.slot()});
+}
+// scalar mode: bit 1 -> src0, 0 -> the scalar src1
+template <typename T, typename U> void Select(const LocalTensor<T>& dst, const LocalTensor<U>& selMask, const LocalTensor<T>& src0,
+                                              T src1, SELMODE selMode, uint32_t count) {
+    dst.check(count, "Select"); src0.check(count, "Select");
+    const uint8_t* bits = reinterpret_cast<const uint8_t*>(selMask.GetPhyAddr());
+    for (uint32_t i = 0; i < count; ++i)
+        dst.GetPhyAddr()[i] = (bits[i / 8] >> (i % 8)) & 1 ? src0.GetPhyAddr()[i] : src1;
+    ak::core().issue(ak::VEC, detail::vec_cycles(uint64_t(count) * sizeof(T), 1.0), {selMask.slot(), src0.slot()}, {dst.slot()});
+}
+
+}  // namespace AscendC
+
+// The APIs above, by name: the template-coverage test checks every call a template makes against it.
+#define AK_EMULATED_APIS "GlobalTensor LocalTensor TPipe TQue TQueBind TBuf InitBuffer AllocTensor FreeTensor EnQue DeQue Get GetWithOffset " \
+    "SetGlobalBuffer GetValue SetValue ReinterpretCast GetSize SetSize GetPhyAddr DataCopy DataCopyPad Add Sub Mul Div Max Min " \
+    "Adds Muls Maxs Mins Exp Ln Sqrt Rsqrt Reciprocal Abs Relu Cast Duplicate Brcb ReduceSum ReduceMax WholeReduceSum " \
+    "WholeReduceMax Compare Select PipeBarrier SetFlag WaitFlag GetBlockIdx GetBlockNum SyncAll GetDataBlockSizeInBytes " \
+    "DataCopyParams DataCopyExtParams DataCopyPadExtParams UnaryRepeatParams BinaryRepeatParams BrcbRepeatParams"

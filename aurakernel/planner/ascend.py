@@ -1,0 +1,119 @@
+"""The tiling model of a row-wise AscendC vector kernel (norms, activations): how many rows a UB
+tile holds, how deep the queues are, how long the fp32 compute chunk is, and how many vector
+cores share the rows.
+
+    knobs     tile_rows in {1, 2, 4, ..., 64} (<= rows per core), buffers in {1, 2},
+              chunk in {64, 128, ...} fp32 elements (<= the row), block_dim = min(rows, AIV cores)
+    UB        buffers * (streams * tile_rows * row_pitch + per-row outputs) + resident + work * chunk * 4
+              + reduce scratch <= UB - reserved top        (the sum over every InitBuffer)
+    per core  rb = ceil(rows / block_dim) rows, ceil(rb / tile_rows) tiles
+    MTE2/MTE3 tiles * copies * latency + rb * bytes / rate, rate = min(core MTE rate, HBM / block_dim)
+    Vector    rb * (fp32 repeats per row * cycles + ceil(D / chunk) * instructions per chunk * issue)
+    time      buffers = 2: the slowest pipe + one tile's copy in and out (fill and drain);
+              buffers = 1: the pipes one after another.
+Figures come from the profile's `pipes` section (the same ones the emulator charges), so the plan's
+prediction and the emulator's estimate can be compared.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..hardware import HardwareProfile
+from .model import ChoiceModel, Constraint, Phase, Term
+
+
+@dataclass(frozen=True)
+class AscendRowPhase:
+    name: str
+    streams_in: int            # row tiles copied in per tile (x, dy, ...)
+    streams_out: int           # row tiles copied out per tile
+    small_in_bytes: int        # per-row side inputs (e.g. rstd, 4 B), queued with the tile
+    small_out_bytes: int       # per-row side outputs
+    resident_bytes: int        # UB held for the whole kernel (gamma, a dgamma accumulator)
+    work_buffers: int          # fp32 chunk buffers
+    fast_ops_per_elem: float   # fp32 vector passes over the row (1 cycle per 256 B repeat)
+    slow_ops_per_elem: float   # Exp/Sqrt/Div-class passes
+    instrs_per_chunk: int      # vector instructions issued per chunk of a row
+
+
+def _pow2_upto(limit: int, start: int = 1) -> list[int]:
+    out, v = [], start
+    while v <= max(limit, start):
+        out.append(v)
+        v *= 2
+    return out
+
+
+def ascend_rowwise_model(rows: int, cols: int, elem_bytes: int, phases: list[AscendRowPhase],
+                         hw: HardwareProfile) -> ChoiceModel:
+    pipes = hw.extra.get("pipes", {})
+    clock = hw.clock_ghz * 1e9
+    latency = float(pipes.get("mte_latency_cycles", 200))
+    issue = float(pipes.get("vec_issue_cycles", 12))
+    slow = float(pipes.get("vec_slow_factor", 4))
+    block_dim = max(1, min(rows, hw.cores))
+    rate = min(float(pipes.get("mte_bytes_per_cycle", 64)), hw.memory["HBM"].bandwidth_gbps / hw.clock_ghz / block_dim)
+    rb = math.ceil(rows / block_dim)
+    pitch = math.ceil(cols * elem_bytes / 32) * 32                     # UB row pitch in bytes
+    domains = {"tile_rows": [v for v in _pow2_upto(min(rb, 64))],
+               "buffers": [1, 2],
+               "chunk": _pow2_upto(max(64, math.ceil(cols / 64) * 64), 64)[:12],
+               "block_dim": [block_dim]}
+    usable = hw.memory["UB"].capacity - int(hw.extra.get("ub_reserved", 8192))
+
+    def align32(b: float) -> int:
+        return int(math.ceil(b / 32) * 32)
+
+    def ub_bytes(p: AscendRowPhase, tr: int, nb: int, ch: int) -> int:
+        per_buf = (p.streams_in + p.streams_out) * tr * pitch + align32(tr * p.small_in_bytes) + align32(tr * p.small_out_bytes)
+        return nb * per_buf + align32(p.resident_bytes) + p.work_buffers * ch * 4 + align32((8 + ch * 4 / 256) * 4)
+
+    usage = Term.of(("tile_rows", "buffers", "chunk"), domains,
+                    lambda tr, nb, ch: max(ub_bytes(p, tr, nb, ch) for p in phases))
+    constraints = [Constraint("UB capacity", usage, usable,
+                              "buffers x (row tiles + per-row outputs) + resident + work chunks + reduce scratch")]
+
+    model_phases = []
+    for p in phases:
+        def mte2(tr, p=p):
+            tiles = math.ceil(rb / tr)
+            return (tiles * (p.streams_in + (1 if p.small_in_bytes else 0)) * latency
+                    + rb * (p.streams_in * cols * elem_bytes + p.small_in_bytes) / rate)
+
+        def mte3(tr, p=p):
+            tiles = math.ceil(rb / tr)
+            return (tiles * (p.streams_out + (1 if p.small_out_bytes else 0)) * latency
+                    + rb * (p.streams_out * cols * elem_bytes + p.small_out_bytes) / rate)
+
+        def vector(ch, p=p):
+            repeats = cols * 4 / 256
+            return rb * (repeats * (p.fast_ops_per_elem + slow * p.slow_ops_per_elem)
+                         + math.ceil(cols / ch) * p.instrs_per_chunk * issue)
+
+        def pipe(which, fn_knobs, fn):
+            def cell(tr, nb, ch):
+                cycles = fn(tr) if fn_knobs == "tile_rows" else fn(ch)
+                return cycles / clock if nb == 2 else 0.0
+            return Term.of(("tile_rows", "buffers", "chunk"), domains, cell)
+
+        serial = Term.of(("tile_rows", "buffers", "chunk"), domains,
+                         lambda tr, nb, ch, m2=mte2, m3=mte3, v=vector:
+                         (m2(tr) + m3(tr) + v(ch)) / clock if nb == 1 else 0.0)
+        fill = Term.of(("tile_rows", "buffers", "chunk"), domains,
+                       lambda tr, nb, ch, m2=mte2, m3=mte3:
+                       ((m2(tr) + m3(tr)) / math.ceil(rb / tr)) / clock if nb == 2 else 0.0)
+        launch = Term.of(("block_dim",), domains, lambda bd: hw.call_overhead_us * 1e-6)
+        model_phases.append(Phase(p.name, {"MTE2": [pipe("MTE2", "tile_rows", mte2)],
+                                           "MTE3": [pipe("MTE3", "tile_rows", mte3)],
+                                           "Vector": [pipe("Vector", "chunk", vector)],
+                                           "serial": [serial]}, [fill, launch]))
+    return ChoiceModel(domains, constraints, model_phases)
+
+
+def roofline_us(gm_bytes_busiest_core: float, hw: HardwareProfile) -> float:
+    """The bound for a core that moves `gm_bytes_busiest_core`: its share of HBM bandwidth (all AIV
+    cores streaming), so a balanced kernel's bound is total bytes / HBM bandwidth."""
+    share = hw.memory["HBM"].bandwidth_gbps * 1e9 / hw.cores
+    return gm_bytes_busiest_core / share * 1e6
