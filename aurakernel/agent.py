@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from .build import build_kernel
 from .db import Record, TuningDB
@@ -24,6 +23,9 @@ from .planfile import KernelPlan, PlanEntry
 from .planner import Plan, solve_tiling
 from .profiler import ProfileReport, profile_training
 from .verify import Verification, verify
+
+if TYPE_CHECKING:
+    from .backends.ascendc import AscendTuneResult
 
 
 @dataclass
@@ -81,7 +83,7 @@ def measure_problem(spec: OpSpec, problem: Problem, kernel_hash: str, *, with_co
 
 def tune(op: str, shape: str | None, dtype: str, *, variant: str | None = None, target: str = "host",
          solver: str = "highs", db_path=None, with_compiled: bool = True,
-         hw: HardwareProfile | None = None, out_dir=None):
+         hw: HardwareProfile | None = None, out_dir=None) -> TuneResult | AscendTuneResult:
     """Tune one operator from CLI-style arguments (validated here)."""
     spec = get_op(op)
     problem = spec.problem(shape, dtype, variant)

@@ -30,6 +30,16 @@ class MemoryLevel:
 
 
 @dataclass(frozen=True)
+class AscendPipes:
+    mte_bytes_per_cycle: float   # one core's MTE2/MTE3 rate: its own limit or its share of HBM
+    mte_latency: float           # cycles per DataCopy / DataCopyPad
+    vec_issue: float             # cycles per vector instruction
+    vec_slow_factor: float       # cycles per 256 B repeat of Exp/Ln/Sqrt/Rsqrt/Reciprocal/Div
+    scalar_op: float             # cycles per scalar GetValue / SetValue
+    ub_usable: int               # UB bytes below the reserved top
+
+
+@dataclass(frozen=True)
 class HardwareProfile:
     name: str
     kind: str                                  # "host" or "ascend"
@@ -62,6 +72,18 @@ class HardwareProfile:
             peak_tflops={k: float(v) for k, v in cal["peak_tflops"].items()},
             calibrated=True,
         )
+
+    def ascend_pipes(self, block_dim: int) -> AscendPipes:
+        """The per-instruction cost figures of an Ascend profile (its `pipes` section), as the planner
+        and the emulator both charge them, for a kernel launched on `block_dim` vector cores."""
+        pipes = self.extra.get("pipes", {})
+        hbm_per_core = self.memory["HBM"].bandwidth_gbps / self.clock_ghz / max(1, min(block_dim, self.cores))
+        return AscendPipes(mte_bytes_per_cycle=min(float(pipes.get("mte_bytes_per_cycle", 64)), hbm_per_core),
+                           mte_latency=float(pipes.get("mte_latency_cycles", 200)),
+                           vec_issue=float(pipes.get("vec_issue_cycles", 12)),
+                           vec_slow_factor=float(pipes.get("vec_slow_factor", 4)),
+                           scalar_op=float(pipes.get("scalar_op_cycles", 4)),
+                           ub_usable=self.memory["UB"].capacity - int(self.extra.get("ub_reserved", 8192)))
 
     def fingerprint(self) -> str:
         """Content hash of everything a plan depends on: plans are cached under it."""

@@ -39,9 +39,6 @@ GROUP_OF_MODULE: list[tuple[type, str]] = [
     (v4.DeepseekV4HashRouter, "router"),
     (v4.DeepseekV4Experts, "moe_experts"),
     (v4.DeepseekV4MLP, "shared_expert"),
-    (v4.DeepseekV4HCACompressor, "compressor"),
-    (v4.DeepseekV4CSACompressor, "compressor"),
-    (v4.DeepseekV4Indexer, "indexer"),
     (v4.DeepseekV4Attention, "attention"),
     (v4.DeepseekV4DecoderLayer, "mhc_post"),   # what a layer runs outside its children: the stream mixing
     (nn.Embedding, "embedding"),
@@ -179,7 +176,7 @@ class _Hooks:
 
 
 FUSABLE = {"rms_norm", "mhc_pre", "mhc_post", "mhc_head", "router", "moe_experts", "shared_expert", "compressor",
-           "indexer", "attention", "cross_entropy", "adamw", "embedding"}
+           "attention", "cross_entropy", "adamw", "embedding"}
 
 
 def _attribute(events) -> tuple[dict[str, float], dict[str, int], float]:

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .backends.base import Kernel
-from .ops.base import OpSpec, Problem, Tensors
+from .ops.base import OpSpec, Problem
 
 SEEDS = (0, 1, 2)
 
@@ -64,7 +64,10 @@ def compare(out: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float) -> t
     return float(err.max()) if err.numel() else 0.0, rel, ok, "" if ok else "outside tolerance"
 
 
-def _check_one(spec: OpSpec, problem: Problem, kernel: Kernel, seed: int) -> list[Check]:
+def check_case(spec: OpSpec, problem: Problem, seed: int, run) -> list[Check]:
+    """One (problem, seed) case: fresh inputs, the reference and its gradients with autograd, then
+    `run(inputs, grad_out) -> (outputs, grads, error)` runs the kernel under test (any backend);
+    its outputs and gradients are compared, and the inputs checked unchanged."""
     inputs = spec.make_inputs(problem, seed)
     pristine = {k: v.clone() for k, v in inputs.items()}
     diff = spec.differentiable(problem)
@@ -72,22 +75,16 @@ def _check_one(spec: OpSpec, problem: Problem, kernel: Kernel, seed: int) -> lis
     ref_inputs = {k: (v.clone().requires_grad_(True) if k in diff else v.clone()) for k, v in inputs.items()}
     ref_out = spec.reference(problem, ref_inputs)
     g = torch.Generator().manual_seed(10_000 + seed)
-    visible = spec.visible_outputs()
     with_grad = spec.grad_outputs()
     grad_out = {k: torch.randn(ref_out[k].shape, generator=g).to(ref_out[k].dtype) for k in with_grad}
     ref_grads = (torch.autograd.grad([ref_out[k] for k in with_grad], [ref_inputs[k] for k in diff],
                                      [grad_out[k] for k in with_grad], allow_unused=True) if diff else ())
 
-    outputs = spec.empty_outputs(problem, inputs)
-    for t in outputs.values():   # poison: NaN, or an impossible value for integer outputs
-        t.fill_(float("nan") if t.is_floating_point() else torch.iinfo(t.dtype).min)
-    spec.run_forward(kernel, inputs, outputs)
-    grads = {k: torch.full(inputs[k].shape, float("nan"), dtype=inputs[k].dtype) for k in diff}
-    if diff:  # an operator without gradients (the optimizer update) has no backward
-        spec.run_backward(kernel, inputs, outputs, grad_out, grads)
-
+    outputs, grads, error = run(inputs, grad_out)
+    if error:
+        return [Check(problem.shape, seed, "kernel", float("nan"), float("nan"), False, error)]
     checks = []
-    for k in visible:
+    for k in spec.visible_outputs():
         if not ref_out[k].is_floating_point():   # indices: exactly equal
             same = outputs[k].shape == ref_out[k].shape and torch.equal(outputs[k], ref_out[k])
             checks.append(Check(problem.shape, seed, k, 0.0 if same else float("inf"), 0.0, same,
@@ -105,11 +102,26 @@ def _check_one(spec: OpSpec, problem: Problem, kernel: Kernel, seed: int) -> lis
     return checks
 
 
+def _run_host(spec: OpSpec, problem: Problem, kernel: Kernel):
+    """The host kernel on poisoned outputs and gradients (NaN, or an impossible integer)."""
+    def run(inputs, grad_out):
+        outputs = spec.empty_outputs(problem, inputs)
+        for t in outputs.values():
+            t.fill_(float("nan") if t.is_floating_point() else torch.iinfo(t.dtype).min)
+        spec.run_forward(kernel, inputs, outputs)
+        diff = spec.differentiable(problem)
+        grads = {k: torch.full(inputs[k].shape, float("nan"), dtype=inputs[k].dtype) for k in diff}
+        if diff:  # an operator without gradients (the optimizer update) has no backward
+            spec.run_backward(kernel, inputs, outputs, grad_out, grads)
+        return outputs, grads, None
+    return run
+
+
 def verify(spec: OpSpec, cases: list[tuple[Problem, Kernel]], seeds=SEEDS) -> Verification:
     """Check each (problem, kernel) case on every seed; all must pass."""
     result = Verification(passed=True)
     for problem, kernel in cases:
         for seed in seeds:
-            result.checks.extend(_check_one(spec, problem, kernel, seed))
+            result.checks.extend(check_case(spec, problem, seed, _run_host(spec, problem, kernel)))
     result.passed = all(c.passed for c in result.checks)
     return result

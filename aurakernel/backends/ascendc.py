@@ -24,10 +24,11 @@ from .. import emulator
 from ..codegen import render
 from ..errors import UserError
 from ..hardware import HardwareProfile
+from ..paths import TEMPLATES_DIR
 from ..ops.base import OpSpec, Problem
 from ..planner import Plan, solve_tiling
 from ..planner.ascend import ascend_rowwise_model, roofline_us
-from ..verify import Check, Verification, compare
+from ..verify import Check, Verification, check_case
 
 PROJECT_FILES = {   # template -> file written into the op project
     "kernel.cpp.j2": "{op}_kernel.cpp",
@@ -41,7 +42,7 @@ SEEDS = (0, 1, 2)
 
 
 def supported(spec: OpSpec) -> bool:
-    return (Path(__file__).parents[2] / "templates" / "ascendc" / spec.name / "kernel.cpp.j2").is_file()
+    return (TEMPLATES_DIR / "ascendc" / spec.name / "kernel.cpp.j2").is_file()
 
 
 def require_supported(spec: OpSpec) -> None:
@@ -97,34 +98,19 @@ def from_bytes(buf: bytearray, like: torch.Tensor) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=torch.uint8).view(like.dtype).reshape(like.shape).clone()
 
 
-def verify(spec: OpSpec, problems: list[Problem], knobs: dict[str, int], emu: Emulated,
-           seeds=SEEDS) -> tuple[Verification, list]:
-    """Forward and backward in the emulator against the PyTorch reference; rule errors fail a check."""
-    result, reports = Verification(passed=True), []
+def verify(spec: OpSpec, problems: list[Problem], knobs: dict[str, int], emu: Emulated, seeds=SEEDS) -> Verification:
+    """Forward and backward in the emulator against the PyTorch reference (verify.check_case);
+    a broken hardware rule fails the case with the emulator's message."""
+    result = Verification(passed=True)
     for problem in problems:
         for seed in seeds:
-            inputs = spec.make_inputs(problem, seed)
-            diff = spec.differentiable(problem)
-            ref_in = {k: (v.clone().requires_grad_(True) if k in diff else v.clone()) for k, v in inputs.items()}
-            ref_out = spec.reference(problem, ref_in)
-            g = torch.Generator().manual_seed(10_000 + seed)
-            grad_out = {k: torch.randn(ref_out[k].shape, generator=g).to(ref_out[k].dtype) for k in spec.grad_outputs()}
-            ref_grads = torch.autograd.grad([ref_out[k] for k in grad_out], [ref_in[k] for k in diff],
-                                            [grad_out[k] for k in grad_out])
-            outputs, grads, run_reports = spec.ascend_run(problem, knobs, inputs, grad_out, emu)
-            reports.append((problem, seed, run_reports))
-            errors = [e for r in run_reports.values() for e in r.errors]
-            if errors:
-                result.checks.append(Check(problem.shape, seed, "emulator", float("nan"), float("nan"), False, errors[0]))
-                continue
-            for k in spec.visible_outputs():
-                tol = spec.tolerance(problem.dtype, k)
-                result.checks.append(Check(problem.shape, seed, k, *compare(outputs[k], ref_out[k].detach(), tol.atol, tol.rtol)))
-            for k, rg in zip(diff, ref_grads):
-                tol = spec.tolerance(problem.dtype, k)
-                result.checks.append(Check(problem.shape, seed, f"grad_{k}", *compare(grads[k], rg, tol.atol, tol.rtol)))
+            def run(inputs, grad_out, problem=problem):
+                outputs, grads, reports = spec.ascend_run(problem, knobs, inputs, grad_out, emu)
+                errors = [e for r in reports.values() for e in r.errors]
+                return outputs, grads, errors[0] if errors else None
+            result.checks.extend(check_case(spec, problem, seed, run))
     result.passed = bool(result.checks) and all(c.passed for c in result.checks)
-    return result, reports
+    return result
 
 
 @dataclass
@@ -144,7 +130,7 @@ class AscendTuneResult:
     def phase_summary(self) -> dict[str, dict]:
         out = {}
         for phase, rep in self.estimate.items():
-            busiest, _ = rep.gm_bytes()
+            busiest = rep.busiest_gm_bytes()
             bound = roofline_us(busiest, self.hw)
             est_us = rep.cycles / (self.hw.clock_ghz * 1e3)
             slowest = max(rep.blocks, key=lambda b: b.makespan)
@@ -180,17 +166,16 @@ def tune(spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, so
     require_supported(spec)
     the_plan = plan(spec, problem, hw, target=target, solver=solver)
     knobs = the_plan.knobs
-    keep = out_dir is not None
-    work = Path(out_dir) if keep else Path(tempfile.mkdtemp(prefix=f"ak-{spec.name}-"))
-    project = render_project(spec, problem, knobs, work)
-    emu = Emulated(project, hw, knobs["block_dim"])
-    verification, _ = verify(spec, spec.ascend_verification_problems(problem, knobs), knobs, emu)
-    inputs = spec.make_inputs(problem, 0)
-    grad_out = {k: torch.randn_like(v, dtype=torch.float32).to(v.dtype)
-                for k, v in spec.ascend_output_likes(problem, inputs).items()}
-    _, _, estimate = spec.ascend_run(problem, knobs, inputs, grad_out, emu)
+    with tempfile.TemporaryDirectory(prefix=f"ak-{spec.name}-") as scratch:
+        project = render_project(spec, problem, knobs, Path(out_dir) if out_dir is not None else Path(scratch))
+        emu = Emulated(project, hw, knobs["block_dim"])
+        verification = verify(spec, spec.ascend_verification_problems(problem, knobs), knobs, emu)
+        inputs = spec.make_inputs(problem, 0)
+        likes = spec.empty_outputs(problem, inputs)
+        grad_out = {k: torch.randn(likes[k].shape).to(likes[k].dtype) for k in spec.grad_outputs()}
+        _, _, estimate = spec.ascend_run(problem, knobs, inputs, grad_out, emu)
     errors = [e for r in estimate.values() for e in r.errors]
     if errors:
-        verification.checks.append(Check(problem.shape, 0, "emulator", float("nan"), float("nan"), False, errors[0]))
+        verification.checks.append(Check(problem.shape, 0, "kernel", float("nan"), float("nan"), False, errors[0]))
         verification.passed = False
-    return AscendTuneResult(problem, target, the_plan, hw, verification, estimate, project if keep else {})
+    return AscendTuneResult(problem, target, the_plan, hw, verification, estimate, project if out_dir is not None else {})

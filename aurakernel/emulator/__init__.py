@@ -43,19 +43,11 @@ def compiler() -> str | None:
 
 
 def pipe_defines(hw: HardwareProfile, block_dim: int) -> dict[str, float]:
-    """The emulator's cost figures for `hw`: a core's MTE rate is its own limit or its share of HBM."""
-    pipes = hw.extra.get("pipes", {})
-    hbm_bytes_per_cycle = hw.memory["HBM"].bandwidth_gbps * 1e9 / (hw.clock_ghz * 1e9)
-    share = hbm_bytes_per_cycle / max(1, min(block_dim, hw.cores))
-    return {
-        "AK_UB_BYTES": int(hw.memory["UB"].capacity),
-        "AK_UB_RESERVED": int(hw.extra.get("ub_reserved", 8192)),
-        "AK_MTE_BYTES_PER_CYCLE": float(min(float(pipes.get("mte_bytes_per_cycle", 64)), share)),
-        "AK_MTE_LATENCY": float(pipes.get("mte_latency_cycles", 200)),
-        "AK_VEC_ISSUE": float(pipes.get("vec_issue_cycles", 12)),
-        "AK_VEC_SLOW_FACTOR": float(pipes.get("vec_slow_factor", 4)),
-        "AK_SCALAR_OP": float(pipes.get("scalar_op_cycles", 4)),
-    }
+    """The emulator's compile-time figures for `hw` (HardwareProfile.ascend_pipes: the planner's too)."""
+    p = hw.ascend_pipes(block_dim)
+    return {"AK_UB_BYTES": int(hw.memory["UB"].capacity), "AK_UB_USABLE": p.ub_usable,
+            "AK_MTE_BYTES_PER_CYCLE": p.mte_bytes_per_cycle, "AK_MTE_LATENCY": p.mte_latency,
+            "AK_VEC_ISSUE": p.vec_issue, "AK_VEC_SLOW_FACTOR": p.vec_slow_factor, "AK_SCALAR_OP": p.scalar_op}
 
 
 def build(kernel_source: str, *, entry: str, nargs: int, hw: HardwareProfile, block_dim: int,
@@ -124,10 +116,9 @@ class RunReport:
         slowest = max(self.blocks, key=lambda b: b.makespan)
         return dict(slowest.busy)
 
-    def gm_bytes(self) -> tuple[int, int]:
-        """Bytes of the busiest block, and of all blocks, that crossed GM."""
-        per = [b.gm_read + b.gm_written for b in self.blocks]
-        return max(per, default=0), sum(per)
+    def busiest_gm_bytes(self) -> int:
+        """Bytes the busiest block moved across GM (what its share of HBM bandwidth must carry)."""
+        return max((b.gm_read + b.gm_written for b in self.blocks), default=0)
 
 
 def run(exe: Path, block_dim: int, buffers: list[bytearray], timeout_s: float = 600.0) -> RunReport:

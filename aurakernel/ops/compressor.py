@@ -19,9 +19,11 @@ EPS = 1e-6
 CHANNEL_BLOCK = 64   # channels per block of the kernel's softmax-weight scratch (16 KB of it per 64 slots)
 
 
-def _p_floats(ratio: int, d: int, overlap: bool) -> int:
-    """Floats of one thread's softmax-weight scratch: slots x channels rounded up to whole blocks."""
-    return (2 * ratio if overlap else ratio) * -(-d // CHANNEL_BLOCK) * CHANNEL_BLOCK
+def _p_floats(meta: dict) -> int:
+    """Floats of one thread's softmax-weight scratch in a kernel built with render params `meta`:
+    slots (2m overlapping, m otherwise) x channels rounded up to whole blocks (the kernel's PSIZE)."""
+    slots = (2 if meta["overlap"] else 1) * meta["ratio"]
+    return slots * -(-meta["d"] // meta["channel_block"]) * meta["channel_block"]
 
 _TOL = {
     DType.fp32: {"y": Tolerance(1e-5, 1e-5), "kv": Tolerance(1e-5, 1e-4), "gate": Tolerance(1e-5, 1e-4),
@@ -132,7 +134,7 @@ class CompressorSpec(OpSpec):
     def run_forward(self, kernel, inputs: Tensors, outputs: Tensors) -> None:
         kv = inputs["kv"]
         ratio = inputs["position_bias"].shape[0]
-        scratch = kernel.workspace_of(kernel.meta["threads"] * _p_floats(ratio, kernel.meta["d"], True))
+        scratch = kernel.workspace_of(kernel.meta["threads"] * _p_floats(kernel.meta))
         kernel.call("fwd", kv, inputs["gate"], inputs["position_bias"], inputs["weight"], outputs["y"],
                     outputs["rstd"], scratch, kv.shape[0], kv.shape[1], kv.shape[1] // ratio, EPS)
 
@@ -140,7 +142,7 @@ class CompressorSpec(OpSpec):
         kv = inputs["kv"]
         ratio, d = inputs["position_bias"].shape[0], kernel.meta["d"]
         dk = kv.shape[-1]
-        scratch = kernel.workspace_of(kernel.meta["threads"] * (_p_floats(ratio, d, True) + ratio * dk + d))
+        scratch = kernel.workspace_of(kernel.meta["threads"] * (_p_floats(kernel.meta) + ratio * dk + d))
         kernel.call("bwd", kv, inputs["gate"], inputs["position_bias"], inputs["weight"], outputs["rstd"],
                     grad_outputs["y"].contiguous(), grads["kv"], grads["gate"], grads["position_bias"],
                     grads["weight"], scratch, kv.shape[0], kv.shape[1], kv.shape[1] // ratio)

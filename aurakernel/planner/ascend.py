@@ -48,20 +48,16 @@ def _pow2_upto(limit: int, start: int = 1) -> list[int]:
 
 def ascend_rowwise_model(rows: int, cols: int, elem_bytes: int, phases: list[AscendRowPhase],
                          hw: HardwareProfile) -> ChoiceModel:
-    pipes = hw.extra.get("pipes", {})
     clock = hw.clock_ghz * 1e9
-    latency = float(pipes.get("mte_latency_cycles", 200))
-    issue = float(pipes.get("vec_issue_cycles", 12))
-    slow = float(pipes.get("vec_slow_factor", 4))
     block_dim = max(1, min(rows, hw.cores))
-    rate = min(float(pipes.get("mte_bytes_per_cycle", 64)), hw.memory["HBM"].bandwidth_gbps / hw.clock_ghz / block_dim)
+    figures = hw.ascend_pipes(block_dim)
+    latency, issue, slow, rate = figures.mte_latency, figures.vec_issue, figures.vec_slow_factor, figures.mte_bytes_per_cycle
     rb = math.ceil(rows / block_dim)
     pitch = math.ceil(cols * elem_bytes / 32) * 32                     # UB row pitch in bytes
-    domains = {"tile_rows": [v for v in _pow2_upto(min(rb, 64))],
+    domains = {"tile_rows": _pow2_upto(min(rb, 64)),
                "buffers": [1, 2],
                "chunk": _pow2_upto(max(64, math.ceil(cols / 64) * 64), 64)[:12],
                "block_dim": [block_dim]}
-    usable = hw.memory["UB"].capacity - int(hw.extra.get("ub_reserved", 8192))
 
     def align32(b: float) -> int:
         return int(math.ceil(b / 32) * 32)
@@ -72,7 +68,7 @@ def ascend_rowwise_model(rows: int, cols: int, elem_bytes: int, phases: list[Asc
 
     usage = Term.of(("tile_rows", "buffers", "chunk"), domains,
                     lambda tr, nb, ch: max(ub_bytes(p, tr, nb, ch) for p in phases))
-    constraints = [Constraint("UB capacity", usage, usable,
+    constraints = [Constraint("UB capacity", usage, figures.ub_usable,
                               "buffers x (row tiles + per-row outputs) + resident + work chunks + reduce scratch")]
 
     model_phases = []
@@ -92,11 +88,9 @@ def ascend_rowwise_model(rows: int, cols: int, elem_bytes: int, phases: list[Asc
             return rb * (repeats * (p.fast_ops_per_elem + slow * p.slow_ops_per_elem)
                          + math.ceil(cols / ch) * p.instrs_per_chunk * issue)
 
-        def pipe(which, fn_knobs, fn):
-            def cell(tr, nb, ch):
-                cycles = fn(tr) if fn_knobs == "tile_rows" else fn(ch)
-                return cycles / clock if nb == 2 else 0.0
-            return Term.of(("tile_rows", "buffers", "chunk"), domains, cell)
+        def overlapped(fn):   # a pipe's seconds when double buffering overlaps the pipes (else 0)
+            return Term.of(("tile_rows", "buffers", "chunk"), domains,
+                           lambda tr, nb, ch: fn(tr, ch) / clock if nb == 2 else 0.0)
 
         serial = Term.of(("tile_rows", "buffers", "chunk"), domains,
                          lambda tr, nb, ch, m2=mte2, m3=mte3, v=vector:
@@ -105,9 +99,9 @@ def ascend_rowwise_model(rows: int, cols: int, elem_bytes: int, phases: list[Asc
                        lambda tr, nb, ch, m2=mte2, m3=mte3:
                        ((m2(tr) + m3(tr)) / math.ceil(rb / tr)) / clock if nb == 2 else 0.0)
         launch = Term.of(("block_dim",), domains, lambda bd: hw.call_overhead_us * 1e-6)
-        model_phases.append(Phase(p.name, {"MTE2": [pipe("MTE2", "tile_rows", mte2)],
-                                           "MTE3": [pipe("MTE3", "tile_rows", mte3)],
-                                           "Vector": [pipe("Vector", "chunk", vector)],
+        model_phases.append(Phase(p.name, {"MTE2": [overlapped(lambda tr, ch, f=mte2: f(tr))],
+                                           "MTE3": [overlapped(lambda tr, ch, f=mte3: f(tr))],
+                                           "Vector": [overlapped(lambda tr, ch, f=vector: f(ch))],
                                            "serial": [serial]}, [fill, launch]))
     return ChoiceModel(domains, constraints, model_phases)
 

@@ -4,7 +4,7 @@
 // sources. A kernel includes it as "kernel_operator.h" and compiles unchanged; the runner
 // (runner.cpp) executes every block and reports what the hardware would have refused:
 //   * UB capacity       the InitBuffer sizes (each rounded up to 32 B, times its buffer count)
-//                       must fit the UB minus the reserved top (AK_UB_BYTES - AK_UB_RESERVED);
+//                       must fit the UB below its reserved top (AK_UB_USABLE);
 //   * 32 B alignment    every LocalTensor a vector op or a copy touches starts on 32 B;
 //   * DataCopy 32 B     count * sizeof(T) must be a multiple of 32 B (hardware rounds down silently);
 //   * repeat <= 255     level-0 calls;
@@ -30,27 +30,11 @@
 #include <type_traits>
 #include <utility>
 
-#ifndef AK_UB_BYTES
-#define AK_UB_BYTES 196608
-#endif
-#ifndef AK_UB_RESERVED
-#define AK_UB_RESERVED 8192
-#endif
-// Cost figures (cycles), from the target profile; the defaults are estimates for 910B.
-#ifndef AK_MTE_BYTES_PER_CYCLE
-#define AK_MTE_BYTES_PER_CYCLE 64.0
-#endif
-#ifndef AK_MTE_LATENCY
-#define AK_MTE_LATENCY 200.0
-#endif
-#ifndef AK_VEC_ISSUE
-#define AK_VEC_ISSUE 12.0
-#endif
-#ifndef AK_VEC_SLOW_FACTOR
-#define AK_VEC_SLOW_FACTOR 4.0
-#endif
-#ifndef AK_SCALAR_OP
-#define AK_SCALAR_OP 4.0
+// The target's figures come from its profile (aurakernel/emulator/__init__.py: pipe_defines):
+// UB bytes and the part below the reserved top, and the cycle costs of the pipes.
+#if !defined(AK_UB_BYTES) || !defined(AK_UB_USABLE) || !defined(AK_MTE_BYTES_PER_CYCLE) || !defined(AK_MTE_LATENCY) || \
+    !defined(AK_VEC_ISSUE) || !defined(AK_VEC_SLOW_FACTOR) || !defined(AK_SCALAR_OP)
+#error "build through aurakernel.emulator.build: it defines the target's AK_* figures"
 #endif
 
 #define __global__
@@ -98,10 +82,10 @@ struct Core {
     ~Core() { for (auto* s : slots) delete s; }
     Slot* new_slot(const std::string& name) { slots.push_back(new Slot{name}); return slots.back(); }
     uint8_t* alloc(uint32_t bytes, const std::string& what) {
-        if (ub_used + bytes > AK_UB_BYTES - AK_UB_RESERVED)
+        if (ub_used + bytes > AK_UB_USABLE)
             fail("UB capacity", what + " needs " + std::to_string(bytes) + " B at offset " + std::to_string(ub_used) +
-                 ", beyond the " + std::to_string(AK_UB_BYTES - AK_UB_RESERVED) + " B usable (" +
-                 std::to_string(AK_UB_BYTES) + " B UB, top " + std::to_string(AK_UB_RESERVED) + " B reserved)");
+                 ", beyond the " + std::to_string(AK_UB_USABLE) + " B usable (" + std::to_string(AK_UB_BYTES) +
+                 " B UB, top " + std::to_string(AK_UB_BYTES - AK_UB_USABLE) + " B reserved)");
         uint8_t* p = ub_base + ub_used;
         ub_used += bytes;
         allocs.emplace_back(what, bytes);
@@ -392,12 +376,16 @@ template <bool isAIVOnly = true> void SyncAll();   // defined by the runner (a b
 // ---- data movement -----------------------------------------------------------------------------
 namespace detail {
 inline double mte_cycles(uint64_t bytes) { return AK_MTE_LATENCY + double(bytes) / AK_MTE_BYTES_PER_CYCLE; }
+// the count form moves count * size bytes only when that is a multiple of 32 B
+inline void check_copy_32b(uint32_t count, size_t size, const char* dir, const ak::Slot* slot) {
+    if ((uint64_t(count) * size) % 32 != 0)
+        ak::fail("DataCopy 32 B", std::string(dir) + " DataCopy of " + std::to_string(count) + " x " + std::to_string(size) +
+                 " B is not a multiple of 32 B (hardware rounds it down; use DataCopyPad) (" + slot->name + ")");
+}
 }
 
 template <typename T> void DataCopy(const LocalTensor<T>& dst, const GlobalTensor<T>& src, const uint32_t count) {
-    if ((uint64_t(count) * sizeof(T)) % 32 != 0)
-        ak::fail("DataCopy 32 B", "GM->UB DataCopy of " + std::to_string(count) + " x " + std::to_string(sizeof(T)) +
-                 " B is not a multiple of 32 B (hardware rounds it down; use DataCopyPad) (" + dst.slot()->name + ")");
+    detail::check_copy_32b(count, sizeof(T), "GM->UB", dst.slot());
     dst.check(count, "DataCopy");
     src.check(0, count);
     std::memcpy(dst.GetPhyAddr(), src.GetPhyAddr(), count * sizeof(T));
@@ -405,9 +393,7 @@ template <typename T> void DataCopy(const LocalTensor<T>& dst, const GlobalTenso
     ak::core().issue(ak::MTE2, detail::mte_cycles(count * sizeof(T)), {}, {dst.slot()});
 }
 template <typename T> void DataCopy(const GlobalTensor<T>& dst, const LocalTensor<T>& src, const uint32_t count) {
-    if ((uint64_t(count) * sizeof(T)) % 32 != 0)
-        ak::fail("DataCopy 32 B", "UB->GM DataCopy of " + std::to_string(count) + " x " + std::to_string(sizeof(T)) +
-                 " B is not a multiple of 32 B (hardware rounds it down; use DataCopyPad) (" + src.slot()->name + ")");
+    detail::check_copy_32b(count, sizeof(T), "UB->GM", src.slot());
     src.check(count, "DataCopy");
     dst.check(0, count);
     std::memcpy(dst.GetPhyAddr(), src.GetPhyAddr(), count * sizeof(T));
@@ -415,8 +401,7 @@ template <typename T> void DataCopy(const GlobalTensor<T>& dst, const LocalTenso
     ak::core().issue(ak::MTE3, detail::mte_cycles(count * sizeof(T)), {src.slot()}, {});
 }
 template <typename T> void DataCopy(const LocalTensor<T>& dst, const LocalTensor<T>& src, const uint32_t count) {
-    if ((uint64_t(count) * sizeof(T)) % 32 != 0)
-        ak::fail("DataCopy 32 B", "UB->UB DataCopy of " + std::to_string(count * sizeof(T)) + " B is not a multiple of 32 B");
+    detail::check_copy_32b(count, sizeof(T), "UB->UB", src.slot());
     dst.check(count, "DataCopy"); src.check(count, "DataCopy");
     std::memmove(dst.GetPhyAddr(), src.GetPhyAddr(), count * sizeof(T));
     ak::core().issue(ak::VEC, AK_VEC_ISSUE + double(count * sizeof(T)) / 256.0, {src.slot()}, {dst.slot()});
@@ -503,7 +488,13 @@ inline void check_repeat(int32_t repeat) {
 template <typename T> inline uint32_t l0_index(uint32_t r, uint32_t b, uint32_t j, uint32_t blkStride, uint32_t repStride) {
     return (r * repStride + b * blkStride) * (32 / sizeof(T)) + j;
 }
-template <typename T> inline bool mask_bit(uint64_t mask, uint32_t lane) { return lane < mask; }   // continuous mode
+// a level-0 call: fn(r, blk, j) for every repeat and every lane the (continuous-mode) mask enables
+template <typename T, typename F> void level0(uint64_t mask, int32_t repeatTime, F&& fn) {
+    check_repeat(repeatTime);
+    const uint32_t per_blk = 32 / sizeof(T), lanes = uint32_t(std::min<uint64_t>(mask, 8 * per_blk));
+    for (uint32_t r = 0; r < uint32_t(repeatTime); ++r)
+        for (uint32_t lane = 0; lane < lanes; ++lane) fn(r, lane / per_blk, lane % per_blk);
+}
 }  // namespace detail
 
 #define AK_BINARY(NAME, EXPR)                                                                                  \
@@ -519,16 +510,11 @@ template <typename T> inline bool mask_bit(uint64_t mask, uint32_t lane) { retur
     template <typename T, bool isSetMask = true> void NAME(const LocalTensor<T>& dst, const LocalTensor<T>& src0, \
             const LocalTensor<T>& src1, uint64_t mask, const uint8_t repeatTime, const BinaryRepeatParams& p) { \
         detail::check_dtype_arith<T>();                                                                        \
-        detail::check_repeat(repeatTime);                                                                      \
-        const uint32_t per_blk = 32 / sizeof(T);                                                               \
-        for (uint32_t r = 0; r < repeatTime; ++r)                                                              \
-            for (uint32_t lane = 0; lane < 8 * per_blk; ++lane) {                                              \
-                if (!detail::mask_bit<T>(mask, lane)) continue;                                                \
-                const uint32_t blk = lane / per_blk, j = lane % per_blk;                                       \
-                const T x = src0.GetPhyAddr()[detail::l0_index<T>(r, blk, j, p.src0BlkStride, p.src0RepStride)]; \
-                const T y = src1.GetPhyAddr()[detail::l0_index<T>(r, blk, j, p.src1BlkStride, p.src1RepStride)]; \
-                dst.GetPhyAddr()[detail::l0_index<T>(r, blk, j, p.dstBlkStride, p.dstRepStride)] = (EXPR);    \
-            }                                                                                                  \
+        detail::level0<T>(mask, repeatTime, [&](uint32_t r, uint32_t blk, uint32_t j) {                        \
+            const T x = src0.GetPhyAddr()[detail::l0_index<T>(r, blk, j, p.src0BlkStride, p.src0RepStride)];   \
+            const T y = src1.GetPhyAddr()[detail::l0_index<T>(r, blk, j, p.src1BlkStride, p.src1RepStride)];   \
+            dst.GetPhyAddr()[detail::l0_index<T>(r, blk, j, p.dstBlkStride, p.dstRepStride)] = (EXPR);        \
+        });                                                                                                    \
         ak::core().issue(ak::VEC, detail::vec_cycles(uint64_t(repeatTime) * 256, FACTOR_##NAME),                \
                          {src0.slot(), src1.slot()}, {dst.slot()});                                            \
     }
@@ -553,16 +539,11 @@ AK_BINARY(Min, (x < y ? x : y))
     }                                                                                                          \
     template <typename T, bool isSetMask = true> void NAME(const LocalTensor<T>& dst, const LocalTensor<T>& src, \
             const T& scalarValue, uint64_t mask, const uint8_t repeatTime, const UnaryRepeatParams& p) {        \
-        detail::check_dtype_arith<T>();                                                                        \
-        detail::check_repeat(repeatTime);                                                                      \
-        const uint32_t per_blk = 32 / sizeof(T); const T s = scalarValue;                                      \
-        for (uint32_t r = 0; r < repeatTime; ++r)                                                              \
-            for (uint32_t lane = 0; lane < 8 * per_blk; ++lane) {                                              \
-                if (!detail::mask_bit<T>(mask, lane)) continue;                                                \
-                const uint32_t blk = lane / per_blk, j = lane % per_blk;                                       \
-                const T x = src.GetPhyAddr()[detail::l0_index<T>(r, blk, j, p.srcBlkStride, p.srcRepStride)];  \
-                dst.GetPhyAddr()[detail::l0_index<T>(r, blk, j, p.dstBlkStride, p.dstRepStride)] = (EXPR);    \
-            }                                                                                                  \
+        detail::check_dtype_arith<T>(); const T s = scalarValue;                                               \
+        detail::level0<T>(mask, repeatTime, [&](uint32_t r, uint32_t blk, uint32_t j) {                        \
+            const T x = src.GetPhyAddr()[detail::l0_index<T>(r, blk, j, p.srcBlkStride, p.srcRepStride)];      \
+            dst.GetPhyAddr()[detail::l0_index<T>(r, blk, j, p.dstBlkStride, p.dstRepStride)] = (EXPR);         \
+        });                                                                                                    \
         ak::core().issue(ak::VEC, detail::vec_cycles(uint64_t(repeatTime) * 256, 1.0), {src.slot()}, {dst.slot()}); \
     }
 AK_SCALAR_BINARY(Adds, T(x + s))
@@ -582,15 +563,10 @@ AK_SCALAR_BINARY(Mins, (x < s ? x : s))
     template <typename T, bool isSetMask = true> void NAME(const LocalTensor<T>& dst, const LocalTensor<T>& src, \
             uint64_t mask, const uint8_t repeatTime, const UnaryRepeatParams& p) {                             \
         detail::check_dtype_arith<T>();                                                                        \
-        detail::check_repeat(repeatTime);                                                                      \
-        const uint32_t per_blk = 32 / sizeof(T);                                                               \
-        for (uint32_t r = 0; r < repeatTime; ++r)                                                              \
-            for (uint32_t lane = 0; lane < 8 * per_blk; ++lane) {                                              \
-                if (!detail::mask_bit<T>(mask, lane)) continue;                                                \
-                const uint32_t blk = lane / per_blk, j = lane % per_blk;                                       \
-                const float x = float(src.GetPhyAddr()[detail::l0_index<T>(r, blk, j, p.srcBlkStride, p.srcRepStride)]); \
-                dst.GetPhyAddr()[detail::l0_index<T>(r, blk, j, p.dstBlkStride, p.dstRepStride)] = T(EXPR);   \
-            }                                                                                                  \
+        detail::level0<T>(mask, repeatTime, [&](uint32_t r, uint32_t blk, uint32_t j) {                        \
+            const float x = float(src.GetPhyAddr()[detail::l0_index<T>(r, blk, j, p.srcBlkStride, p.srcRepStride)]);\
+            dst.GetPhyAddr()[detail::l0_index<T>(r, blk, j, p.dstBlkStride, p.dstRepStride)] = T(EXPR);        \
+        });                                                                                                    \
         ak::core().issue(ak::VEC, detail::vec_cycles(uint64_t(repeatTime) * 256, FACTOR), {src.slot()}, {dst.slot()}); \
     }
 AK_UNARY(Exp, std::exp(x), AK_VEC_SLOW_FACTOR)
