@@ -25,6 +25,7 @@ bench: plan.json
 	$(BIN)/python -m benchmarks.rms_norm
 	$(BIN)/python -m benchmarks.ops
 	$(BIN)/python -m benchmarks.train_step --plan plan.json
+	$(BIN)/python -m benchmarks.ascend
 
 clean:
 	rm -rf $(VENV) build *.egg-info plan.json

@@ -159,6 +159,14 @@ class AscendTuneResult:
         }
 
 
+def emulate(spec: OpSpec, problem: Problem, knobs: dict[str, int], emu: Emulated) -> dict[str, emulator.RunReport]:
+    """Forward and backward once at `problem`'s full shape: the emulator's reports (the estimate)."""
+    inputs = spec.make_inputs(problem, 0)
+    likes = spec.empty_outputs(problem, inputs)
+    grad_out = {k: torch.randn(likes[k].shape).to(likes[k].dtype) for k in spec.grad_outputs()}
+    return spec.ascend_run(problem, knobs, inputs, grad_out, emu)[2]
+
+
 def tune(spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, solver: str,
          out_dir: Path | None) -> AscendTuneResult:
     """Plan, render the op project, verify it in the emulator at tail shapes (3 seeds) and estimate
@@ -170,10 +178,7 @@ def tune(spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, so
         project = render_project(spec, problem, knobs, Path(out_dir) if out_dir is not None else Path(scratch))
         emu = Emulated(project, hw, knobs["block_dim"])
         verification = verify(spec, spec.ascend_verification_problems(problem, knobs), knobs, emu)
-        inputs = spec.make_inputs(problem, 0)
-        likes = spec.empty_outputs(problem, inputs)
-        grad_out = {k: torch.randn(likes[k].shape).to(likes[k].dtype) for k in spec.grad_outputs()}
-        _, _, estimate = spec.ascend_run(problem, knobs, inputs, grad_out, emu)
+        estimate = emulate(spec, problem, knobs, emu)
     errors = [e for r in estimate.values() for e in r.errors]
     if errors:
         verification.checks.append(Check(problem.shape, 0, "kernel", float("nan"), float("nan"), False, errors[0]))

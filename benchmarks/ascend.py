@@ -1,0 +1,90 @@
+"""AscendC kernels at V4-Flash shapes on an Ascend profile, in the emulator: the estimated time of
+the planner's pick and of the naive tiling (one buffer, rows split evenly over the cores, the
+largest tile and chunk that fit the UB), each against the HBM roofline bound (1.0 = at the bound).
+
+    python -m benchmarks.ascend [--target ascend910b2] [--rows 8192] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from aurakernel.backends import ascendc
+from aurakernel.hardware import load_profile
+from aurakernel.ops import OPS
+from aurakernel.planner.ascend import roofline_us
+from aurakernel.planner.model import ChoiceModel
+
+# (op, variant, width, dtype): the V4-Flash hidden norms and the flattened mHC norm (4 x 4096)
+CASES = (("rms_norm", "weighted", 4096, "bf16"), ("rms_norm", "unweighted", 16384, "bf16"))
+
+
+def naive_knobs(model: ChoiceModel) -> dict[str, int]:
+    """One buffer, the largest tile rows, then the largest chunk, that fit every capacity."""
+    d = model.domains
+    for tr in sorted(d["tile_rows"], reverse=True):
+        for ch in sorted(d["chunk"], reverse=True):
+            choice = {"tile_rows": tr, "buffers": 1, "chunk": ch, "block_dim": d["block_dim"][0]}
+            if model.feasible(choice):
+                return choice
+    raise RuntimeError("nothing fits the UB")
+
+
+def estimate(spec, problem, knobs, hw) -> dict[str, float]:
+    """Emulated fwd and bwd time (us) and their roofline bound for one set of knobs."""
+    with tempfile.TemporaryDirectory() as tmp:
+        emu = ascendc.Emulated(ascendc.render_project(spec, problem, knobs, Path(tmp)), hw, knobs["block_dim"])
+        reports = ascendc.emulate(spec, problem, knobs, emu)
+    errors = [e for r in reports.values() for e in r.errors]
+    if errors:
+        raise RuntimeError(errors[0])
+    est = sum(r.cycles for r in reports.values()) / (hw.clock_ghz * 1e3)
+    bound = sum(roofline_us(r.busiest_gm_bytes(), hw) for r in reports.values())
+    return {"est_us": est, "roofline_us": bound, "ratio": est / bound}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="ascend910b2")
+    ap.add_argument("--rows", type=int, default=8192)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    hw = load_profile(args.target)
+    console = Console(stderr=args.json, width=160)
+    rows = []
+    for op, variant, width, dtype in CASES:
+        spec = OPS[op]
+        problem = spec.problem(f"{args.rows}x{width}", dtype, variant)
+        console.log(problem.describe())
+        plan = ascendc.plan(spec, problem, hw, target=args.target, solver="highs")
+        model = ascendc.ascend_rowwise_model(args.rows, width, problem.dtype.itemsize, spec.ascend_phases(problem), hw)
+        naive = naive_knobs(model)
+        picked, base = estimate(spec, problem, plan.knobs, hw), estimate(spec, problem, naive, hw)
+        rows.append({"op": f"{op}[{variant}]", "shape": problem.shape_text, "dtype": dtype, "plan": plan.knobs,
+                     "naive": naive, "plan_est_us": picked["est_us"], "naive_est_us": base["est_us"],
+                     "roofline_us": picked["roofline_us"], "plan_vs_roofline": picked["ratio"],
+                     "naive_vs_roofline": base["ratio"], "plan_speedup_vs_naive": base["est_us"] / picked["est_us"]})
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    t = Table(title=f"AscendC fwd+bwd on {args.target} (emulator estimates; 1.0x = at the HBM bound)")
+    for col in ("op", "shape", "plan", "plan us", "vs roofline", "naive", "naive us", "vs roofline", "plan vs naive"):
+        t.add_column(col)
+    def knobs(k):
+        return f"rows {k['tile_rows']}, buffers {k['buffers']}, chunk {k['chunk']}, cores {k['block_dim']}"
+    for r in rows:
+        t.add_row(r["op"], r["shape"], knobs(r["plan"]), f"{r['plan_est_us']:.0f}", f"{r['plan_vs_roofline']:.2f}x",
+                  knobs(r["naive"]), f"{r['naive_est_us']:.0f}", f"{r['naive_vs_roofline']:.2f}x",
+                  f"{r['plan_speedup_vs_naive']:.2f}x")
+    console.print(t)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
