@@ -129,20 +129,17 @@ class IndexerScoreSpec(OpSpec):
         bind(module, lookup, self.name, [(DeepseekV4IndexerScorer, "forward", _scorer_forward)])
 
 
-def _scratch_fwd(kernel, b, t, h, dim):
-    return kernel.workspace_of(b * dim * t + kernel.meta["threads"] * (h * dim + h * t))
-
-
 def _fwd(kernel, q, k, w, out):
     b, s, h, dim = q.shape
     t = k.shape[1]
-    kernel.call("fwd", q, k, w, out, _scratch_fwd(kernel, b, t, h, dim), b, s, t, dim**-0.5)
+    scratch = kernel.workspace_of(kernel.call("fwd_scratch", b, t))   # the kernel sizes it: AMX or AVX path
+    kernel.call("fwd", q, k, w, out, scratch, b, s, t, dim**-0.5)
 
 
 def _bwd(kernel, q, k, w, g, dq, dk, dw):
     b, s, h, dim = q.shape
     t = k.shape[1]
-    scratch = kernel.workspace_of(2 * b * dim * t + kernel.meta["threads"] * (b * t * dim + h * dim + 2 * h * t))
+    scratch = kernel.workspace_of(kernel.call("bwd_scratch", b, t))
     kernel.call("bwd", q, k, w, g, dq, dk, dw, scratch, b, s, t, dim**-0.5)
 
 
@@ -187,5 +184,7 @@ SPEC = IndexerScoreSpec(
     variants=("default",),
     knob_docs={"tile_rows": "queries per tile", "threads": "OpenMP threads"},
     entries={"fwd": Entry("ak_indexer_fwd", ("ptr",) * 5 + ("i64", "i64", "i64", "f32")),
-             "bwd": Entry("ak_indexer_bwd", ("ptr",) * 8 + ("i64", "i64", "i64", "f32"))},
+             "bwd": Entry("ak_indexer_bwd", ("ptr",) * 8 + ("i64", "i64", "i64", "f32")),
+             "fwd_scratch": Entry("ak_indexer_fwd_scratch", ("i64", "i64"), "i64"),
+             "bwd_scratch": Entry("ak_indexer_bwd_scratch", ("i64", "i64"), "i64")},
 )
