@@ -19,11 +19,10 @@ EPS = 1e-6
 CHANNEL_BLOCK = 64   # channels per block of the kernel's softmax-weight scratch (16 KB of it per 64 slots)
 
 
-def _p_floats(meta: dict) -> int:
-    """Floats of one thread's softmax-weight scratch in a kernel built with render params `meta`:
-    slots (2m overlapping, m otherwise) x channels rounded up to whole blocks (the kernel's PSIZE)."""
-    slots = (2 if meta["overlap"] else 1) * meta["ratio"]
-    return slots * -(-meta["d"] // meta["channel_block"]) * meta["channel_block"]
+def _p_size(ratio: int, d: int, overlap: bool) -> int:
+    """Elements of one window's softmax weights in the kernel's blocked layout (its PSIZE):
+    slots (2m overlapping, m otherwise) x channels rounded up to whole CHANNEL_BLOCKs."""
+    return (2 if overlap else 1) * ratio * -(-d // CHANNEL_BLOCK) * CHANNEL_BLOCK
 
 _TOL = {
     DType.fp32: {"y": Tolerance(1e-5, 1e-5), "kv": Tolerance(1e-5, 1e-4), "gate": Tolerance(1e-5, 1e-4),
@@ -126,24 +125,28 @@ class CompressorSpec(OpSpec):
                 "threads": int(knobs["threads"])}
 
     def empty_outputs(self, problem: Problem, inputs: Tensors) -> Tensors:
+        """y, and what the forward saves for the backward: rstd, the softmax weights p (in the dtype,
+        which is what the reference rounds them to), pooled and the unrounded sum_s p kv."""
         kv = inputs["kv"]
         ratio, d = inputs["position_bias"].shape[0], inputs["weight"].shape[0]
-        windows = kv.shape[1] // ratio
-        return {"y": kv.new_empty(kv.shape[0], windows, d), "rstd": torch.empty(kv.shape[0], windows)}
+        batch, windows = kv.shape[0], kv.shape[1] // ratio
+        return {"y": kv.new_empty(batch, windows, d), "rstd": torch.empty(batch, windows),
+                "p": kv.new_empty(batch, windows, _p_size(ratio, d, kv.shape[-1] == 2 * d)),
+                "pooled": torch.empty(batch, windows, d), "exact": torch.empty(batch, windows, d)}
 
     def run_forward(self, kernel, inputs: Tensors, outputs: Tensors) -> None:
         kv = inputs["kv"]
-        ratio = inputs["position_bias"].shape[0]
-        scratch = kernel.workspace_of(kernel.meta["threads"] * _p_floats(kernel.meta))
+        ratio, d = kernel.meta["ratio"], kernel.meta["d"]
+        scratch = kernel.workspace_of(kernel.meta["threads"] * _p_size(ratio, d, kernel.meta["overlap"]))
         kernel.call("fwd", kv, inputs["gate"], inputs["position_bias"], inputs["weight"], outputs["y"],
-                    outputs["rstd"], scratch, kv.shape[0], kv.shape[1], kv.shape[1] // ratio, EPS)
+                    outputs["rstd"], outputs["p"], outputs["pooled"], outputs["exact"], scratch,
+                    kv.shape[0], kv.shape[1], kv.shape[1] // ratio, EPS)
 
     def run_backward(self, kernel, inputs: Tensors, outputs: Tensors, grad_outputs: Tensors, grads: Tensors) -> None:
         kv = inputs["kv"]
-        ratio, d = inputs["position_bias"].shape[0], kernel.meta["d"]
-        dk = kv.shape[-1]
-        scratch = kernel.workspace_of(kernel.meta["threads"] * (_p_floats(kernel.meta) + ratio * dk + d))
-        kernel.call("bwd", kv, inputs["gate"], inputs["position_bias"], inputs["weight"], outputs["rstd"],
+        ratio, d = kernel.meta["ratio"], kernel.meta["d"]
+        scratch = kernel.workspace_of(kernel.meta["threads"] * (ratio * kv.shape[-1] + d))
+        kernel.call("bwd", kv, inputs["weight"], outputs["rstd"], outputs["p"], outputs["pooled"], outputs["exact"],
                     grad_outputs["y"].contiguous(), grads["kv"], grads["gate"], grads["position_bias"],
                     grads["weight"], scratch, kv.shape[0], kv.shape[1], kv.shape[1] // ratio)
 
@@ -170,6 +173,9 @@ class CompressorSpec(OpSpec):
                                          (CompressorPool, "forward", _pool_forward)])
 
 
+_SAVED = ("rstd", "p", "pooled", "exact")   # what the forward keeps for the backward
+
+
 class _Pool(torch.autograd.Function):
     @staticmethod
     def forward(ctx, kv, gate, position_bias, weight, kernel):
@@ -179,18 +185,18 @@ class _Pool(torch.autograd.Function):
                   "weight": weight.float().contiguous()}
         outputs = SPEC.empty_outputs(None, inputs)
         SPEC.run_forward(k, inputs, outputs)
-        ctx.save_for_backward(*inputs.values(), outputs["rstd"])
-        ctx.kernel, ctx.dtypes = kernel, (position_bias.dtype, weight.dtype)
+        ctx.save_for_backward(inputs["kv"], inputs["weight"], *(outputs[n] for n in _SAVED))
+        ctx.kernel, ctx.dtypes, ctx.pb_shape = kernel, (position_bias.dtype, weight.dtype), position_bias.shape
         return outputs["y"]
 
     @staticmethod
     def backward(ctx, dy):
         from ..build import built_kernel
-        kv, gate, pb, weight, rstd = ctx.saved_tensors
-        grads = {"kv": torch.empty_like(kv), "gate": torch.empty_like(gate), "position_bias": torch.empty_like(pb),
-                 "weight": torch.empty_like(weight)}
-        SPEC.run_backward(built_kernel(ctx.kernel), {"kv": kv, "gate": gate, "position_bias": pb, "weight": weight},
-                          {"rstd": rstd}, {"y": dy.to(kv.dtype)}, grads)
+        kv, weight, *saved = ctx.saved_tensors
+        grads = {"kv": torch.empty_like(kv), "gate": torch.empty_like(kv),
+                 "position_bias": kv.new_empty(ctx.pb_shape, dtype=torch.float32), "weight": torch.empty_like(weight)}
+        SPEC.run_backward(built_kernel(ctx.kernel), {"kv": kv, "weight": weight},
+                          dict(zip(_SAVED, saved)), {"y": dy.to(kv.dtype)}, grads)
         return (grads["kv"], grads["gate"], grads["position_bias"].to(ctx.dtypes[0]),
                 grads["weight"].to(ctx.dtypes[1]), None)
 
@@ -302,6 +308,6 @@ SPEC = CompressorSpec(
     dtypes=(DType.fp32, DType.bf16, DType.fp16),
     variants=("hca", "csa"),
     knob_docs={"tile_rows": "windows per tile", "threads": "OpenMP threads"},
-    entries={"fwd": Entry("ak_compressor_fwd", ("ptr",) * 7 + ("i64", "i64", "i64", "f32")),
-             "bwd": Entry("ak_compressor_bwd", ("ptr",) * 11 + ("i64", "i64", "i64"))},
+    entries={"fwd": Entry("ak_compressor_fwd", ("ptr",) * 10 + ("i64", "i64", "i64", "f32")),
+             "bwd": Entry("ak_compressor_bwd", ("ptr",) * 12 + ("i64", "i64", "i64"))},
 )
