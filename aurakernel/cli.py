@@ -16,6 +16,7 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import typer  # noqa: E402
 from rich.console import Console  # noqa: E402
+from rich.markup import escape  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from .errors import UserError  # noqa: E402
@@ -79,7 +80,7 @@ def tune(
     if "est_cycles" in d:
         _print_ascend(d)
         return
-    t = Table(title=f"{d['op']}[{d['variant']}] {d['shape']} {d['dtype']} on {d['target']}", show_header=False)
+    t = Table(title=escape(f"{d['op']}[{d['variant']}]") + f" {d['shape']} {d['dtype']} on {d['target']}", show_header=False)
     t.add_column(style="bold")
     t.add_column()
     t.add_row("plan", ", ".join(f"{k}={v}" for k, v in d["plan"].items()))
@@ -97,7 +98,7 @@ def tune(
 
 
 def _print_ascend(d: dict) -> None:
-    t = Table(title=f"{d['op']}[{d['variant']}] {d['shape']} {d['dtype']} on {d['target']} (AscendC, emulated)",
+    t = Table(title=escape(f"{d['op']}[{d['variant']}]") + f" {d['shape']} {d['dtype']} on {d['target']} (AscendC, emulated)",
               show_header=False)
     t.add_column(style="bold")
     t.add_column()
@@ -157,7 +158,7 @@ def autotune(
     for col in ("op", "extents", "dtype", "knobs", "measured us", "eager us", "speedup"):
         t.add_column(col)
     for k in result.plan.kernels:
-        t.add_row(f"{k.op}[{k.variant}]", "x".join(map(str, k.kernel_key)), k.dtype,
+        t.add_row(escape(f"{k.op}[{k.variant}]"), "x".join(map(str, k.kernel_key)), k.dtype,
                   ", ".join(f"{n}={v}" for n, v in k.knobs.items()), _fmt(k.measured_us), _fmt(k.eager_us),
                   _fmt(k.speedup_vs_eager, 2, "x"))
     out.print(t)
@@ -229,7 +230,7 @@ def train(
         out.print(f"kernels: {len(a['swapped'])} modules swapped, {len(a['reference'])} on the reference, "
                   f"{len(a['rejected'])} plan entries rejected")
         for r in a["rejected"]:
-            out.print(f"  [yellow]rejected[/] {r['op']}[{r['variant']}] {r['kernel_key']} {r['dtype']}: {r['reason']}")
+            out.print(f"  [yellow]rejected[/] {escape(r['op'] + '[' + r['variant'] + ']')} {r['kernel_key']} {r['dtype']}: {r['reason']}")
     t = Table(title=f"{result['steps']} steps, {result['tokens_per_step']} tokens/step, {result['dtype']}, "
                     f"peak {result['peak_tflops']:.3f} TFLOP/s ({result['peak_source']})")
     for col in ("run", "median step ms", "tokens/s", "MFU", "final loss"):
@@ -263,7 +264,7 @@ def show(
         t.add_column(col)
     for _, r in frame.iterrows():
         knobs = json.loads(r["plan"]).get("knobs", {})
-        t.add_row(f"{r['op']}[{r['variant']}]", r["shape"], r["dtype"], r["target"],
+        t.add_row(escape(f"{r['op']}[{r['variant']}]"), r["shape"], r["dtype"], r["target"],
                   ", ".join(f"{k}={v}" for k, v in knobs.items()), _fmt(r["predicted_us"]),
                   _fmt(r["measured_us"]), _fmt(r["eager_us"]), _fmt(r["compiled_us"]),
                   "yes" if r["verified"] else "no", r["status"])

@@ -21,8 +21,10 @@ from aurakernel.ops import OPS
 from aurakernel.planner.ascend import roofline_us
 from aurakernel.planner.model import ChoiceModel
 
-# (op, variant, width, dtype): the V4-Flash hidden norms and the flattened mHC norm (4 x 4096)
-CASES = (("rms_norm", "weighted", 4096, "bf16"), ("rms_norm", "unweighted", 16384, "bf16"))
+# (op, variant, width, dtype): the V4-Flash hidden norms, the flattened mHC norm (4 x 4096), the
+# experts' clamped SwiGLU (moe_intermediate_size 2048)
+CASES = (("rms_norm", "weighted", 4096, "bf16"), ("rms_norm", "unweighted", 16384, "bf16"),
+         ("swiglu", "default", 2048, "bf16"))
 
 
 def naive_knobs(model: ChoiceModel) -> dict[str, int]:

@@ -16,6 +16,7 @@ import sys
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 from rich.console import Console  # noqa: E402
+from rich.markup import escape
 from rich.table import Table  # noqa: E402
 
 from aurakernel.agent import measure_problem  # noqa: E402
@@ -75,7 +76,7 @@ def main(argv=None) -> int:
     for col in ("op", "shape", "dtype", "aurakernel us", "eager us", "compile us", "vs eager", "vs compile"):
         t.add_column(col)
     for r in rows:
-        t.add_row(f"{r['op']}[{r['variant']}]", r["shape"], r["dtype"], f"{r['aurakernel_us']:,.0f}",
+        t.add_row(escape(f"{r['op']}[{r['variant']}]"), r["shape"], r["dtype"], f"{r['aurakernel_us']:,.0f}",
                   f"{r['eager_us']:,.0f}", f"{r['compiled_us']:,.0f}" if r["compiled_us"] else "-",
                   f"{r['speedup_vs_eager']:.2f}x",
                   f"{r['speedup_vs_compiled']:.2f}x" if r["speedup_vs_compiled"] else "-")

@@ -90,6 +90,17 @@ class Emulated:
         return self._exes[entry]
 
 
+def row_split(rows: int, block_dim: int) -> tuple[int, int]:
+    """(rows per core, cores used) when `rows` are split evenly over at most `block_dim` cores."""
+    block_rows = -(-rows // min(rows, block_dim))
+    return block_rows, -(-rows // block_rows)
+
+
+def ub_pitch(cols: int, itemsize: int) -> int:
+    """Elements per UB row: `cols` rounded up to 32 B (DataCopyPad pads each row to it)."""
+    return -(-cols * itemsize // 32) * 32 // itemsize
+
+
 def to_bytes(t: torch.Tensor) -> bytearray:
     return bytearray(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
 

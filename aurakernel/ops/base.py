@@ -176,6 +176,18 @@ class OpSpec(ABC):
         """The visible outputs a gradient flows back through (not, e.g., integer indices)."""
         return self.visible_outputs()
 
+    # --- AscendC (backends/ascendc.py; templates/ascendc/<op>/): ops that ship a kernel there
+    # implement ascend_phases (the planner's per-phase UB and pipe work), ascend_params (typed
+    # template values) and ascend_run (forward and backward in the emulator). -------------------
+    def ascend_verification_problems(self, problem: Problem, knobs: dict[str, int]) -> list[Problem]:
+        """For a (rows, cols) row-wise kernel: the plan's width with rows that leave a tail core and a
+        tail tile, and a width that is not a multiple of 16 elements (the kernel takes any width)."""
+        rows, cols = problem.shape
+        tail_rows = min(rows, 2 * knobs["block_dim"] + 3)
+        odd = cols + 3 if cols % 16 == 0 else cols
+        return [Problem(problem.op, problem.variant, (tail_rows, cols), problem.dtype),
+                Problem(problem.op, problem.variant, (min(rows, knobs["block_dim"] + 5), odd), problem.dtype)]
+
     # --- modules: timing and swapping use the same nn.Module path the trainer runs ------------
     @abstractmethod
     def module_call(self, problem: Problem, inputs: Tensors) -> tuple[torch.nn.Module, tuple]:

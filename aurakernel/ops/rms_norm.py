@@ -142,29 +142,19 @@ class RmsNormSpec(OpSpec):
                 "tile_rows": int(knobs["tile_rows"]), "buffers": int(knobs["buffers"]), "chunk": int(knobs["chunk"]),
                 "block_dim": int(knobs["block_dim"]), "eps": float(EPS)}
 
-    def ascend_verification_problems(self, problem: Problem, knobs: dict[str, int]) -> list[Problem]:
-        """The plan's width with rows that leave a tail core and a tail tile; and a width that is not a
-        multiple of 16 elements (the same kernel source handles any width)."""
-        rows, cols = problem.shape
-        tail_rows = min(rows, 2 * knobs["block_dim"] + 3)
-        odd = cols + 3 if cols % 16 == 0 else cols
-        return [Problem(problem.op, problem.variant, (tail_rows, cols), problem.dtype),
-                Problem(problem.op, problem.variant, (min(rows, knobs["block_dim"] + 5), odd), problem.dtype)]
-
     def ascend_run(self, problem: Problem, knobs: dict[str, int], inputs: Tensors, grad_out: Tensors, emu):
         """Forward and backward kernels in the emulator: (outputs, grads, {phase: RunReport})."""
         import struct
 
         from .. import emulator
-        from ..backends.ascendc import from_bytes, to_bytes
+        from ..backends.ascendc import from_bytes, row_split, to_bytes, ub_pitch
         x = inputs["x"]
         rows, cols = x.shape
         weighted = problem.variant == "weighted"
         gamma = (inputs["weight"] if weighted else torch.ones(cols)).float()
-        block_rows = -(-rows // min(rows, knobs["block_dim"]))
-        block_dim = -(-rows // block_rows)
-        pitch = -(-cols * x.element_size() // 32) * 32 // x.element_size()
-        tiling = bytearray(struct.pack("<6I2f", rows, cols, pitch, block_rows, knobs["tile_rows"], knobs["chunk"],
+        block_rows, block_dim = row_split(rows, knobs["block_dim"])
+        tiling = bytearray(struct.pack("<6I2f", rows, cols, ub_pitch(cols, x.element_size()), block_rows,
+                                       knobs["tile_rows"], knobs["chunk"],
                                        EPS, 1.0 / cols))
         y = torch.full_like(x, float("nan"))
         rstd = torch.full((rows,), float("nan"))

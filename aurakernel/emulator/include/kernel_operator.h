@@ -702,6 +702,20 @@ template <typename T, bool isSetMask = true> void WholeReduceMax(const LocalTens
     ak::core().issue(ak::VEC, detail::vec_cycles(uint64_t(repeatTime) * 256, 1.0), {src.slot()}, {dst.slot()});
 }
 
+namespace detail {
+inline bool compare(float a, float b, CMPMODE mode) {
+    switch (mode) {
+        case CMPMODE::LT: return a < b;
+        case CMPMODE::GT: return a > b;
+        case CMPMODE::EQ: return a == b;
+        case CMPMODE::LE: return a <= b;
+        case CMPMODE::GE: return a >= b;
+        case CMPMODE::NE: return a != b;
+    }
+    return false;
+}
+}  // namespace detail
+
 // Compare writes one bit per element (bit i of byte i/8); count * sizeof(T) must be 256 B aligned.
 template <typename T, typename U> void Compare(const LocalTensor<U>& dst, const LocalTensor<T>& src0, const LocalTensor<T>& src1,
                                                CMPMODE cmpMode, uint32_t count) {
@@ -713,14 +727,25 @@ template <typename T, typename U> void Compare(const LocalTensor<U>& dst, const 
     std::memset(bits, 0, count / 8);
     for (uint32_t i = 0; i < count; ++i) {
         const float a = float(src0.GetPhyAddr()[i]), b = float(src1.GetPhyAddr()[i]);
-        bool r = false;
-        switch (cmpMode) {
-            case CMPMODE::LT: r = a < b; break; case CMPMODE::GT: r = a > b; break; case CMPMODE::EQ: r = a == b; break;
-            case CMPMODE::LE: r = a <= b; break; case CMPMODE::GE: r = a >= b; break; case CMPMODE::NE: r = a != b; break;
-        }
-        if (r) bits[i / 8] |= uint8_t(1u << (i % 8));
+        if (detail::compare(a, b, cmpMode)) bits[i / 8] |= uint8_t(1u << (i % 8));
     }
     ak::core().issue(ak::VEC, detail::vec_cycles(uint64_t(count) * sizeof(T), 1.0), {src0.slot(), src1.slot()}, {dst.slot()});
+}
+// CompareScalar: src0 against one scalar; same bit mask and 256 B rule as Compare
+template <typename T, typename U> void CompareScalar(const LocalTensor<U>& dst, const LocalTensor<T>& src0, const T src1Scalar,
+                                                     CMPMODE cmpMode, uint32_t count) {
+    if ((count * sizeof(T)) % 256 != 0)
+        ak::fail("Compare 256 B", "CompareScalar of " + std::to_string(count * sizeof(T)) + " B is not a multiple of 256 B");
+    src0.check(count, "CompareScalar");
+    dst.check((count / 8 + sizeof(U) - 1) / sizeof(U), "CompareScalar");
+    uint8_t* bits = reinterpret_cast<uint8_t*>(dst.GetPhyAddr());
+    std::memset(bits, 0, count / 8);
+    const float b = float(src1Scalar);
+    for (uint32_t i = 0; i < count; ++i) {
+        const float a = float(src0.GetPhyAddr()[i]);
+        if (detail::compare(a, b, cmpMode)) bits[i / 8] |= uint8_t(1u << (i % 8));
+    }
+    ak::core().issue(ak::VEC, detail::vec_cycles(uint64_t(count) * sizeof(T), 1.0), {src0.slot()}, {dst.slot()});
 }
 // bit 1 -> src0, 0 -> src1 (tensor-tensor mode), consecutive mask bits
 template <typename T, typename U> void Select(const LocalTensor<T>& dst, const LocalTensor<U>& selMask, const LocalTensor<T>& src0,
@@ -747,5 +772,5 @@ template <typename T, typename U> void Select(const LocalTensor<T>& dst, const L
 #define AK_EMULATED_APIS "GlobalTensor LocalTensor TPipe TQue TQueBind TBuf InitBuffer AllocTensor FreeTensor EnQue DeQue Get GetWithOffset " \
     "SetGlobalBuffer GetValue SetValue ReinterpretCast GetSize SetSize GetPhyAddr DataCopy DataCopyPad Add Sub Mul Div Max Min " \
     "Adds Muls Maxs Mins Exp Ln Sqrt Rsqrt Reciprocal Abs Relu Cast Duplicate Brcb ReduceSum ReduceMax WholeReduceSum " \
-    "WholeReduceMax Compare Select PipeBarrier SetFlag WaitFlag GetBlockIdx GetBlockNum SyncAll GetDataBlockSizeInBytes " \
+    "WholeReduceMax Compare CompareScalar Select PipeBarrier SetFlag WaitFlag GetBlockIdx GetBlockNum SyncAll GetDataBlockSizeInBytes " \
     "DataCopyParams DataCopyExtParams DataCopyPadExtParams UnaryRepeatParams BinaryRepeatParams BrcbRepeatParams"
