@@ -21,10 +21,11 @@ from aurakernel.ops import OPS
 from aurakernel.planner.ascend import roofline_us
 from aurakernel.planner.model import ChoiceModel
 
-# (op, variant, width, dtype): the V4-Flash hidden norms, the flattened mHC norm (4 x 4096), the
-# experts' clamped SwiGLU (moe_intermediate_size 2048)
-CASES = (("rms_norm", "weighted", 4096, "bf16"), ("rms_norm", "unweighted", 16384, "bf16"),
-         ("swiglu", "default", 2048, "bf16"))
+# (op, variant, shape ({rows}: the --rows option), dtype): the V4-Flash hidden norms, the flattened
+# mHC norm (4 x 4096), the experts' clamped SwiGLU (moe_intermediate_size 2048), AdamW over one
+# 2048 x 4096 expert weight
+CASES = (("rms_norm", "weighted", "{rows}x4096", "bf16"), ("rms_norm", "unweighted", "{rows}x16384", "bf16"),
+         ("swiglu", "default", "{rows}x2048", "bf16"), ("adamw", "default", "8388608", "fp32"))
 
 
 def naive_knobs(model: ChoiceModel) -> dict[str, int]:
@@ -60,13 +61,12 @@ def main(argv=None) -> int:
     hw = load_profile(args.target)
     console = Console(stderr=args.json, width=160)
     rows = []
-    for op, variant, width, dtype in CASES:
+    for op, variant, shape, dtype in CASES:
         spec = OPS[op]
-        problem = spec.problem(f"{args.rows}x{width}", dtype, variant)
+        problem = spec.problem(shape.format(rows=args.rows), dtype, variant)
         console.log(problem.describe())
         plan = ascendc.plan(spec, problem, hw, target=args.target, solver="highs")
-        model = ascendc.ascend_rowwise_model(args.rows, width, problem.dtype.itemsize, spec.ascend_phases(problem), hw)
-        naive = naive_knobs(model)
+        naive = naive_knobs(ascendc.model(spec, problem, hw))
         picked, base = estimate(spec, problem, plan.knobs, hw), estimate(spec, problem, naive, hw)
         rows.append({"op": f"{op}[{variant}]", "shape": problem.shape_text, "dtype": dtype, "plan": plan.knobs,
                      "naive": naive, "plan_est_us": picked["est_us"], "naive_est_us": base["est_us"],

@@ -48,6 +48,19 @@ def test_kernel_matches_reference_in_emulator(op, variant, shape, dtype, tmp_pat
         assert (tmp_path / name.format(op=op)).is_file()
 
 
+def test_adamw_update_matches_torch_in_emulator(tmp_path):
+    spec = OPS["adamw"]
+    problem = spec.problem("8388608", "fp32", None)        # one 2048 x 4096 expert weight of V4-Flash
+    result = ascendc.tune(spec, problem, HW, target="ascend910b2", solver="highs", out_dir=tmp_path)
+    assert result.verified, result.verification.summary
+    sizes = {c.shape[0] for c in result.verification.checks}
+    assert any(n % 1024 for n in sizes) and min(sizes) < 1024      # a short last row; less than one row
+    assert {c.tensor for c in result.verification.checks} == {"p", "m", "v"}
+    d = result.to_json()
+    assert 0 < d["ub_bytes"] <= HW.memory["UB"].capacity - 8192 and d["roofline_ratio"] > 0.5
+    assert (tmp_path / "adamw_kernel.cpp").is_file() and (tmp_path / "adamw_binding.cpp").is_file()
+
+
 def test_plan_that_cannot_fit_ub_names_the_constraint():
     from aurakernel.errors import PlanInfeasible
     spec = OPS["rms_norm"]

@@ -12,7 +12,6 @@ An operator takes part by implementing the OpSpec hooks `ascend_phases`, `ascend
 
 from __future__ import annotations
 
-import math
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from ..paths import TEMPLATES_DIR
 from ..ops.base import OpSpec, Problem
 from ..planner import Plan, solve_tiling
 from ..planner.ascend import ascend_rowwise_model, roofline_us
+from ..planner.model import ChoiceModel
 from ..verify import Check, Verification, check_case
 
 PROJECT_FILES = {   # template -> file written into the op project
@@ -52,11 +52,15 @@ def require_supported(spec: OpSpec) -> None:
         raise UserError(f"operator {spec.name!r} has no AscendC kernel yet: available for {have}")
 
 
+def model(spec: OpSpec, problem: Problem, hw: HardwareProfile) -> ChoiceModel:
+    """The op's UB-partition / pipe model: its kernel as rows x cols, its phases."""
+    rows, cols = spec.ascend_rows_cols(problem)
+    return ascend_rowwise_model(rows, cols, problem.dtype.itemsize, spec.ascend_phases(problem), hw)
+
+
 def plan(spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, solver: str) -> Plan:
-    rows = math.prod(problem.shape[:-1])
-    model = ascend_rowwise_model(rows, problem.shape[-1], problem.dtype.itemsize, spec.ascend_phases(problem), hw)
-    return solve_tiling(model, op=problem.op, variant=problem.variant, shape=problem.shape, dtype=problem.dtype.value,
-                        target=target, solver=solver)
+    return solve_tiling(model(spec, problem, hw), op=problem.op, variant=problem.variant, shape=problem.shape,
+                        dtype=problem.dtype.value, target=target, solver=solver)
 
 
 def render_project(spec: OpSpec, problem: Problem, knobs: dict[str, int], out_dir: Path) -> dict[str, Path]:

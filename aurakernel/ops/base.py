@@ -10,6 +10,8 @@ OpSpec and its templates.
 
 from __future__ import annotations
 
+import math
+
 import types
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -179,6 +181,11 @@ class OpSpec(ABC):
     # --- AscendC (backends/ascendc.py; templates/ascendc/<op>/): ops that ship a kernel there
     # implement ascend_phases (the planner's per-phase UB and pipe work), ascend_params (typed
     # template values) and ascend_run (forward and backward in the emulator). -------------------
+    def ascend_rows_cols(self, problem: Problem) -> tuple[int, int]:
+        """The kernel's work as rows x cols for the Ascend planner: by default every dimension but the
+        last are rows."""
+        return math.prod(problem.shape[:-1]), problem.shape[-1]
+
     def ascend_verification_problems(self, problem: Problem, knobs: dict[str, int]) -> list[Problem]:
         """For a (rows, cols) row-wise kernel: the plan's width with rows that leave a tail core and a
         tail tile, and a width that is not a multiple of 16 elements (the kernel takes any width)."""
