@@ -55,7 +55,8 @@ def require_supported(spec: OpSpec) -> None:
 def model(spec: OpSpec, problem: Problem, hw: HardwareProfile) -> ChoiceModel:
     """The op's UB-partition / pipe model: its kernel as rows x cols, its phases."""
     rows, cols = spec.ascend_rows_cols(problem)
-    return ascend_rowwise_model(rows, cols, problem.dtype.itemsize, spec.ascend_phases(problem), hw)
+    return ascend_rowwise_model(rows, cols, problem.dtype.itemsize, spec.ascend_phases(problem), hw,
+                                split_cols=spec.ascend_split_cols)
 
 
 def plan(spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, solver: str) -> Plan:

@@ -181,6 +181,8 @@ class OpSpec(ABC):
     # --- AscendC (backends/ascendc.py; templates/ascendc/<op>/): ops that ship a kernel there
     # implement ascend_phases (the planner's per-phase UB and pipe work), ascend_params (typed
     # template values) and ascend_run (forward and backward in the emulator). -------------------
+    ascend_split_cols = False   # the AscendC kernel streams a row in column tiles (rows wider than the UB)
+
     def ascend_rows_cols(self, problem: Problem) -> tuple[int, int]:
         """The kernel's work as rows x cols for the Ascend planner: by default every dimension but the
         last are rows."""

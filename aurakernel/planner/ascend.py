@@ -3,7 +3,9 @@ tile holds, how deep the queues are, how long the fp32 compute chunk is, and how
 cores share the rows.
 
     knobs     tile_rows in {1, 2, 4, ..., 64} (<= rows per core), buffers in {1, 2},
-              chunk in {64, 128, ...} fp32 elements (<= the row), block_dim = min(rows, AIV cores)
+              chunk in {64, 128, ...} fp32 elements (<= the row), block_dim = min(rows, AIV cores),
+              col_tile: the whole row, or (kernels that stream a row in pieces, split_cols) a power
+              of two >= 1024 elements with one row per tile: rows wider than the UB (the vocabulary)
     UB        buffers * (streams * tile_rows * row_pitch + per-row outputs) + resident + work * chunk * 4
               + reduce scratch <= UB - reserved top        (the sum over every InitBuffer)
     per core  rb = ceil(rows / block_dim) rows, ceil(rb / tile_rows) tiles
@@ -47,61 +49,63 @@ def _pow2_upto(limit: int, start: int = 1) -> list[int]:
 
 
 def ascend_rowwise_model(rows: int, cols: int, elem_bytes: int, phases: list[AscendRowPhase],
-                         hw: HardwareProfile) -> ChoiceModel:
+                         hw: HardwareProfile, split_cols: bool = False) -> ChoiceModel:
     clock = hw.clock_ghz * 1e9
     block_dim = max(1, min(rows, hw.cores))
     figures = hw.ascend_pipes(block_dim)
     latency, issue, slow, rate = figures.mte_latency, figures.vec_issue, figures.vec_slow_factor, figures.mte_bytes_per_cycle
     rb = math.ceil(rows / block_dim)
-    pitch = math.ceil(cols * elem_bytes / 32) * 32                     # UB row pitch in bytes
-    domains = {"tile_rows": _pow2_upto(min(rb, 64)),
+    col_tiles = sorted({c for c in _pow2_upto(cols, 1024) if c < cols} | {cols}) if split_cols else [cols]
+    domains = {"tile_rows": [1] if split_cols else _pow2_upto(min(rb, 64)),   # column-streaming kernels: a row at a time
                "buffers": [1, 2],
                "chunk": _pow2_upto(max(64, math.ceil(cols / 64) * 64), 64)[:12],
-               "block_dim": [block_dim]}
+               "block_dim": [block_dim],
+               "col_tile": col_tiles}
+    knobs = ("tile_rows", "buffers", "chunk", "col_tile")
 
     def align32(b: float) -> int:
         return int(math.ceil(b / 32) * 32)
 
-    def ub_bytes(p: AscendRowPhase, tr: int, nb: int, ch: int) -> int:
+    def ub_bytes(p: AscendRowPhase, tr: int, nb: int, ch: int, ct: int) -> float:
+        if ct < cols and tr > 1:
+            return 1e12                                            # a split row is one row per tile
+        pitch = math.ceil(ct * elem_bytes / 32) * 32               # UB row pitch in bytes
         per_buf = (p.streams_in + p.streams_out) * tr * pitch + align32(tr * p.small_in_bytes) + align32(tr * p.small_out_bytes)
         return nb * per_buf + align32(p.resident_bytes) + p.work_buffers * ch * 4 + align32((8 + ch * 4 / 256) * 4)
 
-    usage = Term.of(("tile_rows", "buffers", "chunk"), domains,
-                    lambda tr, nb, ch: max(ub_bytes(p, tr, nb, ch) for p in phases))
+    usage = Term.of(knobs, domains, lambda tr, nb, ch, ct: max(ub_bytes(p, tr, nb, ch, ct) for p in phases))
     constraints = [Constraint("UB capacity", usage, figures.ub_usable,
                               "buffers x (row tiles + per-row outputs) + resident + work chunks + reduce scratch")]
 
+    def tiles(tr: int, ct: int) -> int:
+        return rb * math.ceil(cols / ct) if ct < cols else math.ceil(rb / tr)
+
     model_phases = []
     for p in phases:
-        def mte2(tr, p=p):
-            tiles = math.ceil(rb / tr)
-            return (tiles * (p.streams_in + (1 if p.small_in_bytes else 0)) * latency
+        def mte2(tr, ct, p=p):
+            return (tiles(tr, ct) * (p.streams_in + (1 if p.small_in_bytes else 0)) * latency
                     + rb * (p.streams_in * cols * elem_bytes + p.small_in_bytes) / rate)
 
-        def mte3(tr, p=p):
-            tiles = math.ceil(rb / tr)
-            return (tiles * (p.streams_out + (1 if p.small_out_bytes else 0)) * latency
+        def mte3(tr, ct, p=p):
+            return (tiles(tr, ct) * (p.streams_out + (1 if p.small_out_bytes else 0)) * latency
                     + rb * (p.streams_out * cols * elem_bytes + p.small_out_bytes) / rate)
 
-        def vector(ch, p=p):
+        def vector(ch, ct, p=p):
             repeats = cols * 4 / 256
             return rb * (repeats * (p.fast_ops_per_elem + slow * p.slow_ops_per_elem)
-                         + math.ceil(cols / ch) * p.instrs_per_chunk * issue)
+                         + math.ceil(cols / min(ch, ct)) * p.instrs_per_chunk * issue)
 
         def overlapped(fn):   # a pipe's seconds when double buffering overlaps the pipes (else 0)
-            return Term.of(("tile_rows", "buffers", "chunk"), domains,
-                           lambda tr, nb, ch: fn(tr, ch) / clock if nb == 2 else 0.0)
+            return Term.of(knobs, domains, lambda tr, nb, ch, ct: fn(tr, ch, ct) / clock if nb == 2 else 0.0)
 
-        serial = Term.of(("tile_rows", "buffers", "chunk"), domains,
-                         lambda tr, nb, ch, m2=mte2, m3=mte3, v=vector:
-                         (m2(tr) + m3(tr) + v(ch)) / clock if nb == 1 else 0.0)
-        fill = Term.of(("tile_rows", "buffers", "chunk"), domains,
-                       lambda tr, nb, ch, m2=mte2, m3=mte3:
-                       ((m2(tr) + m3(tr)) / math.ceil(rb / tr)) / clock if nb == 2 else 0.0)
+        serial = Term.of(knobs, domains, lambda tr, nb, ch, ct, m2=mte2, m3=mte3, v=vector:
+                         (m2(tr, ct) + m3(tr, ct) + v(ch, ct)) / clock if nb == 1 else 0.0)
+        fill = Term.of(knobs, domains, lambda tr, nb, ch, ct, m2=mte2, m3=mte3:
+                       ((m2(tr, ct) + m3(tr, ct)) / tiles(tr, ct)) / clock if nb == 2 else 0.0)
         launch = Term.of(("block_dim",), domains, lambda bd: hw.call_overhead_us * 1e-6)
-        model_phases.append(Phase(p.name, {"MTE2": [overlapped(lambda tr, ch, f=mte2: f(tr))],
-                                           "MTE3": [overlapped(lambda tr, ch, f=mte3: f(tr))],
-                                           "Vector": [overlapped(lambda tr, ch, f=vector: f(ch))],
+        model_phases.append(Phase(p.name, {"MTE2": [overlapped(lambda tr, ch, ct, f=mte2: f(tr, ct))],
+                                           "MTE3": [overlapped(lambda tr, ch, ct, f=mte3: f(tr, ct))],
+                                           "Vector": [overlapped(lambda tr, ch, ct, f=vector: f(ch, ct))],
                                            "serial": [serial]}, [fill, launch]))
     return ChoiceModel(domains, constraints, model_phases)
 
