@@ -24,10 +24,11 @@ from aurakernel.planner.model import ChoiceModel
 
 # (op, variant, shape ({rows}: the --rows option), dtype): the V4-Flash hidden norms, the flattened
 # mHC norm (4 x 4096), the experts' clamped SwiGLU (moe_intermediate_size 2048), AdamW over one
-# 2048 x 4096 expert weight, the loss over the 129280-token vocabulary
+# 2048 x 4096 expert weight, the loss over the 129280-token vocabulary, the mHC stream update
 CASES = (("rms_norm", "weighted", "{rows}x4096", "bf16"), ("rms_norm", "unweighted", "{rows}x16384", "bf16"),
          ("swiglu", "default", "{rows}x2048", "bf16"), ("adamw", "default", "8388608", "fp32"),
-         ("cross_entropy", "default", "1024x129280", "bf16"))   # 1024 tokens: the emulator runs every logit
+         ("cross_entropy", "default", "1024x129280", "bf16"),
+         ("mhc_post", "default", "{rows}x4x4096", "bf16"))   # 1024 tokens: the emulator runs every logit
 
 
 def naive_knobs(model: ChoiceModel) -> dict[str, int]:
