@@ -22,9 +22,8 @@ test: install
 	$(BIN)/python -m pytest -q tests
 
 bench: plan.json
+	$(BIN)/aurakernel bench --out docs/bench --readme README.md --baseline benchmarks/baseline.json
 	$(BIN)/python -m benchmarks.rms_norm
-	$(BIN)/python -m benchmarks.ops
-	$(BIN)/python -m benchmarks.train_step --plan plan.json
 	$(BIN)/python -m benchmarks.ascend
 
 clean:

@@ -6,7 +6,9 @@ with its status and never offered for swapping.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -192,6 +194,53 @@ def autotune(cfg, *, target: str = "host", solver: str = "highs", db_path=None, 
             plan.skipped.append({"op": problem.op, "variant": problem.variant, "shape": problem.shape_text,
                                  "dtype": problem.dtype.value, "reason": "; ".join(r.reasons) or r.status})
     return AutotuneResult(plan, report, tuned)
+
+
+@dataclass
+class AscendAutotuneResult:
+    projects: list            # AscendTuneResult per problem with an AscendC kernel
+    skipped: list[dict]
+    profile: ProfileReport
+
+    def to_json(self) -> dict:
+        return {"projects": [r.to_json() for r in self.projects], "skipped": self.skipped}
+
+
+def autotune_ascend(cfg, *, target: str, out_dir, solver: str = "highs", profile_steps: int = 2,
+                    progress=None) -> AscendAutotuneResult:
+    """The config's op groups (profiled on the host) planned for an Ascend target: one AscendC op
+    project per problem that has an AscendC kernel, under out_dir/<op>_<variant>_<shape>_<dtype>/,
+    each verified in the emulator; summary.json lists them and what was skipped, and why."""
+    from pathlib import Path
+
+    from .backends import ascendc
+    hw = load_profile(target)
+    if hw.kind != "ascend":
+        raise UserError(f"target {target!r} is a {hw.kind} profile: autotune --target takes an Ascend profile here")
+    out = Path(out_dir)
+    if progress:
+        progress(f"profiling {profile_steps} training steps on the host")
+    report = profile_training(cfg, steps=profile_steps, hw=load_profile("host"))
+    projects, skipped = [], []
+    for problem in problems_from_profile(report):
+        spec = OPS[problem.op]
+        where = {"op": problem.op, "variant": problem.variant, "shape": problem.shape_text, "dtype": problem.dtype.value}
+        if not ascendc.supported(spec):
+            skipped.append(where | {"reason": "no AscendC kernel for this operator yet"})
+            continue
+        if progress:
+            progress(f"planning and emulating {problem.describe()}")
+        try:
+            projects.append(ascendc.tune(spec, problem, hw, target=target, solver=solver,
+                                         out_dir=out / f"{problem.op}_{problem.variant}_{problem.shape_text}_{problem.dtype.value}"))
+        except PlanInfeasible as exc:
+            skipped.append(where | {"reason": str(exc)})
+    result = AscendAutotuneResult(projects, skipped, report)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "summary.json.tmp"
+    tmp.write_text(json.dumps(result.to_json(), indent=2, default=str))
+    os.replace(tmp, out / "summary.json")
+    return result
 
 
 def _record(db: TuningDB, r: TuneResult, hw: HardwareProfile, detail: dict | None = None) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Annotated
 
 # Large CPU tensors on transparent huge pages: page faults on fresh multi-MB buffers cost more than
@@ -137,12 +138,18 @@ def autotune(
     chart: Annotated[str | None, typer.Option(help="write the profile's PNG bar chart here")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the plan as JSON")] = False,
 ):
-    """Profile a few training steps, rank op groups, tune what can be tuned, write a kernel plan."""
+    """Profile a few training steps, rank op groups, tune what can be tuned, write a kernel plan.
+    For an Ascend target (--target ascend910b2 ...): --out is a directory that receives one
+    verified AscendC op project per group that has an AscendC kernel, and summary.json."""
     from trainer.config import load_config
 
     from .agent import autotune as run_autotune
+    from .hardware import load_profile
 
     cfg = load_config(config)
+    if load_profile(target).kind == "ascend":
+        _autotune_ascend(cfg, target, "ascend_projects" if out_path == "plan.json" else out_path, solver, as_json)
+        return
     _ensure_calibrated(target)
     with err.status("autotune...") as status:
         result = run_autotune(cfg, target=target, solver=solver, db_path=db, with_compiled=compiled,
@@ -165,6 +172,32 @@ def autotune(
     for s in result.plan.skipped:
         where = " ".join(str(s[k]) for k in ("variant", "shape", "dtype") if k in s)
         out.print(f"[yellow]not tuned[/] {s['op']} {where}: {s['reason']}")
+
+
+def _autotune_ascend(cfg, target: str, out_dir: str, solver: str, as_json: bool) -> None:
+    from .agent import autotune_ascend
+
+    _ensure_calibrated("host")   # the profile runs on the host
+    with err.status("autotune...") as status:
+        result = autotune_ascend(cfg, target=target, out_dir=out_dir, solver=solver,
+                                 progress=lambda msg: status.update(f"autotune: {escape(msg)}"))
+    if as_json:
+        print(json.dumps(result.to_json(), default=str))
+        return
+    t = Table(title=f"AscendC projects on {target} -> {out_dir}/ (emulated)")
+    for col in ("op", "shape", "dtype", "plan", "verified", "est us", "vs roofline", "project"):
+        t.add_column(col)
+    for r in result.projects:
+        d = r.to_json()
+        t.add_row(escape(f"{d['op']}[{d['variant']}]"), d["shape"], d["dtype"],
+                  ", ".join(f"{k}={v}" for k, v in d["plan"].items()), "yes" if d["verified"] else "[red]NO[/]",
+                  _fmt(d["est_us"]), _fmt(d["roofline_ratio"], 2, "x"), d["project_dir"] or "-")
+    out.print(t)
+    for s in result.skipped:
+        out.print(f"[yellow]no project[/] {escape(s['op'] + '[' + s['variant'] + ']')} {s['shape']} {s['dtype']}: "
+                  f"{escape(s['reason'])}")
+    if any(not r.verified for r in result.projects):
+        raise typer.Exit(1)
 
 
 def _print_profile(report) -> None:
@@ -289,6 +322,83 @@ def calibrate(as_json: Annotated[bool, typer.Option("--json")] = False):
     for k, v in cal["peak_tflops"].items():
         t.add_row(f"matmul peak {k}", f"{v:.3f} TFLOP/s")
     out.print(t)
+
+
+@app.command()
+def bench(
+    quick: Annotated[bool, typer.Option("--quick", help="a subset that fits in a few minutes on 2 cores")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="print the result JSON to stdout")] = False,
+    out_dir: Annotated[str | None, typer.Option("--out", help="write bench.json, bench.md and PNG plots here")] = None,
+    baseline: Annotated[str | None, typer.Option(help="a stored bench JSON to compare speedup ratios against")] = None,
+    max_regression: Annotated[float, typer.Option(help="allowed fall of a speedup ratio, as a fraction")] = 0.15,
+    update_baseline: Annotated[bool, typer.Option("--update-baseline", help="rewrite --baseline with this run")] = False,
+    compiled: Annotated[bool, typer.Option("--compiled/--no-compiled", help="also time torch.compile")] = True,
+    readme: Annotated[str | None, typer.Option(help="with --out: rewrite this README's results block")] = None,
+    repeat: Annotated[int, typer.Option(help="run the suite N times: medians (a baseline keeps the lowest)")] = 1,
+    ops: Annotated[str | None, typer.Option(help="only these operators, comma-separated")] = None,
+    train: Annotated[bool, typer.Option("--train/--no-train", help="also the tiny model's training step")] = True,
+):
+    """Run the benchmark suite: every operator (fwd + bwd) against eager and torch.compile, and the
+    tiny model's training step. With --baseline, exit 1 naming each regression or unverified kernel."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from . import bench as suite
+
+    if not 0.0 < max_regression < 1.0:
+        raise UserError(f"--max-regression {max_regression}: accepted is a fraction between 0 and 1, e.g. 0.15")
+    if not 1 <= repeat <= 10:
+        raise UserError(f"--repeat {repeat}: accepted is 1 to 10")
+    from .ops import OPS
+    names = None if ops is None else [n.strip() for n in ops.split(",") if n.strip()]
+    unknown = sorted(set(names or []) - set(OPS))
+    if unknown or names == []:
+        raise UserError(f"--ops {ops}: unknown operator(s) {', '.join(unknown) or '(none given)'}; "
+                        f"accepted are {', '.join(OPS)}")
+    if update_baseline and baseline is None:
+        raise UserError("--update-baseline needs --baseline FILE: the file to rewrite")
+    if readme is not None:
+        if out_dir is None or not Path(readme).is_file():
+            raise UserError(f"--readme {readme}: needs an existing README file and --out DIR for the plots")
+        if suite.README_START not in Path(readme).read_text():
+            raise UserError(f"--readme {readme}: no {suite.README_START} ... {suite.README_END} block to write into")
+    base = suite.load_result(Path(baseline)) if baseline is not None and not update_baseline else None
+    _ensure_calibrated("host")
+    progress = Progress(TextColumn("[bold]bench"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        TextColumn("{task.description}"), console=err, transient=True)
+    with progress:
+        task = progress.add_task("", total=repeat * suite.total_steps(quick, names, train))
+        runs = [suite.run_suite(quick=quick, with_compiled=compiled, ops=names, with_train=train,
+                                progress=lambda n, desc: progress.update(task, advance=n, description=escape(desc)))
+                for _ in range(repeat)]
+    result = suite.combine(runs)
+    failures: list[str] = []
+    if base is not None:
+        why = suite.comparable(result, base)
+        if why:
+            err.print(f"[yellow]speedups not compared:[/] {escape(why)}; verification is still enforced")
+        elif suite.regressions(result, base, max_regression):
+            result = suite.remeasure_regressed(result, base, max_regression, with_compiled=compiled,
+                                               log=lambda m: err.print(escape(m)))
+        failures = suite.regressions(result, base, max_regression)
+    else:
+        failures = suite.regressions(result, {"kernels": [], "machine": result["machine"]}, max_regression)
+    if out_dir is not None:
+        for path in suite.write_outputs(result, Path(out_dir)):
+            err.print(f"wrote {path}")
+    if readme is not None:
+        suite.update_readme(Path(readme), result, Path(out_dir))
+        err.print(f"results written into {readme}")
+    if update_baseline:
+        suite.write_atomic(Path(baseline), json.dumps(suite.combine(runs, envelope=True), indent=2))
+        err.print(f"baseline {baseline} updated")
+    if as_json:
+        print(json.dumps(result, indent=2))
+    else:
+        out.print(suite.markdown(result), markup=False, highlight=False)
+    if failures:
+        for line in failures:
+            err.print(f"[red]REGRESSION[/] {escape(line)}")
+        raise typer.Exit(1)
 
 
 @app.command()

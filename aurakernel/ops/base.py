@@ -170,6 +170,11 @@ class OpSpec(ABC):
     def empty_outputs(self, problem: Problem, inputs: Tensors) -> Tensors:
         """Output buffers (forward outputs and whatever the backward needs saved)."""
 
+    def grad_slack(self, problem: Problem, inputs: Tensors, grad_outputs: Tensors) -> Tensors:
+        """Per-element extra allowance on gradients where the reference itself is discontinuous (a
+        ReLU at a product that is zero to rounding: either side's gradient is right). Default none."""
+        return {}
+
     def visible_outputs(self) -> tuple[str, ...]:
         """Outputs the reference also produces (the rest, e.g. saved statistics, are internal)."""
         return ("y",)

@@ -62,6 +62,18 @@ class IndexerScoreSpec(OpSpec):
         return {"y": functional_call(mod, {"weights_proj.weight": inputs["proj"]},
                                      (inputs["q"], inputs["k"], inputs["hidden"]))}
 
+    def grad_slack(self, problem: Problem, inputs: Tensors, grad_outputs: Tensors) -> Tensors:
+        """ReLU kinks: where q . k is zero to fp32 rounding (|q . k| <= n u |q| |k|, the worst-case
+        error of an n-term fp32 sum, u = 2^-24) the summation order decides the ReLU's side, so the
+        gradient may or may not pass that product; the allowance is what passing it adds:
+        |g w c| |k| into dq and |g w c| |q| into dk."""
+        q, k = inputs["q"].double(), inputs["k"].double()
+        prod = torch.einsum("bshd,btd->bsht", q, k)
+        bound = q.shape[3] * 2.0**-24 * q.norm(dim=-1).unsqueeze(-1) * k.norm(dim=-1).unsqueeze(1).unsqueeze(1)
+        w = self.weights(inputs["hidden"], inputs["proj"], q.shape[2]).double() * q.shape[3] ** -0.5
+        coef = (prod.abs() <= bound) * grad_outputs["y"].double().unsqueeze(2).abs() * w.abs().unsqueeze(-1)
+        return {"q": torch.einsum("bsht,btd->bshd", coef, k.abs()), "k": torch.einsum("bsht,bshd->btd", coef, q.abs())}
+
     def tolerance(self, dtype: DType, output: str) -> Tolerance:
         return _TOL[dtype].get(output, _FP32_OUT if dtype is not DType.fp32 else Tolerance(1e-5, 1e-4))
 

@@ -1,0 +1,136 @@
+"""`aurakernel bench`: the regression gate's comparison logic, the JSON schema, the reports."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+
+import pytest
+
+from aurakernel import bench
+
+MACHINE = {"cpu": "Test CPU", "cores": 2, "path_flags": ["avx2", "avx512f"], "platform": "linux"}
+
+
+def kernel(op, vs_eager, vs_compiled, verified=True):
+    return {"op": op, "variant": "default", "shape": "64x64", "dtype": "bf16", "aurakernel_us": 100.0,
+            "eager_us": 100.0 * vs_eager, "compiled_us": 100.0 * vs_compiled, "speedup_vs_eager": vs_eager,
+            "speedup_vs_compiled": vs_compiled, "roofline_pct": 40.0, "intensity": 0.5, "verified": verified,
+            "verification": "passed 6 checks" if verified else "FAILED 1/6 checks; first: y outside tolerance",
+            "status": "ok" if verified else "verify_failed"}
+
+
+def result(kernels, train=(2.0, 1.3), machine=MACHINE, quick=False):
+    return {"schema": bench.SCHEMA, "machine": dict(machine), "versions": {"aurakernel": "test"}, "quick": quick,
+            "subset": quick,
+            "kernels": kernels, "summary": bench.summarize(kernels),
+            "train_step": {"steps": 10, "median_step_ms": {"eager": 200.0, "compiled": 130.0, "aurakernel": 100.0},
+                           "tokens_per_s": {"eager": 5.0, "compiled": 7.7, "aurakernel": 10.0},
+                           "mfu": {"eager": 0.1, "compiled": 0.15, "aurakernel": 0.2}, "final_loss": {},
+                           "swapped": {}, "speedup_vs_eager": train[0], "speedup_vs_compiled": train[1]}}
+
+
+BASE = result([kernel("rms_norm", 5.0, 1.5), kernel("swiglu", 4.0, 1.1)])
+
+
+def test_a_twenty_percent_slowdown_is_caught_and_named():
+    slower = result([kernel("rms_norm", 4.0, 1.2), kernel("swiglu", 4.0, 1.1)])   # 20% down on rms_norm
+    failures = bench.regressions(slower, BASE, 0.15)
+    assert len(failures) == 2 and all(f.startswith("rms_norm[default] 64x64 bf16") for f in failures)
+    assert "speedup_vs_eager 4.00x, baseline 5.00x" in failures[0]
+
+
+def test_noise_within_the_threshold_passes():
+    noisy = result([kernel("rms_norm", 5.0 * 0.9, 1.5 * 1.1), kernel("swiglu", 4.0 * 0.87, 1.1 * 0.95)],
+                   train=(2.0 * 0.9, 1.3 * 0.88))
+    assert bench.regressions(noisy, BASE, 0.15) == []
+
+
+def test_training_step_regression_is_caught():
+    slow_train = result([kernel("rms_norm", 5.0, 1.5), kernel("swiglu", 4.0, 1.1)], train=(1.5, 1.3))
+    failures = bench.regressions(slow_train, BASE, 0.15)
+    assert failures == [f for f in failures if f.startswith("training step: speedup_vs_eager")] and len(failures) == 1
+
+
+def test_a_verification_failure_always_fails():
+    broken = result([kernel("rms_norm", 50.0, 15.0, verified=False), kernel("swiglu", 4.0, 1.1)])
+    assert any("not verified" in f for f in bench.regressions(broken, BASE, 0.15))
+    assert any("not verified" in f for f in bench.regressions(broken, BASE, 0.99))
+    other_cpu = dict(MACHINE, cpu="Another CPU")   # even when speedups cannot be compared
+    assert any("not verified" in f for f in bench.regressions(result(broken["kernels"], machine=other_cpu), BASE, 0.15))
+
+
+def test_a_missing_kernel_fails_but_quick_runs_cover_a_subset():
+    partial = result([kernel("rms_norm", 5.0, 1.5)])
+    assert any("swiglu" in f and "not measured" in f for f in bench.regressions(partial, BASE, 0.15))
+    assert bench.regressions(result([kernel("rms_norm", 5.0, 1.5)], quick=True), BASE, 0.15) == []
+
+
+def test_another_cpu_is_not_compared():
+    other = result([kernel("rms_norm", 1.0, 0.5), kernel("swiglu", 1.0, 0.5)],
+                   machine=dict(MACHINE, path_flags=["avx2", "avx512f", "amx_bf16"]))
+    assert "amx_bf16" in bench.comparable(other, BASE)
+    assert bench.regressions(other, BASE, 0.15) == []
+
+
+def test_reports_markdown_and_non_empty_plots(tmp_path):
+    paths = bench.write_outputs(BASE, tmp_path)
+    assert {p.name for p in paths} == {"bench.json", "bench.md", "speedup.png", "roofline.png"}
+    for p in paths:
+        assert p.stat().st_size > 0
+    for png in ("speedup.png", "roofline.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (tmp_path / png).stat().st_size > 5000
+    md = (tmp_path / "bench.md").read_text()
+    assert "| rms_norm[default] | 64x64 | bf16 |" in md and "5.00x" in md and "Training step: 2.00x" in md
+    assert json.loads((tmp_path / "bench.json").read_text()) == BASE
+
+
+def test_bad_baseline_is_one_line_exit_2(tmp_path):
+    cmd = [sys.executable, "-m", "aurakernel.cli", "bench", "--quick"]
+    missing = subprocess.run([*cmd, "--baseline", str(tmp_path / "none.json")], capture_output=True, text=True)
+    assert missing.returncode == 2 and "does not exist" in missing.stderr and "Traceback" not in missing.stderr
+    (tmp_path / "bad.json").write_text("{\"kernels\": 3}")
+    bad = subprocess.run([*cmd, "--baseline", str(tmp_path / "bad.json")], capture_output=True, text=True)
+    assert bad.returncode == 2 and "not a schema-1 bench result" in bad.stderr
+    thr = subprocess.run([*cmd, "--max-regression", "1.5"], capture_output=True, text=True)
+    assert thr.returncode == 2 and "--max-regression" in thr.stderr
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    """One real `aurakernel bench --quick` run against a baseline that it must beat."""
+    out = tmp_path_factory.mktemp("bench")
+    baseline = copy.deepcopy(BASE)
+    baseline["machine"] = bench.machine_info()
+    baseline["kernels"], baseline["train_step"] = [], None   # nothing to regress against but verification
+    (out / "baseline.json").write_text(json.dumps(baseline))
+    proc = subprocess.run([sys.executable, "-m", "aurakernel.cli", "bench", "--quick", "--no-compiled", "--json",
+                           "--out", str(out / "report"), "--baseline", str(out / "baseline.json")],
+                          capture_output=True, text=True, timeout=900)
+    return proc, out
+
+
+def test_quick_suite_json_schema(quick_run):
+    proc, out = quick_run
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    d = json.loads(proc.stdout)
+    assert d["schema"] == bench.SCHEMA and d["quick"] is True
+    assert set(d["machine"]) >= {"cpu", "cores", "path_flags"} and set(d["versions"]) >= {"torch", "transformers"}
+    assert {k["op"] for k in d["kernels"]} == set(bench.QUICK_OPS)
+    for k in d["kernels"]:
+        assert set(k) >= set(bench.KERNEL_KEYS)
+        assert k["verified"] is True and k["speedup_vs_eager"] > 0 and k["roofline_pct"] > 0   # >100: cache-resident
+    t = d["train_step"]
+    assert t["speedup_vs_eager"] > 0 and set(t["mfu"]) == {"eager", "aurakernel"}
+    assert (out / "report" / "speedup.png").stat().st_size > 0
+
+
+def test_combined_runs_report_medians_and_a_baseline_keeps_the_lowest():
+    runs = [result([kernel("rms_norm", v, 1.0 + v / 10)], train=(t, 1.2)) for v, t in ((5.0, 2.0), (4.0, 2.2), (6.0, 1.9))]
+    runs[1]["kernels"][0]["verified"] = False
+    med, low = bench.combine(runs), bench.combine(runs, envelope=True)
+    assert med["kernels"][0]["speedup_vs_eager"] == 5.0 and low["kernels"][0]["speedup_vs_eager"] == 4.0
+    assert low["train_step"]["speedup_vs_eager"] == 1.9 and med["train_step"]["speedup_vs_eager"] == 2.0
+    assert med["kernels"][0]["verified"] is False and med["runs"] == 3
