@@ -175,3 +175,17 @@ def test_project_builds_with_cann(tmp_path):
     ascendc.render_project(spec, problem, the_plan.knobs, tmp_path)
     subprocess.run(["cmake", "-S", str(tmp_path), "-B", str(tmp_path / "build")], check=True)
     subprocess.run(["cmake", "--build", str(tmp_path / "build")], check=True)
+
+
+def test_autotune_ascend_writes_a_verified_project_per_supported_group(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "aurakernel.cli", "autotune", "--config", "trainer/configs/tiny.yaml",
+                          "--target", "ascend910b2", "--out", str(tmp_path), "--json"],
+                         capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    d = json.loads(out.stdout)
+    assert {p["op"] for p in d["projects"]} >= {"rms_norm", "swiglu", "mhc_post", "adamw"}
+    for p in d["projects"]:
+        assert p["verified"] is True and p["est_us"] > 0
+        assert (Path(p["project_dir"]) / f"{p['op']}_kernel.cpp").is_file()
+    assert any(s["op"] == "mhc_pre" and "no AscendC kernel" in s["reason"] for s in d["skipped"])
+    assert json.loads((tmp_path / "summary.json").read_text()) == json.loads(json.dumps(d))
