@@ -21,7 +21,7 @@ run: install
 test: install
 	$(BIN)/python -m pytest -q tests
 
-bench: plan.json
+bench: install
 	$(BIN)/aurakernel bench --out docs/bench --readme README.md --baseline benchmarks/baseline.json
 	$(BIN)/python -m benchmarks.rms_norm
 	$(BIN)/python -m benchmarks.ascend
