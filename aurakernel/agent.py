@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -20,7 +19,7 @@ from .hardware import HardwareProfile, load_profile
 from .measure import compare
 from .ops import OPS, get_op
 from .ops.base import OpSpec, Problem
-from .paths import default_db_path
+from .paths import default_db_path, write_text_atomic
 from .planfile import KernelPlan, PlanEntry
 from .planner import Plan, solve_tiling
 from .profiler import ProfileReport, profile_training
@@ -160,7 +159,8 @@ def autotune(cfg, *, target: str = "host", solver: str = "highs", db_path=None, 
     """Profile the config's training step, tune every group that has an OpSpec, build the plan."""
     hw = load_profile(target)
     if hw.kind != "host":
-        raise UserError(f"target {target!r} is an {hw.kind} profile; kernels can be built for: host")
+        raise UserError(f"target {target!r} is an {hw.kind} profile: autotune builds host kernels here "
+                        f"(autotune_ascend writes AscendC projects)")
     db = TuningDB(db_path or default_db_path())
     if progress:
         progress(f"profiling {profile_steps} training steps")
@@ -237,9 +237,7 @@ def autotune_ascend(cfg, *, target: str, out_dir, solver: str = "highs", profile
             skipped.append(where | {"reason": str(exc)})
     result = AscendAutotuneResult(projects, skipped, report)
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / "summary.json.tmp"
-    tmp.write_text(json.dumps(result.to_json(), indent=2, default=str))
-    os.replace(tmp, out / "summary.json")
+    write_text_atomic(out / "summary.json", json.dumps(result.to_json(), indent=2, default=str))
     return result
 
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
 import platform
 import statistics
 import tempfile
@@ -44,6 +43,7 @@ from .db import TuningDB
 from .hardware import _cpu_flags, _cpu_model, host_cores, load_calibration, load_profile
 from .ops import OPS
 from .ops.base import Problem
+from .paths import write_text_atomic
 
 SCHEMA = 1
 QUICK_OPS = ("rms_norm", "swiglu", "router", "cross_entropy", "adamw")   # one of each kernel shape family
@@ -252,47 +252,57 @@ def comparable(current: dict, baseline: dict) -> str | None:
     return None
 
 
-def regressions(current: dict, baseline: dict, max_regression: float) -> list[str]:
-    """One line per failure: a kernel that is not verified (always), a speedup below the baseline's
-    by more than `max_regression` (a fraction), a baseline kernel missing from this run."""
-    failures = [f"{k['op']}[{k['variant']}] {k['shape']} {k['dtype']}: not verified ({k['verification']})"
-                for k in current["kernels"] if not k["verified"]]
-    if comparable(current, baseline) is not None:
-        return failures
+def kernel_name(row: dict) -> str:
+    return "{}[{}] {} {}".format(*kernel_key(row))
+
+
+TRAIN_STEP = "training step"
+
+
+def unverified(result: dict) -> list[str]:
+    """One line per kernel that failed verification: always a failure, baseline or not."""
+    return [f"{kernel_name(k)}: not verified ({k['verification']})" for k in result["kernels"] if not k["verified"]]
+
+
+def slower(current: dict, baseline: dict, max_regression: float) -> list[tuple[str, str]]:
+    """(name, why) of every kernel and of the training step whose speedup fell below the baseline's
+    by more than `max_regression` (a fraction), and of baseline kernels a full run did not measure."""
     now = {kernel_key(k): k for k in current["kernels"]}
-    for base in baseline["kernels"]:
-        name = "{}[{}] {} {}".format(*kernel_key(base))
-        k = now.get(kernel_key(base))
-        if k is None:
+    pairs = [(kernel_name(base), base, now.get(kernel_key(base))) for base in baseline["kernels"]]
+    if baseline.get("train_step") and current.get("train_step"):
+        pairs.append((TRAIN_STEP, baseline["train_step"], current["train_step"]))
+    out = []
+    for name, base, row in pairs:
+        if row is None:
             if not current.get("subset"):        # a full run must cover every baseline kernel
-                failures.append(f"{name}: in the baseline but not measured")
+                out.append((name, "in the baseline but not measured"))
             continue
         for metric in ("speedup_vs_eager", "speedup_vs_compiled"):
-            was, got = base.get(metric), k.get(metric)
+            was, got = base.get(metric), row.get(metric)
             if was and got and got < was * (1.0 - max_regression):
-                failures.append(f"{name}: {metric} {got:.2f}x, baseline {was:.2f}x (-{1 - got / was:.0%}, "
-                                f"allowed -{max_regression:.0%})")
-    tb, tc = baseline.get("train_step"), current.get("train_step")
-    if tb and tc:
-        for metric in ("speedup_vs_eager", "speedup_vs_compiled"):
-            was, got = tb.get(metric), tc.get(metric)
-            if was and got and got < was * (1.0 - max_regression):
-                failures.append(f"training step: {metric} {got:.2f}x, baseline {was:.2f}x (-{1 - got / was:.0%}, "
-                                f"allowed -{max_regression:.0%})")
-    return failures
+                out.append((name, f"{metric} {got:.2f}x, baseline {was:.2f}x (-{1 - got / was:.0%}, "
+                                  f"allowed -{max_regression:.0%})"))
+    return out
+
+
+def regressions(current: dict, baseline: dict, max_regression: float) -> list[str]:
+    """One line per failure: unverified kernels, and (when the runs are comparable) what is slower."""
+    if comparable(current, baseline) is not None:
+        return unverified(current)
+    return unverified(current) + [f"{name}: {why}" for name, why in slower(current, baseline, max_regression)]
 
 
 def remeasure_regressed(current: dict, baseline: dict, max_regression: float, *, with_compiled: bool,
                         log=lambda msg: None) -> dict:
     """Measure every kernel (and the training step) over the threshold once more and keep the
     better run (noise control)."""
-    flagged = {line.split(":")[0] for line in regressions(current, baseline, max_regression)}
+    flagged = {name for name, _ in slower(current, baseline, max_regression)}
     hw = load_profile("host")
     out = dict(current, kernels=[])
     with tempfile.TemporaryDirectory(prefix="ak-bench-") as tmp:
         db = TuningDB(Path(tmp) / "bench.sqlite")
         for k in current["kernels"]:
-            name = "{}[{}] {} {}".format(*kernel_key(k))
+            name = kernel_name(k)
             if name in flagged and k["verified"]:
                 log(f"re-measuring {name}")
                 again = kernel_row(OPS[k["op"]].problem(k["shape"], k["dtype"], k["variant"]), hw, db, with_compiled)
@@ -301,7 +311,7 @@ def remeasure_regressed(current: dict, baseline: dict, max_regression: float, *,
             out["kernels"].append(k)
     out["summary"] = summarize(out["kernels"])
     t = current.get("train_step")
-    if "training step" in flagged and t:
+    if TRAIN_STEP in flagged and t:
         log("re-measuring the training step")
         again = train_step_compare(steps=t["steps"], with_compiled=t.get("speedup_vs_compiled") is not None,
                                    log=log).to_json()
@@ -382,17 +392,10 @@ def plots(result: dict, out_dir: Path) -> list[Path]:
     return [speedup, roofline]
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """A file is either its old or its new content, never half written."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def write_outputs(result: dict, out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(out_dir / "bench.json", json.dumps(result, indent=2))
-    write_atomic(out_dir / "bench.md", markdown(result))
+    write_text_atomic(out_dir / "bench.json", json.dumps(result, indent=2))
+    write_text_atomic(out_dir / "bench.md", markdown(result))
     return [out_dir / "bench.json", out_dir / "bench.md", *plots(result, out_dir)]
 
 
@@ -411,7 +414,7 @@ def update_readme(readme: Path, result: dict, plot_dir: Path) -> None:
              + f"\n![speedup per operator]({rel.as_posix()}/speedup.png)\n"
              + f"![roofline placement]({rel.as_posix()}/roofline.png)\n{README_END}")
     head, rest = text.split(README_START, 1)
-    write_atomic(readme, head + block + rest.split(README_END, 1)[1])
+    write_text_atomic(readme, head + block + rest.split(README_END, 1)[1])
 
 
 def load_result(path: Path) -> dict:

@@ -35,6 +35,11 @@ out = Console(width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
 
 
+def _op_name(op: str, variant: str) -> str:
+    """op[variant] for rich output (escaped: rich would read [variant] as markup)."""
+    return escape(f"{op}[{variant}]")
+
+
 def _fmt(v, digits=1, suffix=""):
     return "-" if v is None else f"{v:,.{digits}f}{suffix}"
 
@@ -81,7 +86,7 @@ def tune(
     if "est_cycles" in d:
         _print_ascend(d)
         return
-    t = Table(title=escape(f"{d['op']}[{d['variant']}]") + f" {d['shape']} {d['dtype']} on {d['target']}", show_header=False)
+    t = Table(title=_op_name(d["op"], d["variant"]) + f" {d['shape']} {d['dtype']} on {d['target']}", show_header=False)
     t.add_column(style="bold")
     t.add_column()
     t.add_row("plan", ", ".join(f"{k}={v}" for k, v in d["plan"].items()))
@@ -99,7 +104,7 @@ def tune(
 
 
 def _print_ascend(d: dict) -> None:
-    t = Table(title=escape(f"{d['op']}[{d['variant']}]") + f" {d['shape']} {d['dtype']} on {d['target']} (AscendC, emulated)",
+    t = Table(title=_op_name(d["op"], d["variant"]) + f" {d['shape']} {d['dtype']} on {d['target']} (AscendC, emulated)",
               show_header=False)
     t.add_column(style="bold")
     t.add_column()
@@ -165,7 +170,7 @@ def autotune(
     for col in ("op", "extents", "dtype", "knobs", "measured us", "eager us", "speedup"):
         t.add_column(col)
     for k in result.plan.kernels:
-        t.add_row(escape(f"{k.op}[{k.variant}]"), "x".join(map(str, k.kernel_key)), k.dtype,
+        t.add_row(_op_name(k.op, k.variant), "x".join(map(str, k.kernel_key)), k.dtype,
                   ", ".join(f"{n}={v}" for n, v in k.knobs.items()), _fmt(k.measured_us), _fmt(k.eager_us),
                   _fmt(k.speedup_vs_eager, 2, "x"))
     out.print(t)
@@ -189,12 +194,12 @@ def _autotune_ascend(cfg, target: str, out_dir: str, solver: str, as_json: bool)
         t.add_column(col)
     for r in result.projects:
         d = r.to_json()
-        t.add_row(escape(f"{d['op']}[{d['variant']}]"), d["shape"], d["dtype"],
+        t.add_row(_op_name(d["op"], d["variant"]), d["shape"], d["dtype"],
                   ", ".join(f"{k}={v}" for k, v in d["plan"].items()), "yes" if d["verified"] else "[red]NO[/]",
                   _fmt(d["est_us"]), _fmt(d["roofline_ratio"], 2, "x"), d["project_dir"] or "-")
     out.print(t)
     for s in result.skipped:
-        out.print(f"[yellow]no project[/] {escape(s['op'] + '[' + s['variant'] + ']')} {s['shape']} {s['dtype']}: "
+        out.print(f"[yellow]no project[/] {_op_name(s['op'], s['variant'])} {s['shape']} {s['dtype']}: "
                   f"{escape(s['reason'])}")
     if any(not r.verified for r in result.projects):
         raise typer.Exit(1)
@@ -263,7 +268,7 @@ def train(
         out.print(f"kernels: {len(a['swapped'])} modules swapped, {len(a['reference'])} on the reference, "
                   f"{len(a['rejected'])} plan entries rejected")
         for r in a["rejected"]:
-            out.print(f"  [yellow]rejected[/] {escape(r['op'] + '[' + r['variant'] + ']')} {r['kernel_key']} {r['dtype']}: {r['reason']}")
+            out.print(f"  [yellow]rejected[/] {_op_name(r['op'], r['variant'])} {r['kernel_key']} {r['dtype']}: {r['reason']}")
     t = Table(title=f"{result['steps']} steps, {result['tokens_per_step']} tokens/step, {result['dtype']}, "
                     f"peak {result['peak_tflops']:.3f} TFLOP/s ({result['peak_source']})")
     for col in ("run", "median step ms", "tokens/s", "MFU", "final loss"):
@@ -297,7 +302,7 @@ def show(
         t.add_column(col)
     for _, r in frame.iterrows():
         knobs = json.loads(r["plan"]).get("knobs", {})
-        t.add_row(escape(f"{r['op']}[{r['variant']}]"), r["shape"], r["dtype"], r["target"],
+        t.add_row(_op_name(r["op"], r["variant"]), r["shape"], r["dtype"], r["target"],
                   ", ".join(f"{k}={v}" for k, v in knobs.items()), _fmt(r["predicted_us"]),
                   _fmt(r["measured_us"]), _fmt(r["eager_us"]), _fmt(r["compiled_us"]),
                   "yes" if r["verified"] else "no", r["status"])
@@ -343,6 +348,7 @@ def bench(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from . import bench as suite
+    from .paths import write_text_atomic
 
     if not 0.0 < max_regression < 1.0:
         raise UserError(f"--max-regression {max_regression}: accepted is a fraction between 0 and 1, e.g. 0.15")
@@ -376,12 +382,12 @@ def bench(
         why = suite.comparable(result, base)
         if why:
             err.print(f"[yellow]speedups not compared:[/] {escape(why)}; verification is still enforced")
-        elif suite.regressions(result, base, max_regression):
+        elif suite.slower(result, base, max_regression):
             result = suite.remeasure_regressed(result, base, max_regression, with_compiled=compiled,
                                                log=lambda m: err.print(escape(m)))
         failures = suite.regressions(result, base, max_regression)
     else:
-        failures = suite.regressions(result, {"kernels": [], "machine": result["machine"]}, max_regression)
+        failures = suite.unverified(result)
     if out_dir is not None:
         for path in suite.write_outputs(result, Path(out_dir)):
             err.print(f"wrote {path}")
@@ -389,7 +395,7 @@ def bench(
         suite.update_readme(Path(readme), result, Path(out_dir))
         err.print(f"results written into {readme}")
     if update_baseline:
-        suite.write_atomic(Path(baseline), json.dumps(suite.combine(runs, envelope=True), indent=2))
+        write_text_atomic(Path(baseline), json.dumps(suite.combine(runs, envelope=True), indent=2))
         err.print(f"baseline {baseline} updated")
     if as_json:
         print(json.dumps(result, indent=2))

@@ -18,7 +18,7 @@ from pathlib import Path
 import yaml
 
 from .errors import UserError
-from .paths import PROFILES_DIR, cache_dir
+from .paths import PROFILES_DIR, cache_dir, write_text_atomic
 
 
 @dataclass(frozen=True)
@@ -200,11 +200,7 @@ def load_calibration() -> dict | None:
 
 
 def save_calibration(cal: dict) -> Path:
-    path = calibration_path()
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(cal, indent=2))
-    os.replace(tmp, path)  # atomic: a killed calibrate never leaves half a file
-    return path
+    return write_text_atomic(calibration_path(), json.dumps(cal, indent=2))
 
 
 def host_profile(calibrated: bool = True) -> HardwareProfile:

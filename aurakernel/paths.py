@@ -12,6 +12,16 @@ TEMPLATES_DIR = REPO_ROOT / "templates"
 PROFILES_DIR = REPO_ROOT / "profiles"
 
 
+def write_text_atomic(path: Path, text: str) -> Path:
+    """Write a text file so that it holds either its old or its new content, never half of it
+    (a temp file beside it, then an atomic rename): a killed process loses nothing."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return path
+
+
 def cache_dir() -> Path:
     """Root of every cache; AURAKERNEL_CACHE_DIR overrides (tests point it at a temp dir)."""
     root = os.environ.get("AURAKERNEL_CACHE_DIR") or platformdirs.user_cache_dir("aurakernel")

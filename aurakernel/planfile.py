@@ -8,13 +8,13 @@ the groups that were not tuned, with the reason. JSON, written atomically.
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import __version__
 from .errors import UserError
+from .paths import write_text_atomic
 
 FORMAT = 1
 
@@ -57,10 +57,7 @@ class KernelPlan:
     def save(self, path: str | Path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=2))
-        os.replace(tmp, path)  # atomic: a killed autotune never leaves half a plan
-        return path
+        return write_text_atomic(path, json.dumps(self.to_dict(), indent=2))   # a killed autotune leaves no half plan
 
     @classmethod
     def load(cls, path: str | Path) -> KernelPlan:

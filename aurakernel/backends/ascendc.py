@@ -12,7 +12,6 @@ An operator takes part by implementing the OpSpec hooks `ascend_phases`, `ascend
 
 from __future__ import annotations
 
-import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +22,7 @@ from .. import emulator
 from ..codegen import render
 from ..errors import UserError
 from ..hardware import HardwareProfile
-from ..paths import TEMPLATES_DIR
+from ..paths import TEMPLATES_DIR, write_text_atomic
 from ..ops.base import OpSpec, Problem
 from ..planner import Plan, solve_tiling
 from ..planner.ascend import ascend_rowwise_model, roofline_us
@@ -71,11 +70,7 @@ def render_project(spec: OpSpec, problem: Problem, knobs: dict[str, int], out_di
     written = {}
     for template, name in PROJECT_FILES.items():
         text = render(f"ascendc/{spec.name}/{template}", params).text
-        path = out_dir / name.format(op=spec.name)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
-        written[template] = path
+        written[template] = write_text_atomic(out_dir / name.format(op=spec.name), text)
     return written
 
 

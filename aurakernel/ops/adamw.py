@@ -216,7 +216,6 @@ SPEC = AdamWSpec(
     shape_meaning="N: elements of the parameter",
     shape_rank=1,
     default_shape=(16_777_216,),
-    bench_shapes=((16_777_216,), (1_048_576,)),
     dtypes=(DType.fp32,),
     variants=("default",),
     knob_docs={"tile_rows": "blocks of 1024 elements per OpenMP chunk", "threads": "OpenMP threads"},

@@ -216,7 +216,6 @@ SPEC = AttnSoftmaxSpec(
     shape_meaning="BATCHxHEADSxSEQxKEYS",
     shape_rank=4,
     default_shape=(1, 64, 256, 320),
-    bench_shapes=((1, 64, 256, 320),),
     dtypes=(DType.fp32, DType.bf16, DType.fp16),
     variants=("default",),
     knob_docs={"tile_rows": "(batch, head, query) rows per tile", "threads": "OpenMP threads"},

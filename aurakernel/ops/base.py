@@ -94,7 +94,6 @@ class OpSpec(ABC):
     shape_meaning: str                 # what each extent of --shape means, e.g. "ROWSxCOLS"
     shape_rank: int
     default_shape: tuple[int, ...]
-    bench_shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[DType, ...]
     variants: tuple[str, ...]
     knob_docs: dict[str, str]

@@ -304,7 +304,6 @@ SPEC = CompressorSpec(
     shape_meaning="BATCHxWINDOWSxRATIOxHEAD_DIM",
     shape_rank=4,
     default_shape=(1, 32, 128, 512),
-    bench_shapes=((1, 32, 128, 512), (1, 1024, 4, 512)),
     dtypes=(DType.fp32, DType.bf16, DType.fp16),
     variants=("hca", "csa"),
     knob_docs={"tile_rows": "windows per tile", "threads": "OpenMP threads"},

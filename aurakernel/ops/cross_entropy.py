@@ -192,7 +192,6 @@ SPEC = CrossEntropySpec(
     shape_meaning="ROWSxVOCAB: tokens x vocabulary",
     shape_rank=2,
     default_shape=(512, 129280),
-    bench_shapes=((512, 129280), (2048, 32768)),
     dtypes=(DType.fp32, DType.bf16, DType.fp16),
     variants=("default",),
     knob_docs={"tile_rows": "token rows per tile", "threads": "OpenMP threads"},

@@ -191,7 +191,6 @@ SPEC = IndexerScoreSpec(
     shape_meaning="BATCHxSEQxHEADSxDIMxENTRIES: queries x indexer heads x index_head_dim x compressed entries",
     shape_rank=5,
     default_shape=(1, 512, 64, 128, 256),
-    bench_shapes=((1, 512, 64, 128, 256),),
     dtypes=(DType.fp32, DType.bf16, DType.fp16),
     variants=("default",),
     knob_docs={"tile_rows": "queries per tile", "threads": "OpenMP threads"},

@@ -254,7 +254,6 @@ def _spec(name: str, head: bool) -> MhcSpec:
         shape_meaning="ROWSxHCxD: tokens x streams (hc_mult) x hidden",
         shape_rank=3,
         default_shape=(1024, 4, 4096),
-        bench_shapes=((1024, 4, 4096), (512, 4, 7168)),
         dtypes=(DType.fp32, DType.bf16, DType.fp16),
         variants=("default",),
         knob_docs={"tile_rows": "rows per tile (x tile kept in L2 for the second pass)",

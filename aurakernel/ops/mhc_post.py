@@ -226,7 +226,6 @@ SPEC = MhcPostSpec(
     shape_meaning="ROWSxHCxD: tokens x streams (hc_mult) x hidden",
     shape_rank=3,
     default_shape=(2048, 4, 4096),
-    bench_shapes=((2048, 4, 4096), (1024, 4, 7168)),
     dtypes=(DType.fp32, DType.bf16, DType.fp16),
     variants=("default",),
     knob_docs={"tile_rows": "rows per tile handed to a thread", "threads": "OpenMP threads"},

@@ -200,7 +200,6 @@ SPEC = RmsNormSpec(
     shape_meaning="ROWSxCOLS: rows (tokens, or tokens x heads) x normalised width",
     shape_rank=2,
     default_shape=(4096, 4096),
-    bench_shapes=((4096, 4096), (2048, 7168), (1024, 16384)),
     dtypes=(DType.fp32, DType.bf16, DType.fp16),
     variants=("weighted", "unweighted"),
     knob_docs={"tile_rows": "rows per tile (kept in L2 between the two passes)",

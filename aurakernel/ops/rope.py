@@ -168,7 +168,6 @@ SPEC = RopeSpec(
     shape_meaning="TOKENSxHEADSxHEAD_DIMxROPE_DIM",
     shape_rank=4,
     default_shape=(4096, 64, 512, 64),
-    bench_shapes=((4096, 64, 512, 64), (2048, 128, 512, 64)),
     dtypes=(DType.fp32, DType.bf16, DType.fp16),
     variants=("default",),
     knob_docs={"tile_rows": "(token, head) rows per tile", "threads": "OpenMP threads"},

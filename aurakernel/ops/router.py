@@ -274,7 +274,6 @@ SPEC = RouterSpec(
     shape_meaning="ROWSxEXPERTSxTOP_K: tokens x routed experts x experts per token",
     shape_rank=3,
     default_shape=(4096, 256, 6),
-    bench_shapes=((4096, 256, 6), (4096, 384, 6)),
     dtypes=(DType.fp32, DType.bf16, DType.fp16),
     variants=("topk", "hash"),
     knob_docs={"tile_rows": "token rows per tile", "threads": "OpenMP threads"},

@@ -245,7 +245,6 @@ SPEC = SwigluSpec(
     shape_meaning="ROWSxI: (token, expert) rows x moe_intermediate_size",
     shape_rank=2,
     default_shape=(8192, 2048),
-    bench_shapes=((8192, 2048), (4096, 3072)),
     dtypes=(DType.fp32, DType.bf16, DType.fp16),
     variants=("default",),
     knob_docs={"tile_rows": "rows per tile handed to a thread", "threads": "OpenMP threads"},
