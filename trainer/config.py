@@ -12,10 +12,11 @@ from aurakernel.errors import UserError
 
 @dataclass
 class DataConfig:
-    source: str = "synthetic"
+    source: str = "synthetic"       # synthetic | text | jsonl | sft (see trainer/data.py)
     path: str | None = None
     seq_len: int = 256
-    batch_size: int = 4
+    batch_size: int = 4             # rows per process; the global batch is batch_size * world size
+    tokenizer: str | None = None    # a checkpoint/tokenizer directory; null: byte-level tokens
 
 
 @dataclass
@@ -84,8 +85,10 @@ def load_config(path: str | Path) -> TrainConfig:
         hardware=_section(HardwareSettings, raw.get("hardware"), "hardware", str(path)),
         path=str(path),
     )
-    if cfg.data.source not in ("synthetic", "text", "jsonl"):
-        raise UserError(f"config {path}: data.source {cfg.data.source!r}: accepted are synthetic, text, jsonl")
+    if cfg.data.source not in ("synthetic", "text", "jsonl", "sft"):
+        raise UserError(f"config {path}: data.source {cfg.data.source!r}: accepted are synthetic, text, jsonl, sft")
+    if cfg.data.tokenizer is not None and not isinstance(cfg.data.tokenizer, str):
+        raise UserError(f"config {path}: data.tokenizer must be a directory path or null, got {cfg.data.tokenizer!r}")
     if cfg.data.source != "synthetic" and not cfg.data.path:
         raise UserError(f"config {path}: data.source {cfg.data.source} needs data.path")
     if cfg.train.dtype not in ("fp32", "bf16"):
