@@ -16,7 +16,8 @@ from transformers import DeepseekV4Config
 
 
 def parameter_counts(model) -> tuple[int, int]:
-    """(total, active) parameters of a DeepseekV4ForCausalLM."""
+    """(total, active) parameters of a DeepseekV4ForCausalLM. Reads only shapes, so a model built
+    on the meta device (no storage) works too."""
     cfg = model.config
     total = sum(p.numel() for p in model.parameters())
     routed = sum(p.numel() for name, p in model.named_parameters() if ".mlp.experts." in name)
@@ -28,18 +29,20 @@ def parameter_counts(model) -> tuple[int, int]:
 def attention_flops_per_token(cfg: DeepseekV4Config, seq_len: int) -> float:
     """Forward + backward attention FLOPs per token, averaged over positions 0..seq_len-1."""
     rates = cfg.compress_rates
+    per_type: dict[str, float] = {}   # layers of one type cost the same: walk the positions once per type
     total = 0.0
     for layer_type in cfg.layer_types:
-        keys = 0.0
-        for p in range(seq_len):
-            k = min(cfg.sliding_window, p + 1)
-            if layer_type == "compressed_sparse_attention":
-                k += min(cfg.index_topk, (p + 1) // rates[layer_type])
-            elif layer_type == "heavily_compressed_attention":
-                k += (p + 1) // rates[layer_type]
-            keys += k
-        keys /= seq_len
-        total += 3 * 2 * 2 * cfg.num_attention_heads * cfg.head_dim * keys
+        if layer_type not in per_type:
+            keys = 0.0
+            for p in range(seq_len):
+                k = min(cfg.sliding_window, p + 1)
+                if layer_type == "compressed_sparse_attention":
+                    k += min(cfg.index_topk, (p + 1) // rates[layer_type])
+                elif layer_type == "heavily_compressed_attention":
+                    k += (p + 1) // rates[layer_type]
+                keys += k
+            per_type[layer_type] = 3 * 2 * 2 * cfg.num_attention_heads * cfg.head_dim * (keys / seq_len)
+        total += per_type[layer_type]
     return total
 
 
