@@ -91,12 +91,20 @@ class HardwareProfile:
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+_REQUIRED_KEYS = ("name", "kind", "cores", "clock_ghz", "simd_bytes", "memory", "stream_gbps", "call_overhead_us",
+                  "peak_tflops")
+
+
 def _load_yaml(name: str) -> dict:
     path = PROFILES_DIR / f"{name}.yaml"
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in PROFILES_DIR.glob("*.yaml")))
         raise UserError(f"unknown target {name!r}: accepted are {known}")
-    return yaml.safe_load(path.read_text())
+    d = yaml.safe_load(path.read_text())
+    missing = [k for k in _REQUIRED_KEYS if not isinstance(d, dict) or k not in d]
+    if missing:
+        raise UserError(f"hardware profile {path}: missing key(s) {', '.join(missing)}")
+    return d
 
 
 def _profile_from_dict(d: dict) -> HardwareProfile:

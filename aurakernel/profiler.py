@@ -120,7 +120,9 @@ def _group_of(module: nn.Module) -> str | None:
 
 
 class _Hooks:
-    """Opens a profiler range per grouped module call and records shapes and bytes."""
+    """Opens a profiler range per grouped module call and records shapes and bytes. Subclasses may
+    follow the problems' extents: enter_scope(module, problem) / exit_scope(module) bracket every
+    call of a module that poses a problem of the library (problem None when it poses none)."""
 
     def __init__(self, model: nn.Module):
         self.handles = []
@@ -132,32 +134,29 @@ class _Hooks:
         for name, module in model.named_modules():
             group = "cross_entropy" if name == "lm_head" else _group_of(module)
             op = next((o for cls, o in OP_OF_MODULE if isinstance(module, cls)), None)
-            if group is not None:
+            if group is not None or op is not None:   # op alone: part of its parent's group (the indexer's scorer)
                 self.handles.append(module.register_forward_pre_hook(self._pre(group, op)))
-                self.handles.append(module.register_forward_hook(self._post(group)))
-            elif op is not None:   # part of its parent's group (e.g. the indexer's scorer)
-                self.handles.append(module.register_forward_pre_hook(self._record_only(op)))
+                self.handles.append(module.register_forward_hook(self._post(group, op)))
 
     def _pre(self, group, op):
         def hook(module, args):
-            self.stack.append(torch.ops.profiler._record_function_enter_new(PREFIX + group, None))
-            self.groups.append(group)
-            self.calls[group] += 1
-            if op is not None:
-                problem = OPS[op].call_problem(module, args)
-                if problem is not None:
-                    self.problems[(group, problem)] += 1
-        return hook
-
-    def _record_only(self, op):
-        def hook(module, args):
-            problem = OPS[op].call_problem(module, args)
+            if group is not None:
+                self.stack.append(torch.ops.profiler._record_function_enter_new(PREFIX + group, None))
+                self.groups.append(group)
+                self.calls[group] += 1
+            problem = OPS[op].call_problem(module, args) if op is not None else None
             if problem is not None:
                 self.record(problem)
+            if op is not None:
+                self.enter_scope(module, problem)
         return hook
 
-    def _post(self, group):
+    def _post(self, group, op):
         def hook(module, args, output):
+            if op is not None:
+                self.exit_scope(module)
+            if group is None:
+                return
             torch.ops.profiler._record_function_exit._RecordFunction(self.stack.pop())
             self.groups.pop()
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
@@ -165,6 +164,12 @@ class _Hooks:
             tensors += [o for o in outs if isinstance(o, torch.Tensor)]
             self.bytes[group] += sum(t.numel() * t.element_size() for t in tensors)
         return hook
+
+    def enter_scope(self, module: nn.Module, problem) -> None:
+        pass
+
+    def exit_scope(self, module: nn.Module) -> None:
+        pass
 
     def record(self, problem) -> None:
         """A problem posed by a function call (not a module) inside the innermost open group."""

@@ -19,6 +19,9 @@ def build_model(model_section: dict, seed: int) -> DeepseekV4ForCausalLM:
     """A freshly initialised model. The hash-routing tables get a fixed random expert assignment
     (distinct experts per token), as a released checkpoint has; transformers initialises them to 0."""
     config = model_config(model_section)
+    # training never reads a KV cache; with one (the config's default) every forward builds a
+    # DynamicCache and the compressors take their generation path, which no kernel replaces
+    config.use_cache = False
     torch.manual_seed(seed)
     model = DeepseekV4ForCausalLM(config)
     g = torch.Generator().manual_seed(seed + 1)

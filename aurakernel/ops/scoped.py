@@ -48,8 +48,9 @@ class FunctionSwap:
     def install(self) -> None:
         setattr(self.namespace, self.name, self.dispatcher)
 
-    def recording(self, on_call, problem_of):
-        """Context manager: call on_call(problem_of(*args)) for each call (problem may be None)."""
+    def recording(self, on_call, problem_of, around=None):
+        """Context manager: call on_call(problem_of(*args)) for each call (problem may be None);
+        with `around`, each call runs inside the context manager around(problem)."""
         swap = self
 
         class _Recorder:
@@ -61,7 +62,10 @@ class FunctionSwap:
                     problem = problem_of(*args, **kwargs)
                     if problem is not None:
                         on_call(problem)
-                    return inner(*args, **kwargs)
+                    if around is None:
+                        return inner(*args, **kwargs)
+                    with around(problem):
+                        return inner(*args, **kwargs)
                 setattr(swap.namespace, swap.name, recording)
                 return self
 
