@@ -245,21 +245,53 @@ def profile(
 def train(
     config: Annotated[str, typer.Option(help="trainer YAML config")] = "trainer/configs/tiny.yaml",
     kernels: Annotated[str | None, typer.Option(help="kernel plan from `aurakernel autotune`")] = None,
-    steps: Annotated[int | None, typer.Option(min=1, help="optimizer steps (default: from the config)")] = None,
+    steps: Annotated[int | None, typer.Option(min=1, help="optimizer steps in all (default: from the config)")] = None,
     compare: Annotated[bool, typer.Option("--compare", help="also train the reference, alternating steps")] = False,
     log: Annotated[str | None, typer.Option(help="JSONL log path (default: from the config)")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="print the summary as JSON")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="print the summary (or the dry run) as JSON")] = False,
+    model_dir: Annotated[str | None, typer.Option(help="start from this Hugging Face checkpoint directory "
+                                                        "(its config.json replaces the model section)")] = None,
+    checkpoint_dir: Annotated[str | None, typer.Option(help="write DCP checkpoints here (default: "
+                                                             "train.checkpoint_dir)")] = None,
+    resume: Annotated[bool | None, typer.Option("--resume/--no-resume", help="resume from the checkpoint dir's "
+                                                "latest checkpoint (default: when there is one)")] = None,
+    export: Annotated[str | None, typer.Option(help="after training, write a Hugging Face model directory here")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="print parameters, FLOPs and per-device memory; "
+                                                            "train nothing")] = False,
+    world_size: Annotated[int | None, typer.Option(min=1, help="devices the --dry-run plans for")] = None,
 ):
-    """Full-parameter training of the config's DeepSeek-V4 model, optionally with tuned kernels."""
-    from trainer.config import load_config
+    """Full-parameter training of the config's DeepSeek-V4 model, optionally with tuned kernels.
+    Under torchrun it trains data-parallel with FSDP2; rank 0 logs and prints."""
+    from trainer.config import load_config, use_model_dir
+    from trainer.train import TrainingDiverged, optional_module
     from trainer.train import train as run_train
 
     cfg = load_config(config)
+    if model_dir:
+        use_model_dir(cfg, model_dir)
+    if checkpoint_dir:
+        cfg.train.checkpoint_dir = checkpoint_dir
+    if world_size is not None and not dry_run:
+        raise UserError("--world-size sizes a --dry-run; a training run takes its world size from torchrun")
+    if dry_run:
+        dryrun = optional_module("dryrun", "--dry-run")
+        result = dryrun.dry_run(cfg, world_size or 1)
+        if as_json:
+            print(json.dumps(result))
+        else:
+            out.print(dryrun.format_dry_run(result))
+        return
     if compare and kernels is None:
         raise UserError("--compare needs --kernels PLAN: it trains with and without the plan's kernels")
     _ensure_calibrated(cfg.hardware.target)
-    result = run_train(cfg, kernels=kernels, steps=steps, compare=compare, log_path=log, console=err,
-                       show_progress=not as_json)
+    try:
+        result = run_train(cfg, kernels=kernels, steps=steps, compare=compare, log_path=log, console=err,
+                           show_progress=not as_json, resume=resume, export_dir=export)
+    except TrainingDiverged as exc:   # the run failed, the input was fine: exit 1, not 2
+        print(f"aurakernel: error: {exc}", file=sys.stderr)
+        raise typer.Exit(1) from None
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
     if as_json:
         print(json.dumps(result))
         return
@@ -270,16 +302,22 @@ def train(
         for r in a["rejected"]:
             out.print(f"  [yellow]rejected[/] {_op_name(r['op'], r['variant'])} {r['kernel_key']} {r['dtype']}: {r['reason']}")
     t = Table(title=f"{result['steps']} steps, {result['tokens_per_step']} tokens/step, {result['dtype']}, "
-                    f"peak {result['peak_tflops']:.3f} TFLOP/s ({result['peak_source']})")
-    for col in ("run", "median step ms", "tokens/s", "MFU", "final loss"):
+                    f"{result['world_size']} process(es), peak {result['peak_tflops']:.3f} TFLOP/s per device "
+                    f"({result['peak_source']})")
+    for col in ("run", "median step ms", "tokens/s", "MFU", "final loss", "skipped steps"):
         t.add_column(col)
     for label, r in result["runs"].items():
         t.add_row(label, _fmt(r["median_step_s"] * 1e3), _fmt(r["tokens_per_s"], 0), f"{r['mfu'] * 100:.2f}%",
-                  f"{r['final_loss']:.4f}")
+                  f"{r['final_loss']:.4f}", str(r["skipped_steps"]))
     out.print(t)
     if "speedup" in result:
         out.print(f"step time with AuraKernel kernels: [bold]{result['speedup']:.3f}x[/] faster than without "
                   f"(same run, alternating steps)")
+    if result["checkpoint"]:
+        out.print(f"checkpoint: {result['checkpoint']}" + (f" (resumed at step {result['start_step']})"
+                                                           if result["start_step"] else ""))
+    if result["export"]:
+        out.print(f"exported to {result['export']}")
 
 
 @app.command()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -31,6 +32,15 @@ class TrainSettings:
     seed: int = 0
     dtype: str = "fp32"
     log: str | None = None
+    grad_accum: int = 1                  # micro-batches of data.batch_size rows per optimizer step
+    activation_checkpointing: bool = False   # recompute each decoder layer in backward
+    checkpoint_dir: str | None = None    # DCP checkpoints step_N/ + a `latest` pointer; resumed from
+    checkpoint_every: int = 0            # steps between checkpoints (0: only after the last step)
+    max_bad_steps: int = 3               # consecutive non-finite steps (skipped) before the run stops
+    balance_experts: bool = False        # aux-loss-free router bias updates (trainer/objectives.py)
+    indexer_kl_weight: float = 0.0       # weight of the CSA indexer's KL alignment loss (0: off)
+    model_dir: str | None = None         # start from this Hugging Face checkpoint (its config.json
+                                         # replaces the model section)
 
 
 @dataclass
@@ -73,13 +83,13 @@ def load_config(path: str | Path) -> TrainConfig:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
         raise UserError(f"config {path}: not valid YAML ({str(exc).splitlines()[0]})") from None
-    if not isinstance(raw, dict) or "model" not in raw:
-        raise UserError(f"config {path}: expected a mapping with a 'model' section")
+    if not isinstance(raw, dict) or ("model" not in raw and not (raw.get("train") or {}).get("model_dir")):
+        raise UserError(f"config {path}: expected a mapping with a 'model' section (or train.model_dir)")
     unknown = sorted(set(raw) - {"model", "data", "train", "hardware"})
     if unknown:
         raise UserError(f"config {path}: unknown section(s) {', '.join(unknown)}: accepted are model, data, train, hardware")
     cfg = TrainConfig(
-        model=dict(raw["model"]),
+        model=dict(raw.get("model") or {}),
         data=_section(DataConfig, raw.get("data"), "data", str(path)),
         train=_section(TrainSettings, raw.get("train"), "train", str(path)),
         hardware=_section(HardwareSettings, raw.get("hardware"), "hardware", str(path)),
@@ -97,4 +107,42 @@ def load_config(path: str | Path) -> TrainConfig:
         if int(getattr(cfg.data, name)) < 1:
             raise UserError(f"config {path}: data.{name} must be >= 1")
     cfg.train.betas = tuple(cfg.train.betas)
+    _check_train(cfg.train, f"config {path}")
+    if cfg.train.model_dir:
+        use_model_dir(cfg, cfg.train.model_dir)
+    return cfg
+
+
+def _check_train(t: TrainSettings, source: str) -> None:
+    """The loop's keys: counts are integers, switches booleans, directories strings."""
+    def is_int(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+    for name, low in (("steps", 1), ("grad_accum", 1), ("max_bad_steps", 1), ("checkpoint_every", 0)):
+        value = getattr(t, name)
+        if not is_int(value) or value < low:
+            raise UserError(f"{source}: train.{name} must be an integer >= {low}, got {value!r}")
+    for name in ("activation_checkpointing", "balance_experts"):
+        if not isinstance(getattr(t, name), bool):
+            raise UserError(f"{source}: train.{name} must be true or false, got {getattr(t, name)!r}")
+    for name in ("checkpoint_dir", "model_dir"):
+        value = getattr(t, name)
+        if value is not None and not (isinstance(value, str) and value):
+            raise UserError(f"{source}: train.{name} must be a directory path or null, got {value!r}")
+    if t.indexer_kl_weight < 0:
+        raise UserError(f"{source}: train.indexer_kl_weight must be >= 0, got {t.indexer_kl_weight!r}")
+
+
+def use_model_dir(cfg: TrainConfig, model_dir: str) -> TrainConfig:
+    """Train from a Hugging Face checkpoint directory: its config.json becomes the model section,
+    so everything that reads cfg.model (dry run, FLOPs, profile) sees the checkpoint's architecture."""
+    config_json = Path(model_dir) / "config.json"
+    if not config_json.is_file():
+        raise UserError(f"model dir {model_dir}: no config.json (expected a Hugging Face model directory)")
+    try:
+        model = json.loads(config_json.read_text())
+    except json.JSONDecodeError as exc:
+        raise UserError(f"model dir {model_dir}: config.json is not valid JSON ({exc.msg})") from None
+    if not isinstance(model, dict):
+        raise UserError(f"model dir {model_dir}: config.json is not a JSON object")
+    cfg.model, cfg.train.model_dir = model, str(model_dir)
     return cfg

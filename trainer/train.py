@@ -1,5 +1,26 @@
 """Full-parameter training of DeepseekV4ForCausalLM, reading top to bottom like the loop it is.
 
+One optimizer step takes train.grad_accum micro-batches of data.batch_size rows on each of the
+world_size processes; every micro-batch's loss is weighted by its share of the step's labelled
+tokens (all ranks), so the gradient is the one of the mean loss over the whole global batch
+however it is split. Weights, gradients and AdamW states stay fp32; train.dtype bf16 runs the
+forward under bf16 autocast.
+
+Distributed: under torchrun (WORLD_SIZE > 1) the process group is gloo on the CPU, nccl on CUDA,
+hccl on Ascend (torch_npu); every decoder layer and the root are FSDP2 units (fully_shard), each
+rank takes its block of the global batch, and only rank 0 logs and prints.
+
+Checkpoints (train.checkpoint_dir): torch.distributed.checkpoint (sharded under FSDP2) of the
+model, AdamW, the LR schedule, the step, the data loader's position and the RNG states, every
+train.checkpoint_every steps and after the last one. A save goes to step_N.tmp/, is renamed to
+step_N/ and only then does the `latest` file name it, so a run killed at any moment leaves
+`latest` naming a complete checkpoint. A run whose checkpoint_dir holds `latest` resumes from it
+(resume=False starts over; resume=True requires it) and continues the same loss curve.
+
+Bad steps: a step whose loss or gradient norm is not finite changes nothing (the gradients are
+dropped; no optimizer, schedule or router-bias update) and is logged as skipped; after
+train.max_bad_steps such steps in a row the run stops with TrainingDiverged.
+
 `compare=True` trains two copies from the same initial weights on the same batches, one on the
 reference modules and one with the plan's kernels swapped in, alternating steps (A/B, order
 flipped every step) so both see the same machine noise; it reports both step times and MFUs.
@@ -9,22 +30,118 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import importlib.util
 import math
+import os
+import random
+import resource
+import shutil
 import statistics
+import sys
 import time
+import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from torch.profiler import record_function
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+from torch.profiler import record_function
+from transformers import DeepseekV4ForCausalLM
 
+from aurakernel.errors import UserError
 from aurakernel.hardware import load_profile
+from aurakernel.paths import write_text_atomic
 
 from .config import TrainConfig
-from .data import TokenBatches
+from .data import IGNORE, TokenBatches
 from .metrics import JsonlLog, flops_per_token, mfu, parameter_counts
 from .model import build_model
+
+
+class TrainingDiverged(RuntimeError):
+    """train.max_bad_steps consecutive steps had a non-finite loss or gradient norm."""
+
+
+def optional_module(name: str, feature: str):
+    """trainer.<name>, which `feature` needs, or a one-line error where this checkout lacks it."""
+    try:
+        return importlib.import_module(f"trainer.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"trainer.{name}":
+            raise
+        raise UserError(f"{feature} needs trainer/{name}.py, which this installation does not have") from None
+
+
+# -- processes and devices
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world_size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    owns_group: bool = False   # this process group was started here, so it is ended here
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def _npu_available() -> bool:
+    """torch_npu fails at import without the CANN toolkit, so it is only ever imported here, guarded."""
+    if importlib.util.find_spec("torch_npu") is None:
+        return False
+    try:
+        import torch_npu  # noqa: F401
+    except Exception:  # noqa: BLE001 - a broken CANN install raises anything
+        return False
+    return torch.npu.is_available()
+
+
+def init_distributed() -> Dist:
+    """The accelerator when there is one (Ascend NPU, CUDA), else the CPU; under torchrun
+    (WORLD_SIZE > 1) the process group on the backend that device speaks."""
+    npu = _npu_available()
+    cuda = not npu and torch.cuda.is_available()
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("npu" if npu else "cuda" if cuda else "cpu", local if (npu or cuda) else None)
+    if device.type != "cpu":
+        getattr(torch, device.type).set_device(device)
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return Dist(device=device)
+    owns = not dist.is_initialized()
+    if owns:
+        dist.init_process_group("hccl" if npu else "nccl" if cuda else "gloo")
+    return Dist(dist.get_rank(), dist.get_world_size(), device, owns)
+
+
+def _global_sum(value: torch.Tensor, device: torch.device) -> float:
+    value = value.detach().to(device=device, dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(value)
+    return float(value)
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """This process's peak: the allocator's on an accelerator, the resident set on the CPU."""
+    if device.type != "cpu":
+        return getattr(torch, device.type).max_memory_allocated(device) / 2**30
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss   # KiB on Linux, bytes on macOS
+    return rss / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+# -- model and optimizer
 
 
 @dataclass
@@ -36,6 +153,13 @@ class Run:
     step_s: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     apply_report: object | None = None   # aurakernel.swap.ApplyReport when kernels are swapped in
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    balancer: object | None = None       # objectives.ExpertBalancer (train.balance_experts)
+    aligner: object | None = None        # objectives.IndexerAlignment (train.indexer_kl_weight)
+    no_grad_params: list[str] | None = None   # filled by the first train_step
+    expert_imbalance: float | None = None      # max over routers of max/mean expert load, last update
+    skipped_steps: int = 0
+    bad_streak: int = 0
 
 
 @dataclass
@@ -46,6 +170,7 @@ class RunSummary:
     mfu: float
     final_loss: float
     losses: list[float]
+    skipped_steps: int
 
 
 def lr_lambda(cfg: TrainConfig):
@@ -60,6 +185,19 @@ def lr_lambda(cfg: TrainConfig):
     return factor
 
 
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create every parameter's AdamW state now, exactly as its first update would (step 0, zero
+    moments), so a checkpoint holds the same keys whichever parameters have had gradients yet
+    (DCP loads by key, strictly)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
 def make_run(label: str, model: torch.nn.Module, cfg: TrainConfig, adamw_kernel: str | None = None) -> Run:
     """Model + AdamW over every parameter (through the tuned adamw kernel when one is given) + schedule."""
     t = cfg.train
@@ -68,8 +206,69 @@ def make_run(label: str, model: torch.nn.Module, cfg: TrainConfig, adamw_kernel:
         opt = FusedAdamW(model.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, kernel=adamw_kernel)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+    init_optimizer_state(opt)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
     return Run(label, model, opt, sched)
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each decoder layer in backward instead of keeping its activations: transformers'
+    own switch where the model has one, else each layer's forward through torch.utils.checkpoint.
+    Non-reentrant either way, so FSDP2's and the objectives' hooks see an ordinary forward."""
+    if getattr(model, "supports_gradient_checkpointing", False):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return
+    for layer in model.model.layers:
+        layer.forward = functools.partial(torch.utils.checkpoint.checkpoint, layer.forward, use_reentrant=False)
+
+
+def shard(model: torch.nn.Module) -> None:
+    """FSDP2: each decoder layer is one unit (gathered for its forward and backward, freed after),
+    the root holds the rest. Gradients are averaged over ranks (see train_step for the loss scale)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+
+
+def initial_model(cfg: TrainConfig) -> torch.nn.Module:
+    """The Hugging Face checkpoint of train.model_dir, or a fresh model from the model section."""
+    if not cfg.train.model_dir:
+        return build_model(cfg.model, cfg.train.seed)
+    load_pretrained = optional_module("checkpoint", "train.model_dir").load_pretrained
+    model = load_pretrained(cfg.train.model_dir, dtype=torch.float32)   # the fp32 master weights
+    model.config.use_cache = False   # as build_model: no KV cache in training (the compressors' kernel path)
+    return model
+
+
+def prepare_run(label: str, model: torch.nn.Module, cfg: TrainConfig, world: Dist, kernels=None) -> Run:
+    """Kernels swapped in, placed on the device, checkpointed, objectives hooked, sharded, then
+    the optimizer over the final (possibly sharded) parameters."""
+    t = cfg.train
+    report = None
+    if kernels is not None:
+        from aurakernel import apply
+        report = apply(model, kernels)
+    model.to(world.device)
+    model.train()
+    if t.activation_checkpointing:
+        enable_activation_checkpointing(model)
+    balancer = aligner = None
+    if t.balance_experts:
+        balancer = optional_module("objectives", "train.balance_experts").ExpertBalancer(model)
+    if t.indexer_kl_weight > 0:
+        aligner = optional_module("objectives", "train.indexer_kl_weight").IndexerAlignment(model, t.indexer_kl_weight)
+    if world.world_size > 1:
+        shard(model)
+    # FusedAdamW's kernel updates whole local tensors; FSDP2 hands the optimizer DTensor shards
+    adamw = report.optimizer_kernel if report is not None and world.world_size == 1 else None
+    run = make_run(label, model, cfg, adamw_kernel=adamw)
+    run.apply_report, run.device, run.balancer, run.aligner = report, world.device, balancer, aligner
+    return run
+
+
+# -- one step
 
 
 def loss_fn(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, report=None) -> torch.Tensor:
@@ -85,83 +284,286 @@ def loss_fn(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tenso
 
 
 def train_step(run: Run, batch, cfg: TrainConfig) -> tuple[float, float, float]:
-    """One optimizer step; returns (loss, grad norm, seconds)."""
-    input_ids, labels = batch
-    autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if cfg.train.dtype == "bf16"
+    """One optimizer step over `batch`: an (input_ids, labels) pair, or a list of such micro-batches
+    whose gradients accumulate. Returns (loss, grad norm, seconds), the loss being the mean over
+    every labelled token of the step on all ranks. A non-finite loss or grad norm skips the update."""
+    micro = [batch] if isinstance(batch, tuple) else list(batch)
+    autocast = (torch.autocast(run.device.type, dtype=torch.bfloat16) if cfg.train.dtype == "bf16"
                 else contextlib.nullcontext())
     t0 = time.perf_counter()
-    with autocast:
-        loss = loss_fn(run.model, input_ids, labels, run.apply_report)
-    loss.backward()
+    tokens = _global_sum(sum((labels != IGNORE).sum() for _, labels in micro), run.device)
+    world_size = _world_size()
+    lm_loss = torch.zeros((), dtype=torch.float64)
+    for input_ids, labels in micro:
+        input_ids, labels = input_ids.to(run.device), labels.to(run.device)
+        with autocast:
+            # this micro-batch's share of the global-batch mean
+            loss = loss_fn(run.model, input_ids, labels, run.apply_report) * ((labels != IGNORE).sum() / tokens)
+        total = loss * world_size   # FSDP averages gradients over ranks: undo its 1/world_size
+        if run.aligner is not None:   # the indexer's KL, averaged over the step's micro-batches (and ranks)
+            total = total + run.aligner.loss() / len(micro)
+        total.backward()
+        lm_loss += loss.detach().double().cpu()
+    loss = _global_sum(lm_loss, run.device)
     grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.train.grad_clip)
-    with record_function("ak.group.adamw"):  # profiler range: the optimizer-update group
-        run.optimizer.step()
+    grad_norm = float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)
+    if run.no_grad_params is None:
+        objectives = optional_module("objectives", "the report of parameters without gradient")
+        run.no_grad_params = objectives.params_without_grad(run.model)
+    if math.isfinite(loss) and math.isfinite(grad_norm):
+        with record_function("ak.group.adamw"):  # profiler range: the optimizer-update group
+            run.optimizer.step()
+        run.scheduler.step()
+        if run.balancer is not None:
+            run.expert_imbalance = max(run.balancer.update().values(), default=None)
     run.optimizer.zero_grad(set_to_none=True)
-    run.scheduler.step()
-    dt = time.perf_counter() - t0
-    return float(loss.detach()), float(grad_norm), dt
+    return loss, grad_norm, time.perf_counter() - t0
 
 
-def summarize(run: Run, tokens_per_step: int, flops_token: float, peak: float) -> RunSummary:
+# -- checkpoints
+
+
+def _rng_state(device: torch.device) -> dict:
+    # every rank is seeded alike and draws alike, so rank 0's copy (the one DCP keeps) serves all
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if device.type != "cpu":
+        state[device.type] = getattr(torch, device.type).get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if device.type != "cpu":
+        getattr(torch, device.type).set_rng_state(state[device.type], device)
+
+
+@contextlib.contextmanager
+def _single_process_dcp(world: Dist):
+    """DCP warns on every single-process save and load, which is what we ask for there."""
+    with warnings.catch_warnings():
+        if world.world_size == 1:
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        yield
+
+
+def checkpoint_state(run: Run, batches: TokenBatches, step: int) -> dict:
+    """Everything a resumed run needs to continue the same curve, as a DCP state dict (tensors,
+    DTensor shards included, load in place; other values are restored by key)."""
+    model_state, optim_state = get_state_dict(run.model, run.optimizer)
+    return {"model": model_state, "optimizer": optim_state,
+            "trainer": {"step": step, "scheduler": run.scheduler.state_dict(), "data": batches.state_dict(),
+                        "rng": _rng_state(run.device)}}
+
+
+def latest_checkpoint(checkpoint_dir: str | Path) -> Path | None:
+    pointer = Path(checkpoint_dir) / "latest"
+    if not pointer.is_file():
+        return None
+    path = pointer.parent / pointer.read_text().strip()
+    if not (path / ".metadata").is_file():
+        raise UserError(f"{pointer} names {path.name}, which is not a complete checkpoint")
+    return path
+
+
+def save_checkpoint(checkpoint_dir: str | Path, step: int, run: Run, batches: TokenBatches, world: Dist) -> Path:
+    """step_N.tmp/ -> step_N/ -> `latest`: each move is atomic, so a kill leaves `latest` on a complete one."""
+    root = Path(checkpoint_dir)
+    final, tmp = root / f"step_{step}", root / f"step_{step}.tmp"
+    if world.main:
+        shutil.rmtree(tmp, ignore_errors=True)   # what a save killed midway left
+        tmp.mkdir(parents=True)
+    if world.world_size > 1:
+        dist.barrier()
+    # every rank returns only once all shards and the metadata are written
+    with _single_process_dcp(world):
+        dcp.save(checkpoint_state(run, batches, step), checkpoint_id=tmp, no_dist=world.world_size == 1)
+    if world.main:
+        shutil.rmtree(final, ignore_errors=True)   # written by a run that died before `latest` named it
+        os.replace(tmp, final)
+        write_text_atomic(root / "latest", final.name + "\n")
+    if world.world_size > 1:
+        dist.barrier()
+    return final
+
+
+def load_checkpoint(path: Path, run: Run, batches: TokenBatches, world: Dist) -> int:
+    """Restore a checkpoint (saved by any number of ranks) into `run` and `batches`; returns its step."""
+    state = checkpoint_state(run, batches, 0)
+    try:
+        with _single_process_dcp(world):
+            dcp.load(state, checkpoint_id=path, no_dist=world.world_size == 1)
+    except (CheckpointException, RuntimeError, KeyError, ValueError) as exc:
+        reason = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        raise UserError(f"checkpoint {path} does not fit this model/optimizer ({reason})") from None
+    set_state_dict(run.model, run.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    trainer = state["trainer"]
+    run.scheduler.load_state_dict(trainer["scheduler"])
+    batches.load_state_dict(trainer["data"])
+    _set_rng_state(trainer["rng"], run.device)
+    return int(trainer["step"])
+
+
+def export_model(run: Run, out_dir: str, world: Dist, tokenizer_dir: str | None = None) -> None:
+    """A Hugging Face directory of the trained weights (trainer/checkpoint.py's export_hf), with the
+    training tokenizer's files. FSDP2 shards are gathered into one unsharded copy on rank 0 first."""
+    export_hf = functools.partial(optional_module("checkpoint", "--export").export_hf, tokenizer_dir=tokenizer_dir)
+    if world.world_size == 1:
+        export_hf(run.model, out_dir)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    full = get_model_state_dict(run.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if world.main:
+        plain = DeepseekV4ForCausalLM(run.model.config)
+        plain.load_state_dict(full)
+        export_hf(plain, out_dir)
+    dist.barrier()
+
+
+# -- the loop
+
+
+def summarize(run: Run, tokens_per_step: int, flops_token: float, peak: float, world_size: int = 1) -> RunSummary:
+    """tokens_per_step and tokens/s over all ranks; MFU per device."""
     timed = run.step_s[2:] if len(run.step_s) > 4 else run.step_s  # the first steps warm caches up
     med = statistics.median(timed)
     tps = tokens_per_step / med
-    return RunSummary(run.label, med, tps, mfu(tps, flops_token, peak), run.losses[-1], run.losses)
+    return RunSummary(run.label, med, tps, mfu(tps / world_size, flops_token, peak), run.losses[-1], run.losses,
+                      run.skipped_steps)
+
+
+def _check_options(cfg: TrainConfig, world: Dist, kernels, compare: bool, resume: bool | None, export_dir) -> None:
+    if compare and (world.world_size > 1 or cfg.train.checkpoint_dir or export_dir):
+        raise UserError("--compare is a single-process A/B measurement: it runs without torchrun, "
+                        "train.checkpoint_dir and --export")
+    if resume and not cfg.train.checkpoint_dir:
+        raise UserError("--resume needs train.checkpoint_dir (or --checkpoint-dir) to resume from")
+    if kernels is not None and cfg.hardware.target == "host" and world.device.type != "cpu":
+        raise UserError(f"--kernels: host kernels run on the CPU, this process trains on {world.device} "
+                        f"(hide the accelerator, e.g. CUDA_VISIBLE_DEVICES=, to train on the CPU)")
+    if export_dir:   # fail before training, not after it
+        optional_module("checkpoint", "--export")
+        if Path(export_dir).exists() and (not Path(export_dir).is_dir() or any(Path(export_dir).iterdir())):
+            raise UserError(f"--export {export_dir}: exists and is not an empty directory")
 
 
 def train(cfg: TrainConfig, *, kernels=None, steps: int | None = None, compare: bool = False,
-          log_path: str | None = None, show_progress: bool = True, console=None) -> dict:
-    steps = steps or cfg.train.steps
-    cfg.train.steps = steps
-    torch.manual_seed(cfg.train.seed)
-    base_model = build_model(cfg.model, cfg.train.seed)
-    base_model.train()
+          log_path: str | None = None, show_progress: bool = True, console=None,
+          resume: bool | None = None, export_dir: str | None = None) -> dict:
+    """Train cfg.train.steps optimizer steps (`steps` overrides), resuming from train.checkpoint_dir
+    when it holds a checkpoint (resume=None), never (False) or necessarily (True)."""
+    t = cfg.train
+    steps = steps or t.steps
+    t.steps = steps
+    world = init_distributed()
+    try:
+        return _train(cfg, world, kernels, steps, compare, log_path, show_progress, console, resume, export_dir)
+    finally:
+        if world.owns_group:
+            dist.destroy_process_group()
+
+
+def _train(cfg, world, kernels, steps, compare, log_path, show_progress, console, resume, export_dir) -> dict:
+    t = cfg.train
+    _check_options(cfg, world, kernels, compare, resume, export_dir)
+    torch.manual_seed(t.seed)
+    random.seed(t.seed)
+    base_model = initial_model(cfg)
+    flops_token = flops_per_token(base_model, cfg.data.seq_len)
+    total_params, active_params = parameter_counts(base_model)
     runs: list[Run] = []
     if kernels is None or compare:
-        runs.append(make_run("reference", copy.deepcopy(base_model) if kernels is not None else base_model, cfg))
+        model = copy.deepcopy(base_model) if kernels is not None else base_model
+        runs.append(prepare_run("reference", model, cfg, world))
     if kernels is not None:
-        from aurakernel import apply
+        runs.append(prepare_run("aurakernel", base_model, cfg, world, kernels=kernels))
 
-        tuned = base_model
-        report = apply(tuned, kernels)
-        run = make_run("aurakernel", tuned, cfg, adamw_kernel=report.optimizer_kernel)
-        run.apply_report = report
-        runs.append(run)
-
-    batches = TokenBatches(cfg.data.source, cfg.data.path, cfg.data.seq_len, cfg.data.batch_size,
-                           base_model.config.vocab_size, cfg.train.seed)
-    tokens_per_step = cfg.data.seq_len * cfg.data.batch_size
-    flops_token = flops_per_token(base_model, cfg.data.seq_len)
+    batches = TokenBatches.from_config(cfg.data, base_model.config.vocab_size, t.seed,
+                                       rank=world.rank, world_size=world.world_size)
+    tokens_per_step = cfg.data.seq_len * cfg.data.batch_size * t.grad_accum * world.world_size
     hw = load_profile(cfg.hardware.target)
-    peak = hw.peak_tflops.get(cfg.train.dtype, hw.peak_tflops.get("fp32", 0.0))
-    log = JsonlLog(log_path if log_path is not None else cfg.train.log)
-
+    peak = hw.peak_tflops.get(t.dtype, hw.peak_tflops.get("fp32", 0.0))
     progress = Progress(TextColumn("[bold]train"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                         TextColumn("{task.fields[status]}"), TimeRemainingColumn(),
-                        console=console, disable=not show_progress, transient=False)
-    with progress:
-        task = progress.add_task("train", total=steps, status="")
-        for step in range(steps):
-            batch = next(batches)
-            order = runs if step % 2 == 0 else runs[::-1]
-            for run in order:
-                loss, gnorm, dt = train_step(run, batch, cfg)
-                run.step_s.append(dt)
-                run.losses.append(loss)
-                log.write({"step": step, "run": run.label, "loss": loss, "grad_norm": gnorm,
-                           "lr": run.scheduler.get_last_lr()[0], "step_s": dt,
-                           "tokens_per_s": tokens_per_step / dt,
-                           "mfu": mfu(tokens_per_step / dt, flops_token, peak)})
-            status = "  ".join(f"{r.label}: loss {r.losses[-1]:.3f} {r.step_s[-1] * 1e3:.0f} ms" for r in runs)
-            progress.update(task, advance=1, status=status)
-    log.close()
+                        console=console, disable=not (show_progress and world.main), transient=False)
 
-    total, active = parameter_counts(base_model)
+    def say(message: str) -> None:
+        if world.main:
+            progress.console.print(message)
+
+    start, checkpoint = 0, None
+    if t.checkpoint_dir and resume is not False:
+        checkpoint = latest_checkpoint(t.checkpoint_dir)
+        if checkpoint is None and resume:
+            raise UserError(f"--resume: no checkpoint in {t.checkpoint_dir} (no 'latest' file)")
+        if checkpoint is not None:
+            start = load_checkpoint(checkpoint, runs[0], batches, world)
+            if start >= steps:
+                raise UserError(f"checkpoint {checkpoint} is at step {start} of {steps}: nothing left to train "
+                                f"(raise --steps / train.steps, or --no-resume to start over)")
+            say(f"resumed from {checkpoint} at step {start}")
+
+    log = JsonlLog((log_path if log_path is not None else t.log) if world.main else None)
+    try:
+        with progress:
+            task = progress.add_task("train", total=steps, completed=start, status="")
+            for step in range(start, steps):
+                micro = [next(batches) for _ in range(t.grad_accum)]
+                order = runs if step % 2 == 0 else runs[::-1]
+                for run in order:
+                    first = run.no_grad_params is None
+                    loss, gnorm, dt = train_step(run, micro, cfg)
+                    skipped = not (math.isfinite(loss) and math.isfinite(gnorm))
+                    run.skipped_steps += skipped
+                    run.bad_streak = run.bad_streak + 1 if skipped else 0
+                    run.step_s.append(dt)
+                    run.losses.append(loss)
+                    record = {"step": step, "run": run.label, "loss": loss, "grad_norm": gnorm,
+                              "lr": run.scheduler.get_last_lr()[0], "step_s": dt,
+                              "tokens_per_s": tokens_per_step / dt,
+                              "mfu": mfu(tokens_per_step / dt / world.world_size, flops_token, peak),
+                              "peak_mem_gib": peak_memory_gib(run.device),
+                              "skipped": skipped, "skipped_steps": run.skipped_steps}
+                    if run.aligner is not None:
+                        record["indexer_kl"] = sum(run.aligner.last.values())
+                    if run.balancer is not None:
+                        record["expert_imbalance"] = run.expert_imbalance
+                    if first:
+                        record["params_without_grad"] = run.no_grad_params
+                        if run.no_grad_params:
+                            shown = ", ".join(run.no_grad_params[:4])
+                            more = f" and {len(run.no_grad_params) - 4} more" if len(run.no_grad_params) > 4 else ""
+                            say(f"[yellow]warning[/]: {len(run.no_grad_params)} parameter(s) of the {run.label} run "
+                                f"received no gradient in the first step: {shown}{more}")
+                    if skipped:
+                        say(f"[yellow]warning[/]: step {step} ({run.label}) skipped: loss {loss}, grad norm {gnorm}")
+                    log.write(record)
+                    if run.bad_streak >= t.max_bad_steps:
+                        last = latest_checkpoint(t.checkpoint_dir) if t.checkpoint_dir else None
+                        raise TrainingDiverged(
+                            f"stopped at step {step}: {run.bad_streak} consecutive steps with a non-finite loss or "
+                            f"gradient norm (train.max_bad_steps {t.max_bad_steps}); "
+                            + (f"the last checkpoint is {last}" if last else "no checkpoint was written")
+                            + "; lower train.lr or check the data")
+                status = "  ".join(f"{r.label}: loss {r.losses[-1]:.3f} {r.step_s[-1] * 1e3:.0f} ms"
+                                   + (f" skipped {r.skipped_steps}" if r.skipped_steps else "") for r in runs)
+                progress.update(task, advance=1, status=status)
+                due = t.checkpoint_every and (step + 1) % t.checkpoint_every == 0
+                if t.checkpoint_dir and (due or step + 1 == steps):
+                    checkpoint = save_checkpoint(t.checkpoint_dir, step + 1, runs[0], batches, world)
+    finally:
+        log.close()
+    if export_dir:
+        export_model(runs[-1], export_dir, world, tokenizer_dir=cfg.data.tokenizer)
+
     result = {
-        "config": cfg.path, "steps": steps, "tokens_per_step": tokens_per_step, "dtype": cfg.train.dtype,
-        "total_params": total, "active_params": active, "flops_per_token": flops_token,
+        "config": cfg.path, "steps": steps, "start_step": start, "world_size": world.world_size,
+        "grad_accum": t.grad_accum, "tokens_per_step": tokens_per_step, "dtype": t.dtype,
+        "total_params": total_params, "active_params": active_params, "flops_per_token": flops_token,
         "peak_tflops": peak, "peak_source": f"{hw.name} profile" + (" (calibrated)" if hw.calibrated else " (estimate)"),
-        "runs": {r.label: vars(summarize(r, tokens_per_step, flops_token, peak)) for r in runs},
+        "peak_mem_gib": peak_memory_gib(world.device),
+        "checkpoint": str(checkpoint) if checkpoint else None, "export": export_dir,
+        "runs": {r.label: vars(summarize(r, tokens_per_step, flops_token, peak, world.world_size)) for r in runs},
     }
     if len(runs) == 2:
         ref, tuned = result["runs"]["reference"], result["runs"]["aurakernel"]
