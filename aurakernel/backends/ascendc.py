@@ -7,7 +7,10 @@ CPU, which proves the numerics and yields per-pipe cycle estimates. With CANN (A
 the same project builds for real with its CMakeLists (see the project's README).
 
 An operator takes part by implementing the OpSpec hooks `ascend_phases`, `ascend_params` and
-`ascend_run` and by shipping templates/ascendc/<op>/.
+`ascend_run` and by shipping templates/ascendc/<op>/. One whose template renders a solved pipeline
+schedule (planner/schedule.py: prefetch distance and buffer counts per phase) also declares
+`ascend_compute_waits_scalar` ({phase: whether its compute step ends in scalar waits}); the plan then
+carries <phase>_prefetch and <phase>_<queue>_buffers knobs, and the plain order is the fallback.
 """
 
 from __future__ import annotations
@@ -20,13 +23,14 @@ import torch
 
 from .. import emulator
 from ..codegen import render
-from ..errors import UserError
+from ..errors import PlanInfeasible, UserError
 from ..hardware import HardwareProfile
 from ..paths import TEMPLATES_DIR, write_text_atomic
 from ..ops.base import OpSpec, Problem
 from ..planner import Plan, solve_tiling
 from ..planner.ascend import ascend_rowwise_model, roofline_us
 from ..planner.model import ChoiceModel
+from ..planner.schedule import Pipeline, Schedule, ascend_row_pipeline, schedule_knobs, simulate, solve_schedule
 from ..verify import Check, Verification, check_case
 
 PROJECT_FILES = {   # template -> file written into the op project
@@ -58,9 +62,43 @@ def model(spec: OpSpec, problem: Problem, hw: HardwareProfile) -> ChoiceModel:
                                 split_cols=spec.ascend_split_cols)
 
 
-def plan(spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, solver: str) -> Plan:
-    return solve_tiling(model(spec, problem, hw), op=problem.op, variant=problem.variant, shape=problem.shape,
-                        dtype=problem.dtype.value, target=target, solver=solver)
+def pipelines(spec: OpSpec, problem: Problem, hw: HardwareProfile, knobs: dict[str, int]) -> dict[str, Pipeline]:
+    """The op's phases at the tiling's knobs as copy-in -> compute -> copy-out pipelines ({} when its
+    template does not render a schedule)."""
+    waits = getattr(spec, "ascend_compute_waits_scalar", None)
+    if not waits:
+        return {}
+    rows, cols = spec.ascend_rows_cols(problem)
+    return {ph.name: ascend_row_pipeline(ph, rows, cols, problem.dtype.itemsize, knobs, hw,
+                                         split_cols=spec.ascend_split_cols, compute_waits_scalar=waits[ph.name])
+            for ph in spec.ascend_phases(problem)}
+
+
+def schedule(spec: OpSpec, problem: Problem, hw: HardwareProfile, knobs: dict[str, int],
+             time_limit_s: float = 10.0) -> dict[str, tuple[Pipeline, Schedule]]:
+    """Each phase's solved pipeline schedule (CP-SAT) at the tiling's knobs."""
+    return {name: (pipe, solve_schedule(pipe, time_limit_s)) for name, pipe in pipelines(spec, problem, hw, knobs).items()}
+
+
+def plan(spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, solver: str,
+         scheduled: bool = True) -> Plan:
+    """Tiling (the UB-partition MILP), then, where the template renders one, the pipeline schedule
+    of each phase at that tiling; a schedule that cannot be solved leaves the plain order."""
+    the_plan = solve_tiling(model(spec, problem, hw), op=problem.op, variant=problem.variant, shape=problem.shape,
+                            dtype=problem.dtype.value, target=target, solver=solver)
+    if not scheduled:
+        return the_plan
+    try:
+        solved = schedule(spec, problem, hw, the_plan.knobs)
+    except PlanInfeasible as exc:   # the plain CopyIn / Compute / CopyOut order still runs
+        the_plan.schedule = {"fallback": str(exc)}
+        return the_plan
+    for name, (pipe, sched) in solved.items():
+        plain_leads = {s.name: 0 for s in pipe.stages}
+        plain_buffers = {q.name: the_plan.knobs["buffers"] for q in pipe.queues}
+        the_plan.schedule[name] = {**sched.to_dict(pipe), "plain_cycles": simulate(pipe, plain_leads, plain_buffers)}
+    the_plan.knobs = dict(sorted({**the_plan.knobs, **schedule_knobs({n: s for n, (_, s) in solved.items()})}.items()))
+    return the_plan
 
 
 def render_project(spec: OpSpec, problem: Problem, knobs: dict[str, int], out_dir: Path) -> dict[str, Path]:

@@ -93,6 +93,9 @@ class CrossEntropySpec(OpSpec):
 
     # --- AscendC (templates/ascendc/cross_entropy/): a row streams through the UB in column tiles --
     ascend_split_cols = True
+    # planner/schedule.py: the forward reads its running max and sum back on the scalar unit every
+    # chunk (a copy issued after that compute step cannot run under it), the backward only at the label
+    ascend_compute_waits_scalar = {"forward": True, "backward": False}
 
     def ascend_phases(self, problem: Problem):
         from ..planner.ascend import AscendRowPhase
@@ -107,8 +110,14 @@ class CrossEntropySpec(OpSpec):
         ]
 
     def ascend_params(self, problem: Problem, knobs: dict[str, int]) -> dict:
+        from ..planner.schedule import phase_schedule
+        fwd = phase_schedule(knobs, "forward", ("in",))
+        bwd = phase_schedule(knobs, "backward", ("in", "out"))
         return {"dtype": problem.dtype, "vocab": int(problem.shape[1]), "col_tile": int(knobs["col_tile"]),
-                "buffers": int(knobs["buffers"]), "chunk": int(knobs["chunk"]), "block_dim": int(knobs["block_dim"])}
+                "chunk": int(knobs["chunk"]), "block_dim": int(knobs["block_dim"]),
+                "fwd_prefetch": fwd["prefetch"], "fwd_in_buffers": fwd["in_buffers"],
+                "bwd_prefetch": bwd["prefetch"], "bwd_in_buffers": bwd["in_buffers"],
+                "bwd_out_buffers": bwd["out_buffers"]}
 
     def ascend_run(self, problem: Problem, knobs: dict[str, int], inputs: Tensors, grad_out: Tensors, emu):
         """Forward and backward kernels in the emulator: (outputs, grads, {phase: RunReport})."""

@@ -120,6 +120,10 @@ class RmsNormSpec(OpSpec):
                 "threads": int(knobs["threads"])}
 
     # --- AscendC (backends/ascendc.py, templates/ascendc/rms_norm/) --------------------------------
+    # planner/schedule.py: both passes read row sums back on the scalar unit, so a copy issued after
+    # a tile's compute step cannot run under it
+    ascend_compute_waits_scalar = {"forward": True, "backward": True}
+
     def ascend_phases(self, problem: Problem):
         from ..planner.ascend import AscendRowPhase
         cols = problem.shape[1]
@@ -138,9 +142,14 @@ class RmsNormSpec(OpSpec):
         ]
 
     def ascend_params(self, problem: Problem, knobs: dict[str, int]) -> dict:
+        from ..planner.schedule import phase_schedule
+        fwd = phase_schedule(knobs, "forward", ("in", "out"))
+        bwd = phase_schedule(knobs, "backward", ("in", "out"))
         return {"dtype": problem.dtype, "cols": int(problem.shape[1]), "weighted": problem.variant == "weighted",
-                "tile_rows": int(knobs["tile_rows"]), "buffers": int(knobs["buffers"]), "chunk": int(knobs["chunk"]),
-                "block_dim": int(knobs["block_dim"]), "eps": float(EPS)}
+                "tile_rows": int(knobs["tile_rows"]), "chunk": int(knobs["chunk"]),
+                "block_dim": int(knobs["block_dim"]), "eps": float(EPS),
+                "fwd_prefetch": fwd["prefetch"], "fwd_in_buffers": fwd["in_buffers"], "fwd_out_buffers": fwd["out_buffers"],
+                "bwd_prefetch": bwd["prefetch"], "bwd_in_buffers": bwd["in_buffers"], "bwd_out_buffers": bwd["out_buffers"]}
 
     def ascend_run(self, problem: Problem, knobs: dict[str, int], inputs: Tensors, grad_out: Tensors, emu):
         """Forward and backward kernels in the emulator: (outputs, grads, {phase: RunReport})."""

@@ -5,6 +5,11 @@ knob, capacity constraints per memory level summed over every buffer the kernel 
 and per-phase pipe times from the cost model. This module solves it, checks the answer, and names
 the binding constraint: the capacity whose removal would make the kernel faster, or otherwise the
 pipe (memory, vector, ...) that bounds the time.
+
+`time_limit_s` bounds the whole call: the solve gets it, and the searches that name a culprit or a
+binding constraint (one re-solve per constraint) share what is left; a search cut short says so.
+A solve stopped by the limit returns its incumbent (status "feasible"), or PlanInfeasible("time
+limit") when it had none.
 """
 
 from __future__ import annotations
@@ -12,7 +17,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from ..errors import PlanInfeasible, UserError
 from .model import ChoiceModel, solve
@@ -39,6 +45,7 @@ class Plan:
     solver: str
     solve_s: float
     status: str
+    schedule: dict = field(default_factory=dict)   # phase -> its pipeline schedule (planner/schedule.py)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -67,18 +74,26 @@ def _check_each_constraint(model: ChoiceModel) -> None:
                                          f"the limit is {c.limit:,.0f} B")
 
 
-def _culprit(model: ChoiceModel, solver: str, time_limit_s: float) -> str:
+def _left(deadline: float) -> float:
+    return deadline - time.perf_counter()
+
+
+def _culprit(model: ChoiceModel, solver: str, deadline: float) -> str:
     for c in model.constraints:
-        if solve(model, solver, time_limit_s, drop=c.name).choice is not None:
+        if _left(deadline) <= 0:
+            return "the constraints together (the search for one stopped at the time limit)"
+        if solve(model, solver, _left(deadline), drop=c.name).choice is not None:
             return c.name
     return "the constraints together"
 
 
 def _binding(model: ChoiceModel, choice: dict[str, int], objective: float,
-             solver: str, time_limit_s: float) -> str:
+             solver: str, deadline: float) -> str:
     best_gain, best = 0.0, None
     for c in model.constraints:
-        relaxed = solve(model, solver, time_limit_s, drop=c.name)
+        if _left(deadline) <= 0:
+            return "not analysed (time limit)"
+        relaxed = solve(model, solver, _left(deadline), drop=c.name)
         if relaxed.objective is not None:
             gain = (objective - relaxed.objective) / objective
             if gain > max(best_gain, BINDING_GAIN):
@@ -101,15 +116,16 @@ def solve_tiling(model: ChoiceModel, *, op: str, variant: str, shape: tuple[int,
         empty = [k for k, vals in model.domains.items() if not vals]
         raise UserError(f"no candidate values for knob(s) {', '.join(empty)} at shape {shape}")
     _check_each_constraint(model)
+    deadline = time.perf_counter() + time_limit_s
     sol = solve(model, solver, time_limit_s)
     if sol.choice is None:
         if sol.status == "timeout":
             raise PlanInfeasible("time limit", f"{solver} found no plan within {time_limit_s:g} s")
-        culprit = _culprit(model, solver, time_limit_s)
+        culprit = _culprit(model, solver, deadline)
         raise PlanInfeasible(culprit, "no combination of knob values satisfies it together with the others")
     assert model.feasible(sol.choice), "solver returned an assignment that violates a capacity"
     objective, detail = model.evaluate(sol.choice)
-    binding = _binding(model, sol.choice, objective, solver, time_limit_s)
+    binding = _binding(model, sol.choice, objective, solver, deadline)
     return Plan(
         op=op, variant=variant, shape=tuple(shape), dtype=dtype, target=target,
         knobs=dict(sorted(sol.choice.items())), predicted_us=objective * 1e6,

@@ -14,10 +14,16 @@
 // A broken rule throws ak::RuleError("<rule>: <what> (<buffer>)"), reported by the runner.
 //
 // Timing: each instruction is charged to its pipe (MTE2: GM->UB, MTE3: UB->GM, V: vector,
-// S: scalar) and starts when its pipe is free and the UB buffers it reads or writes are ready
-// (data written by another pipe, or a buffer still being read before it is overwritten). That is
-// exactly the overlap the kernel's queue order and buffer counts allow; per-pipe busy cycles and
-// the block's makespan are returned as counters.
+// S: scalar) and starts when its pipe is free (pipes run their queues in order), the UB buffers it
+// reads or writes are ready (data written by another pipe, or a buffer still being read before it
+// is overwritten) and the scalar unit has issued it: the scalar unit walks the program in order and
+// hands each instruction to its pipe's queue, so a scalar wait (WaitFlag<V_S>, GetValue on a result
+// another pipe is still producing) holds back every instruction after it in program order, on
+// every pipe. A WaitFlag resumes its pipe when the signalling pipe had finished everything queued
+// before the matching SetFlag. That is exactly the overlap the kernel's queue order and buffer
+// counts allow: a copy issued after a compute step that ends in a scalar wait cannot run under it,
+// one issued before it (a prefetch) can. Per-pipe busy cycles and the block's makespan are returned
+// as counters.
 #pragma once
 
 #include <cmath>
@@ -77,6 +83,7 @@ struct Core {
     std::vector<Slot*> slots;
     Counters c;
     int flags[64] = {0};
+    double flag_at[64] = {0};   // when the pipe that set each flag had finished what preceded the SetFlag
     std::vector<std::pair<std::string, uint32_t>> allocs;   // every InitBuffer, for the UB report
     Core() { ub_base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(ub.data()) + 63) & ~uintptr_t(63)); }
     ~Core() { for (auto* s : slots) delete s; }
@@ -93,7 +100,7 @@ struct Core {
     }
     // Charge `cycles` to `pipe`, starting after its inputs are ready and its outputs are free.
     void issue(Pipe pipe, double cycles, std::initializer_list<Slot*> reads, std::initializer_list<Slot*> writes) {
-        double start = c.at[pipe];
+        double start = std::max(c.at[pipe], c.at[SCALAR]);   // not before the scalar unit has issued it
         for (Slot* s : reads) if (s) start = std::max(start, s->ready);
         for (Slot* s : writes) if (s) start = std::max({start, s->free_at, s->ready});
         const double end = start + cycles;
@@ -250,9 +257,18 @@ template <TPosition pos, int32_t depth, auto mask = 0> class TQue {
             busy_.push_back(false);
         }
     }
+    // Buffers are handed out round robin from a cursor (skipping busy ones), as AscendC's TQue does:
+    // with two buffers, CopyIn(i + 1) lands in the other buffer from the one Compute(i) still reads,
+    // which is what lets double buffering overlap the pipes.
     template <typename T> LocalTensor<T> AllocTensor() {
-        for (size_t i = 0; i < bufs_.size(); ++i)
-            if (!busy_[i]) { busy_[i] = true; return LocalTensor<T>(reinterpret_cast<T*>(bufs_[i]), len_ / sizeof(T), slots_[i]); }
+        for (size_t k = 0; k < bufs_.size(); ++k) {
+            const size_t i = (cursor_ + k) % bufs_.size();
+            if (!busy_[i]) {
+                busy_[i] = true;
+                cursor_ = (i + 1) % bufs_.size();
+                return LocalTensor<T>(reinterpret_cast<T*>(bufs_[i]), len_ / sizeof(T), slots_[i]);
+            }
+        }
         ak::fail("queue discipline", "AllocTensor beyond the " + std::to_string(num_) + " buffer(s) of " +
                  (slots_.empty() ? std::string("an uninitialised queue") : slots_[0]->name) + " without a FreeTensor");
     }
@@ -287,6 +303,7 @@ template <TPosition pos, int32_t depth, auto mask = 0> class TQue {
     std::vector<uint8_t*> bufs_;
     std::vector<ak::Slot*> slots_;
     std::vector<bool> busy_;
+    size_t cursor_ = 0;
     std::vector<Entry> queued_;
 };
 template <TPosition src, TPosition dst, int32_t depth, auto mask = 0> class TQueBind : public TQue<src, depth, mask> {};
@@ -362,14 +379,16 @@ template <HardEvent event> inline void SetFlag(int32_t eventID) {
     if (f > 0) ak::fail("queue discipline", "SetFlag twice on event " + std::to_string(int(event)) + " id " +
                         std::to_string(eventID) + " without a WaitFlag between");
     f = 1;
+    ak::core().flag_at[event_slot(event, eventID)] = std::max(ak::core().c.at[event_src(event)], ak::core().c.at[ak::SCALAR]);
 }
 template <HardEvent event> inline void WaitFlag(int32_t eventID) {
     int& f = ak::core().flags[event_slot(event, eventID)];
     if (f == 0) ak::fail("queue discipline", "WaitFlag on event " + std::to_string(int(event)) + " id " +
                          std::to_string(eventID) + " that was never set");
     f = 0;
-    auto& c = ak::core().c;   // the waiting pipe resumes when the signalling pipe got there
-    c.at[event_dst(event)] = std::max(c.at[event_dst(event)], c.at[event_src(event)]);
+    auto& c = ak::core().c;   // the waiting pipe resumes when the signalling pipe got to the SetFlag
+    const double set_at = ak::core().flag_at[event_slot(event, eventID)];
+    c.at[event_dst(event)] = std::max({c.at[event_dst(event)], c.at[ak::SCALAR], set_at});
 }
 template <bool isAIVOnly = true> void SyncAll();   // defined by the runner (a barrier across blocks)
 
