@@ -28,8 +28,9 @@ from conftest import REPO, TINY
 STEPS = 4
 
 
-def write_config(path, data=None, **train_keys):
+def write_config(path, data=None, model=None, **train_keys):
     raw = yaml.safe_load(open(TINY))
+    raw["model"].update(model or {})
     raw["data"].update({"seq_len": 32, "batch_size": 2, **(data or {})})
     raw["train"].update({"steps": STEPS, "log": None, **train_keys})
     path.write_text(yaml.safe_dump(raw))
@@ -43,6 +44,16 @@ def tiny_cfg(tmp_path, data=None, **train_keys):
 def log_curve(path) -> dict[int, float]:
     """step -> loss, the last record of each step winning (a resumed run rewrites the steps after its checkpoint)."""
     return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny model's ops are too small to share: one thread is several times faster on a busy
+    machine, and matches the subprocesses (OMP_NUM_THREADS=1) bit for bit."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +170,7 @@ def test_kill_9_then_resume_continues_the_same_loss_curve(tmp_path, reference_lo
     ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
     path = write_config(tmp_path / "cfg.yaml", checkpoint_dir=str(ckpt), checkpoint_every=2, log=str(log))
     child = subprocess.run([sys.executable, "-c", KILLED_CHILD, str(path)], cwd=REPO, capture_output=True,
-                           text=True, timeout=300)
+                           text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
     assert (ckpt / "latest").read_text().strip() == "step_2" and not (ckpt / "step_4").exists()
     assert sorted(log_curve(log)) == [0, 1]
@@ -171,6 +182,10 @@ def test_kill_9_then_resume_continues_the_same_loss_curve(tmp_path, reference_lo
     assert [curve[s] for s in range(STEPS)] == pytest.approx(reference_losses, rel=1e-6, abs=1e-6)
     with pytest.raises(UserError, match="nothing left to train"):
         train(load_config(path), show_progress=False)
+    # a checkpoint of another architecture is a one-line error
+    other = write_config(tmp_path / "other.yaml", model={"hidden_size": 128}, checkpoint_dir=str(ckpt))
+    with pytest.raises(UserError, match=r"does not fit this model/optimizer \(Size mismatch"):
+        train(load_config(other), show_progress=False)
     # --no-resume starts over from step 0
     assert train(load_config(path), steps=1, show_progress=False, resume=False)["start_step"] == 0
 
@@ -279,7 +294,7 @@ def test_activation_checkpointing_recomputes_with_the_same_loss_and_grads(tmp_pa
         model.model.layers[0].mlp.register_forward_hook(lambda *_: calls.append(1))
         loss = tt.loss_fn(model, input_ids, labels)
         loss.backward()
-        results.append((float(loss), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, len(calls)))
+        results.append((float(loss.detach()), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, len(calls)))
     (plain_loss, plain_grads, plain_calls), (ckpt_loss, ckpt_grads, ckpt_calls) = results
     assert (plain_calls, ckpt_calls) == (1, 2)   # checkpointing did recompute the layer in backward
     assert ckpt_loss == plain_loss

@@ -122,15 +122,14 @@ def init_distributed() -> Dist:
     return Dist(dist.get_rank(), dist.get_world_size(), device, owns)
 
 
-def _global_sum(value: torch.Tensor, device: torch.device) -> float:
-    value = value.detach().to(device=device, dtype=torch.float64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(value)
-    return float(value)
-
-
 def _world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _sum_over_ranks(value: torch.Tensor) -> torch.Tensor:
+    if _world_size() > 1:
+        dist.all_reduce(value)
+    return value
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -216,7 +215,7 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
     own switch where the model has one, else each layer's forward through torch.utils.checkpoint.
     Non-reentrant either way, so FSDP2's and the objectives' hooks see an ordinary forward."""
     if getattr(model, "supports_gradient_checkpointing", False):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable({"use_reentrant": False})
         return
     for layer in model.model.layers:
         layer.forward = functools.partial(torch.utils.checkpoint.checkpoint, layer.forward, use_reentrant=False)
@@ -291,9 +290,9 @@ def train_step(run: Run, batch, cfg: TrainConfig) -> tuple[float, float, float]:
     autocast = (torch.autocast(run.device.type, dtype=torch.bfloat16) if cfg.train.dtype == "bf16"
                 else contextlib.nullcontext())
     t0 = time.perf_counter()
-    tokens = _global_sum(sum((labels != IGNORE).sum() for _, labels in micro), run.device)
+    tokens = int(_sum_over_ranks(sum((labels != IGNORE).sum() for _, labels in micro).to(run.device)))
     world_size = _world_size()
-    lm_loss = torch.zeros((), dtype=torch.float64)
+    lm_loss = torch.zeros((), device=run.device)
     for input_ids, labels in micro:
         input_ids, labels = input_ids.to(run.device), labels.to(run.device)
         with autocast:
@@ -303,21 +302,21 @@ def train_step(run: Run, batch, cfg: TrainConfig) -> tuple[float, float, float]:
         if run.aligner is not None:   # the indexer's KL, averaged over the step's micro-batches (and ranks)
             total = total + run.aligner.loss() / len(micro)
         total.backward()
-        lm_loss += loss.detach().double().cpu()
-    loss = _global_sum(lm_loss, run.device)
+        lm_loss += loss.detach()
+    step_loss = float(_sum_over_ranks(lm_loss))
     grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.train.grad_clip)
     grad_norm = float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)
     if run.no_grad_params is None:
         objectives = optional_module("objectives", "the report of parameters without gradient")
         run.no_grad_params = objectives.params_without_grad(run.model)
-    if math.isfinite(loss) and math.isfinite(grad_norm):
+    if math.isfinite(step_loss) and math.isfinite(grad_norm):
         with record_function("ak.group.adamw"):  # profiler range: the optimizer-update group
             run.optimizer.step()
         run.scheduler.step()
         if run.balancer is not None:
             run.expert_imbalance = max(run.balancer.update().values(), default=None)
     run.optimizer.zero_grad(set_to_none=True)
-    return loss, grad_norm, time.perf_counter() - t0
+    return step_loss, grad_norm, time.perf_counter() - t0
 
 
 # -- checkpoints
@@ -353,7 +352,8 @@ def checkpoint_state(run: Run, batches: TokenBatches, step: int) -> dict:
     model_state, optim_state = get_state_dict(run.model, run.optimizer)
     return {"model": model_state, "optimizer": optim_state,
             "trainer": {"step": step, "scheduler": run.scheduler.state_dict(), "data": batches.state_dict(),
-                        "rng": _rng_state(run.device)}}
+                        "rng": _rng_state(run.device), "skipped_steps": run.skipped_steps,
+                        "bad_streak": run.bad_streak}}
 
 
 def latest_checkpoint(checkpoint_dir: str | Path) -> Path | None:
@@ -394,6 +394,8 @@ def load_checkpoint(path: Path, run: Run, batches: TokenBatches, world: Dist) ->
         with _single_process_dcp(world):
             dcp.load(state, checkpoint_id=path, no_dist=world.world_size == 1)
     except (CheckpointException, RuntimeError, KeyError, ValueError) as exc:
+        if isinstance(exc, CheckpointException):   # one wrapped (exception, traceback) per failed rank
+            exc = next(iter(exc.failures.values()))[0]
         reason = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
         raise UserError(f"checkpoint {path} does not fit this model/optimizer ({reason})") from None
     set_state_dict(run.model, run.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
@@ -401,6 +403,7 @@ def load_checkpoint(path: Path, run: Run, batches: TokenBatches, world: Dist) ->
     run.scheduler.load_state_dict(trainer["scheduler"])
     batches.load_state_dict(trainer["data"])
     _set_rng_state(trainer["rng"], run.device)
+    run.skipped_steps, run.bad_streak = int(trainer["skipped_steps"]), int(trainer["bad_streak"])
     return int(trainer["step"])
 
 
