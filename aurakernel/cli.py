@@ -261,7 +261,8 @@ def train(
     world_size: Annotated[int | None, typer.Option(min=1, help="devices the --dry-run plans for")] = None,
 ):
     """Full-parameter training of the config's DeepSeek-V4 model, optionally with tuned kernels.
-    Under torchrun it trains data-parallel with FSDP2; rank 0 logs and prints."""
+    Under torchrun it trains data-parallel with FSDP2; rank 0 logs and prints. Put `--` before the
+    program (torchrun --nproc-per-node 2 -- aurakernel train ...): torchrun would take --log as its own."""
     from trainer.config import load_config, use_model_dir
     from trainer.train import TrainingDiverged, optional_module
     from trainer.train import train as run_train

@@ -159,6 +159,7 @@ class Run:
     expert_imbalance: float | None = None      # max over routers of max/mean expert load, last update
     skipped_steps: int = 0
     bad_streak: int = 0
+    last: dict = field(default_factory=dict)   # the last step's log record
 
 
 @dataclass
@@ -417,8 +418,9 @@ def export_model(run: Run, out_dir: str, world: Dist, tokenizer_dir: str | None 
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     full = get_model_state_dict(run.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if world.main:
-        plain = DeepseekV4ForCausalLM(run.model.config)
-        plain.load_state_dict(full)
+        with torch.device("meta"):   # no weights allocated: the gathered ones are assigned in
+            plain = DeepseekV4ForCausalLM(run.model.config)
+        plain.load_state_dict(full, assign=True)
         export_hf(plain, out_dir)
     dist.barrier()
 
@@ -433,6 +435,13 @@ def summarize(run: Run, tokens_per_step: int, flops_token: float, peak: float, w
     tps = tokens_per_step / med
     return RunSummary(run.label, med, tps, mfu(tps / world_size, flops_token, peak), run.losses[-1], run.losses,
                       run.skipped_steps)
+
+
+def _status(run: Run) -> str:
+    r = run.last
+    return (f"{run.label}: loss {r['loss']:.3f} gnorm {r['grad_norm']:.2f} lr {r['lr']:.1e} "
+            f"{r['step_s'] * 1e3:.0f} ms {r['tokens_per_s']:,.0f} tok/s MFU {r['mfu']:.1%} "
+            f"mem {r['peak_mem_gib']:.1f} GiB" + (f" skipped {run.skipped_steps}" if run.skipped_steps else ""))
 
 
 def _check_options(cfg: TrainConfig, world: Dist, kernels, compare: bool, resume: bool | None, export_dir) -> None:
@@ -541,6 +550,7 @@ def _train(cfg, world, kernels, steps, compare, log_path, show_progress, console
                     if skipped:
                         say(f"[yellow]warning[/]: step {step} ({run.label}) skipped: loss {loss}, grad norm {gnorm}")
                     log.write(record)
+                    run.last = record
                     if run.bad_streak >= t.max_bad_steps:
                         last = latest_checkpoint(t.checkpoint_dir) if t.checkpoint_dir else None
                         raise TrainingDiverged(
@@ -548,9 +558,7 @@ def _train(cfg, world, kernels, steps, compare, log_path, show_progress, console
                             f"gradient norm (train.max_bad_steps {t.max_bad_steps}); "
                             + (f"the last checkpoint is {last}" if last else "no checkpoint was written")
                             + "; lower train.lr or check the data")
-                status = "  ".join(f"{r.label}: loss {r.losses[-1]:.3f} {r.step_s[-1] * 1e3:.0f} ms"
-                                   + (f" skipped {r.skipped_steps}" if r.skipped_steps else "") for r in runs)
-                progress.update(task, advance=1, status=status)
+                progress.update(task, advance=1, status="  ".join(_status(r) for r in runs))
                 due = t.checkpoint_every and (step + 1) % t.checkpoint_every == 0
                 if t.checkpoint_dir and (due or step + 1 == steps):
                     checkpoint = save_checkpoint(t.checkpoint_dir, step + 1, runs[0], batches, world)
