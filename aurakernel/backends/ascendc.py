@@ -195,7 +195,7 @@ class AscendTuneResult:
         bound = sum(ph["roofline_us"] for ph in phases.values())
         return {
             "op": p.op, "variant": p.variant, "shape": p.shape_text, "dtype": p.dtype.value, "target": self.target,
-            "plan": self.plan.knobs, "binding_constraint": self.plan.binding_constraint,
+            "plan": self.plan.knobs, "schedule": self.plan.schedule, "binding_constraint": self.plan.binding_constraint,
             "predicted_us": self.plan.predicted_us, "predicted_pipes_us": self.plan.pipes_us,
             "measured_us": None, "eager_us": None, "compiled_us": None,
             "speedup_vs_eager": None, "speedup_vs_compiled": None,
