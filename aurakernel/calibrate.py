@@ -1,7 +1,8 @@
 """Measure this machine: streaming bandwidth per thread count, call and fork overheads, matmul peak.
 
 The figures overlay the host profile (hardware.host_profile) and feed the cost model and the MFU.
-They are cached per machine in the user's cache dir; `aurakernel calibrate` refreshes them.
+They are cached per machine in the user's cache dir; `aurakernel calibrate` refreshes them, and
+`aurakernel calibrate --fit` fits the cost model's coefficients to measurements (planner/fit.py).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 
 from .backends.host import HostBackend
 from .codegen import render
-from .hardware import host_cores, save_calibration
+from .hardware import host_cores, load_calibration, save_calibration
 from .ops.base import Entry
 
 _ENTRIES = {
@@ -95,6 +96,12 @@ def calibrate(progress=None) -> dict:
             cal["peak_tflops"][name] = round(matmul_tflops(arg), 4)
     cal["peak_tflops"]["fp16"] = cal["peak_tflops"]["bf16"]
     cal["measured_at"] = time.time()
+    # coefficients fitted to the tuning DB (`calibrate --fit`) survive a re-measure: they are scales
+    # on top of these figures, still the best estimate until the next fit
+    previous = load_calibration() or {}
+    for key in ("costmodel", "costmodel_fit"):
+        if key in previous:
+            cal[key] = previous[key]
     cal["path"] = str(save_calibration(cal))
     return cal
 

@@ -2,7 +2,10 @@
 
 Profiles are YAML files in profiles/. The host profile is overlaid with what is read off this
 machine (cores, caches, SIMD width, clock) and with the figures `aurakernel calibrate` measured
-(streaming bandwidth per thread count, call overhead, matmul peak), cached per machine.
+(streaming bandwidth per thread count, call overhead, matmul peak), cached per machine, including
+the cost-model coefficients `calibrate --fit` fitted to the tuning DB. An Ascend profile is
+overlaid with the planner coefficients `calibrate --fit --target <it>` fitted to the emulator
+(costmodel-<target>.json in the cache dir); the YAML files are never rewritten.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ class HardwareProfile:
             call_overhead_us=float(cal["call_overhead_us"]),
             fork_overhead_us=float(cal["fork_overhead_us"]),
             peak_tflops={k: float(v) for k, v in cal["peak_tflops"].items()},
+            costmodel={**self.costmodel, **{k: float(v) for k, v in cal.get("costmodel", {}).items()}},
             calibrated=True,
         )
 
@@ -233,11 +237,32 @@ def host_profile(calibrated: bool = True) -> HardwareProfile:
     return profile
 
 
-def load_profile(target: str) -> HardwareProfile:
-    """A profile by target name: 'host' (detected + calibrated) or a YAML file in profiles/."""
+def costmodel_overlay_path(target: str) -> Path:
+    """Where `calibrate --fit --target` keeps a non-host target's fitted planner coefficients."""
+    return cache_dir() / f"costmodel-{target}.json"
+
+
+def load_costmodel_overlay(target: str) -> dict | None:
+    path = costmodel_overlay_path(target)
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None  # damaged: the profile's own coefficients, as if never fitted
+
+
+def load_profile(target: str, fitted: bool = True) -> HardwareProfile:
+    """A profile by target name: 'host' (detected + calibrated) or a YAML file in profiles/, with
+    its fitted cost-model coefficients unless `fitted` is False."""
     if target == "host":
         return host_profile()
-    return _profile_from_dict(_load_yaml(target))
+    profile = _profile_from_dict(_load_yaml(target))
+    overlay = load_costmodel_overlay(target) if fitted else None
+    if overlay and isinstance(overlay.get("costmodel"), dict):
+        profile = dataclasses.replace(profile, costmodel={**profile.costmodel, **{
+            k: float(v) for k, v in overlay["costmodel"].items()}})
+    return profile
 
 
 def available_targets() -> list[str]:

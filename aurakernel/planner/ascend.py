@@ -11,10 +11,17 @@ cores share the rows.
     per core  rb = ceil(rows / block_dim) rows, ceil(rb / tile_rows) tiles
     MTE2/MTE3 tiles * copies * latency + rb * bytes / rate, rate = min(core MTE rate, HBM / block_dim)
     Vector    rb * (fp32 repeats per row * cycles + ceil(D / chunk) * instructions per chunk * issue)
-    time      buffers = 2: the slowest pipe + one tile's copy in and out (fill and drain);
-              buffers = 1: the pipes one after another.
+    time      buffers = 2: the slowest pipe + fill x one tile's copy in and out (fill and drain);
+              buffers = 1: Vector + serial_mte x (MTE2 + MTE3): the pipes one after another, less
+              what the separate in and out queues still overlap (a tile's copy-out under the next
+              tile's copy-in).
 Figures come from the profile's `pipes` section (the same ones the emulator charges), so the plan's
-prediction and the emulator's estimate can be compared.
+prediction and the emulator's estimate can be compared. The instruction and copy counts above are
+the planner's own estimates of what the kernel issues; `calibrate --fit --target <ascend>`
+(planner/fit.py) fits the SCALES below (in the profile's `costmodel`, from a fitted overlay in the
+cache dir; 1.0 = as written) to the emulator: the count scales to its per-pipe busy cycles, fill and
+serial_mte to its cycle estimates. The emulator keeps the raw figures. Each scale multiplies its own
+term only (fill and serial_mte take the unscaled copy times), so the model stays linear in them.
 """
 
 from __future__ import annotations
@@ -40,6 +47,16 @@ class AscendRowPhase:
     instrs_per_chunk: int      # vector instructions issued per chunk of a row
 
 
+# planner-only scales of its count estimates (1.0: as written); every term is linear in them
+SCALES = {"mte_copy_scale": 1.0,      # tiles x copies x latency
+          "mte_byte_scale": 1.0,      # bytes / MTE rate
+          "vec_repeat_scale": 1.0,    # fp32 repeats of the fast vector passes
+          "vec_slow_scale": 1.0,      # repeats of the Exp/Div-class passes
+          "vec_issue_scale": 1.0,     # chunks x instructions x issue cost
+          "fill_scale": 1.0,          # double-buffered: one tile's copy in and out, exposed at the ends
+          "serial_mte_scale": 1.0}    # single-buffered: the share of the copies the vector pipe waits for
+
+
 def _pow2_upto(limit: int, start: int = 1) -> list[int]:
     out, v = [], start
     while v <= max(limit, start):
@@ -54,6 +71,7 @@ def ascend_rowwise_model(rows: int, cols: int, elem_bytes: int, phases: list[Asc
     block_dim = max(1, min(rows, hw.cores))
     figures = hw.ascend_pipes(block_dim)
     latency, issue, slow, rate = figures.mte_latency, figures.vec_issue, figures.vec_slow_factor, figures.mte_bytes_per_cycle
+    sc = {k: float(hw.costmodel.get(k, v)) for k, v in SCALES.items()}
     rb = math.ceil(rows / block_dim)
     col_tiles = sorted({c for c in _pow2_upto(cols, 1024) if c < cols} | {cols}) if split_cols else [cols]
     domains = {"tile_rows": [1] if split_cols else _pow2_upto(min(rb, 64)),   # column-streaming kernels: a row at a time
@@ -82,29 +100,38 @@ def ascend_rowwise_model(rows: int, cols: int, elem_bytes: int, phases: list[Asc
 
     model_phases = []
     for p in phases:
-        def mte2(tr, ct, p=p):
-            return (tiles(tr, ct) * (p.streams_in + (1 if p.small_in_bytes else 0)) * latency
-                    + rb * (p.streams_in * cols * elem_bytes + p.small_in_bytes) / rate)
+        def mte2_parts(tr, ct, p=p):   # (copy latencies, transfer) cycles of the copies in
+            return (tiles(tr, ct) * (p.streams_in + (1 if p.small_in_bytes else 0)) * latency,
+                    rb * (p.streams_in * cols * elem_bytes + p.small_in_bytes) / rate)
 
-        def mte3(tr, ct, p=p):
-            return (tiles(tr, ct) * (p.streams_out + (1 if p.small_out_bytes else 0)) * latency
-                    + rb * (p.streams_out * cols * elem_bytes + p.small_out_bytes) / rate)
+        def mte3_parts(tr, ct, p=p):   # ... and of the copies out
+            return (tiles(tr, ct) * (p.streams_out + (1 if p.small_out_bytes else 0)) * latency,
+                    rb * (p.streams_out * cols * elem_bytes + p.small_out_bytes) / rate)
+
+        def scaled(parts):
+            copies, transfer = parts
+            return copies * sc["mte_copy_scale"] + transfer * sc["mte_byte_scale"]
 
         def vector(ch, ct, p=p):
             repeats = cols * 4 / 256
-            return rb * (repeats * (p.fast_ops_per_elem + slow * p.slow_ops_per_elem)
-                         + math.ceil(cols / min(ch, ct)) * p.instrs_per_chunk * issue)
+            return rb * (repeats * (p.fast_ops_per_elem * sc["vec_repeat_scale"]
+                                    + slow * p.slow_ops_per_elem * sc["vec_slow_scale"])
+                         + math.ceil(cols / min(ch, ct)) * p.instrs_per_chunk * issue * sc["vec_issue_scale"])
+
+        def copies(tr, ct, m2=mte2_parts, m3=mte3_parts):   # unscaled copy cycles in and out
+            return sum(m2(tr, ct)) + sum(m3(tr, ct))
 
         def overlapped(fn):   # a pipe's seconds when double buffering overlaps the pipes (else 0)
             return Term.of(knobs, domains, lambda tr, nb, ch, ct: fn(tr, ch, ct) / clock if nb == 2 else 0.0)
 
-        serial = Term.of(knobs, domains, lambda tr, nb, ch, ct, m2=mte2, m3=mte3, v=vector:
-                         (m2(tr, ct) + m3(tr, ct) + v(ch, ct)) / clock if nb == 1 else 0.0)
-        fill = Term.of(knobs, domains, lambda tr, nb, ch, ct, m2=mte2, m3=mte3:
-                       ((m2(tr, ct) + m3(tr, ct)) / tiles(tr, ct)) / clock if nb == 2 else 0.0)
+        serial = Term.of(knobs, domains, lambda tr, nb, ch, ct, v=vector, cp=copies:
+                         (v(ch, ct) + sc["serial_mte_scale"] * cp(tr, ct)) / clock if nb == 1 else 0.0)
+        fill = Term.of(knobs, domains, lambda tr, nb, ch, ct, cp=copies:
+                       sc["fill_scale"] * cp(tr, ct) / tiles(tr, ct) / clock if nb == 2 else 0.0)
+        mte2 = overlapped(lambda tr, ch, ct, f=mte2_parts: scaled(f(tr, ct)))
+        mte3 = overlapped(lambda tr, ch, ct, f=mte3_parts: scaled(f(tr, ct)))
         launch = Term.of(("block_dim",), domains, lambda bd: hw.call_overhead_us * 1e-6)
-        model_phases.append(Phase(p.name, {"MTE2": [overlapped(lambda tr, ch, ct, f=mte2: f(tr, ct))],
-                                           "MTE3": [overlapped(lambda tr, ch, ct, f=mte3: f(tr, ct))],
+        model_phases.append(Phase(p.name, {"MTE2": [mte2], "MTE3": [mte3],
                                            "Vector": [overlapped(lambda tr, ch, ct, f=vector: f(ch, ct))],
                                            "serial": [serial]}, [fill, launch]))
     return ChoiceModel(domains, constraints, model_phases)

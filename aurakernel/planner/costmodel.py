@@ -5,15 +5,19 @@ tiles of `tile_rows`, tiles are split statically over `threads`, and each tile s
 chunks of `col_chunk` elements, one or more passes. Per phase (forward, backward):
 
     busiest thread rows   r_b = min(R, ceil(ceil(R / tile_rows) / threads) * tile_rows)
-    DRAM pipe             r_b * dram_bytes_per_row / (stream_bw(threads) / threads)
+    DRAM pipe             r_b * dram_bytes_per_row / (stream_bw(threads) / threads) * dram_scale
     vector pipe           r_b * (vector_elems_per_row * cyc_elem + chunks_per_row * cyc_chunk) / clock
-    L2 pipe               tiles_b * l2_bytes_per_tile / L2 bandwidth     (e.g. the weight, re-read per tile)
-    overhead              call + (threads > 1) * fork + tiles_b * tile_overhead
+    L2 pipe               tiles_b * l2_bytes_per_tile / L2 bandwidth * l2_scale  (e.g. the weight, re-read per tile)
+    overhead              call + phase_overhead + (threads > 1) * fork + tiles_b * tile_overhead
 
 Capacities: the rows of one tile stay in the per-core L2 between passes; one column chunk of every
 stream (inputs, outputs, weight) stays in L1 while the chunk is reused across the tile's rows.
 The coefficients (cyc_elem, cyc_chunk, tile overhead, cache fraction) come from the profile's
 `costmodel` section, so fitting them to measurements changes predictions without code changes.
+`calibrate --fit` (planner/fit.py) also sets the scales of the DRAM and L2 pipes and the fixed cost
+of a phase beyond the ctypes call (the custom op and autograd dispatch around it); a profile
+without them gets the neutral values in DEFAULTS. Every pipe term is linear in the coefficients:
+the fit relies on that.
 """
 
 from __future__ import annotations
@@ -35,6 +39,10 @@ class RowwisePhase:
     l1_bytes_per_col: float         # L1 bytes per column of a chunk (all streams + weight)
     l2_bytes_per_tile: float        # bytes re-read from L2 once per tile (e.g. a weight vector)
     fixed_resident_bytes: float = 0.0  # bytes resident in L2 regardless of tile (weight, dw partial)
+
+
+# coefficients a profile may leave out (planner/fit.py fits them): neutral values
+DEFAULTS = {"dram_time_scale": 1.0, "l2_time_scale": 1.0, "phase_overhead_us": 0.0}
 
 
 def tile_rows_candidates(rows: int, multiple: int = 1) -> list[int]:
@@ -65,7 +73,7 @@ def rowwise_model(rows: int, cols: int, phases: list[RowwisePhase], hw: Hardware
     width); `row_block` makes tiles whole GEMM row blocks; `resident_level` is the cache the tile must
     stay in between passes (a per-core share of it when the level is shared); `chunk_level` the one
     a column chunk's working set must stay in while the tile's rows reuse it."""
-    cm = hw.costmodel
+    cm = {**DEFAULTS, **hw.costmodel}
     clock = hw.clock_ghz * 1e9
     simd_elems = max(hw.simd_bytes // 4, 1)
     domains = {
@@ -103,15 +111,17 @@ def rowwise_model(rows: int, cols: int, phases: list[RowwisePhase], hw: Hardware
     for p in phases:
         dram = Term.of(("tile_rows", "threads"), domains,
                        lambda tr, th, p=p: busiest_rows(tr, th) * p.dram_bytes_per_row
-                       / (hw.stream_bandwidth(th) / th))
+                       / (hw.stream_bandwidth(th) / th) * cm["dram_time_scale"])
         vector = Term.of(("tile_rows", "threads", "col_chunk"), domains,
                          lambda tr, th, cc, p=p: busiest_rows(tr, th) * (
                              p.vector_elems_per_row * cm["vector_cycles_per_elem"]
                              + p.chunked_passes * math.ceil(cols / cc) * cm["chunk_overhead_cycles"]) / clock)
         l2_pipe = Term.of(("tile_rows", "threads"), domains,
-                          lambda tr, th, p=p: busiest_tiles(tr, th) * p.l2_bytes_per_tile / l2_bw)
+                          lambda tr, th, p=p: busiest_tiles(tr, th) * p.l2_bytes_per_tile / l2_bw
+                          * cm["l2_time_scale"])
         overhead = Term.of(("tile_rows", "threads"), domains,
-                           lambda tr, th: (hw.call_overhead_us + (hw.fork_overhead_us if th > 1 else 0.0)) * 1e-6
+                           lambda tr, th: (hw.call_overhead_us + cm["phase_overhead_us"]
+                                           + (hw.fork_overhead_us if th > 1 else 0.0)) * 1e-6
                            + busiest_tiles(tr, th) * cm["tile_overhead_ns"] * 1e-9)
         model_phases.append(Phase(p.name, {"DRAM": [dram], "vector": [vector], "L2": [l2_pipe]}, [overhead]))
     return ChoiceModel(domains, constraints, model_phases)
