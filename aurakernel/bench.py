@@ -140,6 +140,7 @@ def train_step_compare(config: str = "trainer/configs/tiny.yaml", plan=None, ste
     tuned = copy.deepcopy(base)
     report = apply(tuned, plan)
     runs["aurakernel"] = make_run("aurakernel", tuned, cfg, adamw_kernel=report.optimizer_kernel)
+    runs["aurakernel"].apply_report = report   # the loss through the plan's cross_entropy kernel too
     batches = TokenBatches(cfg.data.source, cfg.data.path, cfg.data.seq_len, cfg.data.batch_size,
                            base.config.vocab_size, cfg.train.seed)
     if with_compiled:
