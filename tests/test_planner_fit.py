@@ -93,6 +93,21 @@ def test_fitted_host_coefficients_reach_the_planner(tmp_path, monkeypatch, host)
     assert after - before == pytest.approx(2 * report.after["phase_overhead_us"] * 1e-6, rel=0.2)
 
 
+def test_recalibrating_keeps_the_fitted_coefficients(tmp_path, monkeypatch):
+    from aurakernel import calibrate
+    from aurakernel.hardware import load_calibration, save_calibration
+
+    monkeypatch.setenv("AURAKERNEL_CACHE_DIR", str(tmp_path / "cache"))
+    fitted = {"phase_overhead_us": 42.0, "dram_time_scale": 0.9}
+    save_calibration({**FIXED_CALIBRATION, "costmodel": fitted, "costmodel_fit": {"records": 20}})
+    for probe, value in (("stream_gbps", 11.0), ("fork_overhead_us", 2.5), ("call_overhead_us", 0.5),
+                         ("matmul_tflops", 0.3)):   # the probes themselves take a minute: stand-ins
+        monkeypatch.setattr(calibrate, probe, lambda *a, value=value, **k: value)
+    calibrate.calibrate()
+    cal = load_calibration()
+    assert cal["fork_overhead_us"] == 2.5 and cal["costmodel"] == fitted and cal["costmodel_fit"] == {"records": 20}
+
+
 def test_too_few_records_says_how_many_and_how_to_get_them(tmp_path, host):
     db = TuningDB(tmp_path / "few.sqlite")
     synthetic = synthetic_db(tmp_path / "synthetic.sqlite", host, TRUE_HOST, per_problem=1)

@@ -47,7 +47,7 @@ class AscendRowPhase:
     instrs_per_chunk: int      # vector instructions issued per chunk of a row
 
 
-# planner-only scales of its count estimates (1.0: as written); every term is linear in them
+# planner-only scales (1.0: the model as written; fitted by planner/fit.py); every term is linear in them
 SCALES = {"mte_copy_scale": 1.0,      # tiles x copies x latency
           "mte_byte_scale": 1.0,      # bytes / MTE rate
           "vec_repeat_scale": 1.0,    # fp32 repeats of the fast vector passes
