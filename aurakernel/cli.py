@@ -216,6 +216,19 @@ def _print_profile(report) -> None:
     out.print(t)
 
 
+def _print_modeled(result) -> None:
+    t = Table(title=f"{result.config}: one training step on {result.target}, modeled "
+                    f"(seq {result.seq_len} x batch {result.batch_size} per device, {result.world_size} devices)")
+    for col in ("group", "kind", "modeled ms", "share", "with kernels ms", "basis", "calls", "ops"):
+        t.add_column(col)
+    for g in result.groups:
+        t.add_row(g.name, g.kind, _fmt(g.time_us / 1e3, 2), f"{g.share * 100:.1f}%", _fmt(g.time_after_us / 1e3, 2),
+                  g.basis, _fmt(g.calls, 0), _fmt(g.ops, 0))
+    out.print(t)
+    out.print(f"step {result.step_us / 1e3:.1f} ms -> {result.step_after_us / 1e3:.1f} ms with the planned kernels; "
+              f"MFU {result.mfu_before:.1%} -> {result.mfu_after:.1%} (of {result.peak_tflops:g} TFLOP/s)")
+
+
 @app.command()
 def profile(
     config: Annotated[str, typer.Option(help="trainer YAML config")] = "trainer/configs/tiny.yaml",
@@ -223,22 +236,46 @@ def profile(
     kernels: Annotated[str | None, typer.Option(help="kernel plan to apply first")] = None,
     chart: Annotated[str | None, typer.Option(help="write a PNG bar chart here")] = None,
     as_json: Annotated[bool, typer.Option("--json")] = False,
+    target: Annotated[str | None, typer.Option(help="model the step on this hardware profile instead of measuring "
+                                                     "it: the config's model traced on the meta device (no memory)")] = None,
+    seq: Annotated[int | None, typer.Option(min=1, help="--target: tokens per sequence (default: data.seq_len)")] = None,
+    batch: Annotated[int | None, typer.Option(min=1, help="--target: sequences per device (default: data.batch_size)")] = None,
+    world_size: Annotated[int | None, typer.Option(min=1, help="--target: devices (default: the fewest whose memory "
+                                                               "holds the sharded training state)")] = None,
 ):
-    """Profile training steps and rank op groups by what fusing them could save."""
+    """Profile training steps and rank op groups by what fusing them could save; with --target, model
+    one step of the config (e.g. V4-Flash) on that hardware instead, before and after the planned kernels."""
     from trainer.config import load_config
 
-    from .profiler import profile_training
-
     cfg = load_config(config)
-    _ensure_calibrated(cfg.hardware.target)
-    with err.status("profiling..."):
-        report = profile_training(cfg, steps=steps, kernels=kernels)
+    if target is None:
+        if seq is not None or batch is not None or world_size is not None:
+            raise UserError("--seq, --batch and --world-size shape a modeled profile: add --target PROFILE")
+        from .profiler import profile_training
+
+        _ensure_calibrated(cfg.hardware.target)
+        with err.status("profiling..."):
+            report = profile_training(cfg, steps=steps, kernels=kernels)
+        if chart:
+            report.save_chart(chart)
+        if as_json:
+            print(json.dumps(report.to_dict()))
+        else:
+            _print_profile(report)
+        return
+    if kernels is not None:
+        raise UserError("--kernels applies to a measured profile; a modeled one (--target) plans its own kernels")
+    from .modeled import modeled_profile
+
+    _ensure_calibrated(target)
+    with err.status(f"tracing one training step on the meta device and modeling it on {target}..."):
+        result = modeled_profile(cfg, target, seq_len=seq, batch_size=batch, world_size=world_size)
     if chart:
-        report.save_chart(chart)
+        result.save_chart(chart)
     if as_json:
-        print(json.dumps(report.to_dict()))
+        print(json.dumps(result.to_dict()))
     else:
-        _print_profile(report)
+        _print_modeled(result)
 
 
 @app.command()
@@ -349,8 +386,23 @@ def show(
 
 
 @app.command()
-def calibrate(as_json: Annotated[bool, typer.Option("--json")] = False):
-    """Measure this machine: streaming bandwidth, call/fork overheads, matmul peak."""
+def calibrate(
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+    fit: Annotated[bool, typer.Option("--fit", help="fit the cost model's coefficients to measurements instead: "
+                                                    "host: the tuning DB's records; Ascend: emulator runs")] = False,
+    target: Annotated[str, typer.Option(help="--fit: host or an Ascend profile (e.g. ascend910b2)")] = "host",
+    db: Annotated[str | None, typer.Option(help="--fit --target host: tuning DB path (SQLite)")] = None,
+    samples: Annotated[int | None, typer.Option(help="--fit --target ascend*: emulator runs to fit to, ~15 s "
+                                                     "each (default 15)")] = None,
+):
+    """Measure this machine: streaming bandwidth, call/fork overheads, matmul peak. With --fit, fit
+    the planner's cost-model coefficients by least squares and report the rank correlation of
+    predicted vs measured time before and after (exit 2 when there are too few records)."""
+    if fit:
+        _calibrate_fit(target, db, samples, as_json)
+        return
+    if target != "host" or db is not None or samples is not None:
+        raise UserError("--target, --db and --samples apply to --fit; plain `calibrate` measures this machine")
     from .calibrate import calibrate as run_calibrate
 
     with err.status("calibrating...") as status:
@@ -368,8 +420,55 @@ def calibrate(as_json: Annotated[bool, typer.Option("--json")] = False):
     out.print(t)
 
 
+def _calibrate_fit(target: str, db: str | None, samples: int | None, as_json: bool) -> None:
+    from .hardware import load_profile
+    from .paths import default_db_path
+    from .planner import fit as fitting
+
+    kind = load_profile(target).kind   # unknown targets: one line naming the accepted ones
+    if kind == "host":
+        if samples is not None:
+            raise UserError("--samples applies to an Ascend target; the host fit reads the tuning DB (--db)")
+        _ensure_calibrated("host")   # the fit is stored in this machine's calibration
+        with err.status("fitting the host cost model to the tuning DB..."):
+            report = fitting.fit_host(Path(db) if db else default_db_path())
+    elif kind == "ascend":
+        if db is not None:
+            raise UserError("--db applies to --target host; an Ascend fit runs the emulator (--samples)")
+        samples = 15 if samples is None else samples
+        if not fitting.ascend_min_samples() <= samples <= 200:
+            raise UserError(f"--samples {samples}: accepted is {fitting.ascend_min_samples()} to 200 emulator runs")
+        with err.status(f"emulating {samples} sampled tilings on {target}...") as status:
+            found, failed = fitting.ascend_samples(target, samples,
+                                                   progress=lambda m: status.update(f"emulating {escape(m)}"))
+            report = fitting.fit_ascend(target, found, skipped=failed)
+    else:
+        raise UserError(f"target {target!r} is a {kind} profile: --fit takes host or an Ascend profile")
+    if as_json:
+        print(json.dumps(report.to_json()))
+        return
+    t = Table(title=f"cost model fit, {report.target}: {report.records} records ({report.source})")
+    for col in ("coefficient", "before", "after"):
+        t.add_column(col)
+    for name, before in report.before.items():
+        t.add_row(name, f"{before:.4g}", f"{report.after[name]:.4g}")
+    out.print(t)
+    rho = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    out.print(f"Spearman rank correlation, predicted vs measured: {rho(report.spearman_before)} -> "
+              f"{rho(report.spearman_after)} (cross-validated {rho(report.spearman_cv)}); within a problem "
+              f"({report.problems_ranked} with 3+ records): {rho(report.spearman_within_before)} -> "
+              f"{rho(report.spearman_within_after)}; median relative error "
+              f"{report.median_rel_err_before:.1%} -> {report.median_rel_err_after:.1%}")
+    for reason, n in report.skipped.items():
+        out.print(f"[yellow]left out[/] {n} record(s): {escape(reason)}")
+    out.print(f"coefficients written to {report.path}")
+
+
 @app.command()
 def bench(
+    suite_name: Annotated[str, typer.Argument(metavar="SUITE", help="kernels: the regression suite (default); "
+                                              "search-quality: the MILP's pick against every candidate of its space",
+                                              show_default=False)] = "kernels",
     quick: Annotated[bool, typer.Option("--quick", help="a subset that fits in a few minutes on 2 cores")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print the result JSON to stdout")] = False,
     out_dir: Annotated[str | None, typer.Option("--out", help="write bench.json, bench.md and PNG plots here")] = None,
@@ -381,9 +480,38 @@ def bench(
     repeat: Annotated[int, typer.Option(help="run the suite N times: medians (a baseline keeps the lowest)")] = 1,
     ops: Annotated[str | None, typer.Option(help="only these operators, comma-separated")] = None,
     train: Annotated[bool, typer.Option("--train/--no-train", help="also the tiny model's training step")] = True,
+    shapes_per_op: Annotated[int | None, typer.Option(help="search-quality: shapes per operator, 1 to 3 "
+                                                           "(default 3)")] = None,
+    max_candidates: Annotated[int | None, typer.Option(help="search-quality: candidates timed per shape, a seeded "
+                                                            "sample with the pick when the space is larger "
+                                                            "(default 16)")] = None,
+    db: Annotated[str | None, typer.Option(help="search-quality: record every measured candidate in this tuning "
+                                                "DB (for calibrate --fit)")] = None,
 ):
-    """Run the benchmark suite: every operator (fwd + bwd) against eager and torch.compile, and the
-    tiny model's training step. With --baseline, exit 1 naming each regression or unverified kernel."""
+    """Run a benchmark suite. kernels (default): every operator (fwd + bwd) against eager and
+    torch.compile, and the tiny model's training step; with --baseline, exit 1 naming each regression
+    or unverified kernel. search-quality: per operator and shape, the planner's pick timed against
+    the other candidates of its tiling space (benchmarks/search_quality.py)."""
+    if suite_name not in ("kernels", "search-quality"):
+        raise UserError(f"unknown benchmark suite {suite_name!r}: accepted are kernels, search-quality")
+    kernels_only = [flag for flag, given in (("--quick", quick), ("--baseline", baseline is not None),
+                                             ("--update-baseline", update_baseline),
+                                             ("--readme", readme is not None), ("--repeat", repeat != 1)) if given]
+    search_only = [flag for flag, value in (("--shapes-per-op", shapes_per_op), ("--max-candidates", max_candidates),
+                                            ("--db", db)) if value is not None]
+    if suite_name == "search-quality" and kernels_only:
+        raise UserError(f"{', '.join(kernels_only)}: option(s) of the kernels suite, not of search-quality")
+    if suite_name == "kernels" and search_only:
+        raise UserError(f"{', '.join(search_only)}: option(s) of `aurakernel bench search-quality`")
+    from .ops import OPS
+    names = None if ops is None else [n.strip() for n in ops.split(",") if n.strip()]
+    unknown = sorted(set(names or []) - set(OPS))
+    if unknown or names == []:
+        raise UserError(f"--ops {ops}: unknown operator(s) {', '.join(unknown) or '(none given)'}; "
+                        f"accepted are {', '.join(OPS)}")
+    if suite_name == "search-quality":
+        _bench_search_quality(names, shapes_per_op, max_candidates, db, out_dir, as_json)
+        return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from . import bench as suite
@@ -393,12 +521,6 @@ def bench(
         raise UserError(f"--max-regression {max_regression}: accepted is a fraction between 0 and 1, e.g. 0.15")
     if not 1 <= repeat <= 10:
         raise UserError(f"--repeat {repeat}: accepted is 1 to 10")
-    from .ops import OPS
-    names = None if ops is None else [n.strip() for n in ops.split(",") if n.strip()]
-    unknown = sorted(set(names or []) - set(OPS))
-    if unknown or names == []:
-        raise UserError(f"--ops {ops}: unknown operator(s) {', '.join(unknown) or '(none given)'}; "
-                        f"accepted are {', '.join(OPS)}")
     if update_baseline and baseline is None:
         raise UserError("--update-baseline needs --baseline FILE: the file to rewrite")
     if readme is not None:
@@ -446,6 +568,32 @@ def bench(
         raise typer.Exit(1)
 
 
+def _bench_search_quality(names: list[str] | None, shapes_per_op: int | None, max_candidates: int | None,
+                          db: str | None, out_dir: str | None, as_json: bool) -> None:
+    from benchmarks import search_quality
+
+    from .db import TuningDB
+    from .paths import write_text_atomic
+
+    shapes_per_op = search_quality.SHAPES_PER_OP if shapes_per_op is None else shapes_per_op
+    max_candidates = search_quality.MAX_CANDIDATES if max_candidates is None else max_candidates
+    search_quality.check_options(shapes_per_op, max_candidates)
+    tuning_db = TuningDB(db) if db is not None else None
+    _ensure_calibrated("host")
+    with err.status("search quality...") as status:
+        result = search_quality.run(names, shapes_per_op, max_candidates, db=tuning_db,
+                                    progress=lambda m: status.update(f"search quality: {escape(m)}"))
+    if out_dir is not None:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        for name, text in (("search_quality.json", json.dumps(result, indent=2)),
+                           ("search_quality.md", search_quality.markdown(result) + "\n")):
+            err.print(f"wrote {write_text_atomic(Path(out_dir) / name, text)}")
+    if as_json:
+        print(json.dumps(result, indent=2))
+    else:
+        out.print(search_quality.markdown(result), markup=False, highlight=False)
+
+
 @app.command()
 def ops(as_json: Annotated[bool, typer.Option("--json")] = False):
     """List the operators with the meaning of --shape, default shape, variants and dtypes."""
@@ -467,7 +615,8 @@ def ops(as_json: Annotated[bool, typer.Option("--json")] = False):
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        app(args=argv, standalone_mode=False, prog_name="aurakernel")
+        # without standalone mode click hands back a command's typer.Exit code instead of exiting
+        rc = app(args=argv, standalone_mode=False, prog_name="aurakernel")
     except UserError as exc:
         print(f"aurakernel: error: {exc}", file=sys.stderr)
         return 2
@@ -481,7 +630,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except typer.Exit as exc:
         return exc.exit_code
-    return 0
+    return rc if isinstance(rc, int) else 0
 
 
 def entry() -> None:

@@ -117,3 +117,20 @@ def test_autotune_then_train_with_the_plan(tmp_path, db_path):
     assert result["runs"]["aurakernel"]["mfu"] > 0
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert len(records) == 6 and {"loss", "step_s", "tokens_per_s", "mfu"} <= set(records[0])
+
+
+def test_a_command_failing_with_exit_1_exits_1():
+    """The bench gate and autotune report failure with exit code 1 (typer.Exit): main() must pass
+    it on, not turn it into 0."""
+    import typer
+
+    from aurakernel.cli import app
+
+    @app.command("failing-gate")
+    def failing_gate():
+        raise typer.Exit(1)
+    try:
+        assert main(["failing-gate"]) == 1
+    finally:
+        app.registered_commands[:] = [c for c in app.registered_commands if c.name != "failing-gate"]
+    assert main(["ops", "--json"]) == 0

@@ -2,8 +2,6 @@
 
 import json
 import resource
-import subprocess
-
 import pytest
 import torch
 
@@ -11,7 +9,7 @@ from aurakernel.hardware import load_profile
 from aurakernel.modeled import _matmul_flops, default_world_size, modeled_profile
 from trainer.config import load_config
 
-from conftest import AURAKERNEL, REPO
+from conftest import REPO, TINY
 
 FLASH = str(REPO / "trainer" / "configs" / "flash.yaml")
 
@@ -83,22 +81,21 @@ def test_grouped_matmul_flops():
     assert _matmul_flops("mm", (a, b), torch.empty(4, 7, device="meta")) == 2 * 4 * 6 * 7
 
 
-def test_cli_modeled_profile_json_and_errors(tmp_path):
+def test_cli_modeled_profile_json_and_errors(tmp_path, capsys):
+    from aurakernel.cli import main
     chart = tmp_path / "profile.png"
-    run = subprocess.run(AURAKERNEL + ["profile", "--config", FLASH, "--target", "ascend910b2", "--seq", "64",
-                                       "--world-size", "1", "--json", "--chart", str(chart)],
-                         capture_output=True, text=True, cwd=REPO)
-    assert run.returncode == 0, run.stderr
-    d = json.loads(run.stdout)
+    assert main(["profile", "--config", TINY, "--target", "ascend910b2", "--seq", "64", "--world-size", "1",
+                 "--json", "--chart", str(chart)]) == 0
+    d = json.loads(capsys.readouterr().out)
     assert {"groups", "mfu_before", "mfu_after", "step_us"} <= set(d)
     assert all({"name", "kind", "time_us", "share", "calls"} <= set(g) for g in d["groups"])
     assert not any(g["kind"] == "comm" for g in d["groups"])   # one device: nothing to communicate
     assert chart.stat().st_size > 0
     for args, fragment in ((["--seq", "64"], "add --target"), (["--target", "tpu9"], "unknown target"),
                            (["--target", "host", "--kernels", "plan.json"], "--kernels applies")):
-        bad = subprocess.run(AURAKERNEL + ["profile", "--config", FLASH] + args, capture_output=True, text=True,
-                             cwd=REPO)
-        assert bad.returncode == 2 and fragment in bad.stderr and "Traceback" not in bad.stderr
+        assert main(["profile", "--config", FLASH] + args) == 2
+        err = capsys.readouterr().err
+        assert fragment in err and "Traceback" not in err
 
 
 def test_every_profile_loads():

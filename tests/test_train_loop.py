@@ -353,3 +353,10 @@ def test_train_from_a_model_dir_and_export(tmp_path):
              if value.is_floating_point()]
     assert 0 < max(moved) < 2e-3
     assert main(["train", "--config", str(path), "--export", str(out)]) == 2   # not over an export
+
+
+def test_a_model_too_big_for_this_machine_is_refused_not_built(capsys):
+    flash = str(REPO / "trainer" / "configs" / "flash.yaml")
+    assert main(["train", "--config", flash, "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "284.3B parameters" in err and "--dry-run" in err and "Traceback" not in err

@@ -232,8 +232,23 @@ def shard(model: torch.nn.Module) -> None:
     fully_shard(model)
 
 
+def _check_fits_in_memory(cfg: TrainConfig) -> None:
+    """Every process builds the whole fp32 model before sharding it: refuse a model whose weights
+    alone exceed this machine's free memory (V4-Flash is 284B parameters) instead of swapping to death."""
+    import os
+
+    from .dryrun import build_meta_model
+    params = sum(p.numel() for p in build_meta_model(cfg.model).parameters())
+    free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    if params * 4 > free:
+        raise UserError(f"config {cfg.path or cfg.train.model_dir}: the model has {params / 1e9:.1f}B parameters, "
+                        f"{params * 4 / 2**30:.0f} GiB in fp32, and this machine has {free / 2**30:.0f} GiB free: "
+                        f"use --dry-run for its parameter, FLOP and memory figures")
+
+
 def initial_model(cfg: TrainConfig) -> torch.nn.Module:
     """The Hugging Face checkpoint of train.model_dir, or a fresh model from the model section."""
+    _check_fits_in_memory(cfg)
     if not cfg.train.model_dir:
         return build_model(cfg.model, cfg.train.seed)
     load_pretrained = optional_module("checkpoint", "train.model_dir").load_pretrained
