@@ -255,15 +255,22 @@ def test_two_processes_fsdp2_match_one_process_and_reshard_on_resume(tmp_path, r
 
 def test_first_step_reports_parameters_without_gradient(tmp_path):
     log, out = tmp_path / "log.jsonl", io.StringIO()
-    train(tiny_cfg(tmp_path), steps=1, log_path=str(log), console=Console(file=out, width=200), show_progress=False)
+    train(tiny_cfg(tmp_path, indexer_kl_weight=0.0), steps=1, log_path=str(log), console=Console(file=out, width=200),
+          show_progress=False)
     first = json.loads(log.read_text().splitlines()[0])
     missing = first["params_without_grad"]
     # the CSA layers' lightning indexers only hand integer picks to the attention; the HCA layer's
     # compressor (one entry per 128 tokens) has nothing to pool in 32 tokens
-    assert missing and all(".indexer." in name or name.startswith("model.layers.2.self_attn.compressor.")
-                           for name in missing)
+    hca = "model.layers.2.self_attn.compressor."
+    assert missing and all(".indexer." in name or name.startswith(hca) for name in missing)
     assert "model.layers.1.self_attn.compressor.indexer.kv_proj.weight" in missing
     assert f"{len(missing)} parameter(s) of the reference run received no gradient" in out.getvalue()
+    # with the indexer's KL alignment loss (tiny.yaml's setting) only the HCA compressor is left out
+    log.unlink()
+    train(tiny_cfg(tmp_path, indexer_kl_weight=1.0), steps=1, log_path=str(log), console=Console(file=io.StringIO()),
+          show_progress=False)
+    missing = json.loads(log.read_text().splitlines()[0])["params_without_grad"]
+    assert missing and all(name.startswith(hca) for name in missing)
 
 
 def test_objectives_train_the_indexer_and_move_router_biases(tmp_path):

@@ -135,8 +135,7 @@ def _check_train(t: TrainSettings, source: str) -> None:
 def use_model_dir(cfg: TrainConfig, model_dir: str) -> TrainConfig:
     """Train from a Hugging Face checkpoint directory: its config.json becomes the model section,
     so everything that reads cfg.model (dry run, FLOPs, profile) sees the checkpoint's architecture,
-    and its tokenizer is the data's unless data.tokenizer names another (no tokenizer files there:
-    byte-level tokens, as without a checkpoint)."""
+    and its tokenizer (if it has tokenizer files) is the data's unless data.tokenizer names another."""
     config_json = Path(model_dir) / "config.json"
     if not config_json.is_file():
         raise UserError(f"model dir {model_dir}: no config.json (expected a Hugging Face model directory)")
@@ -147,6 +146,7 @@ def use_model_dir(cfg: TrainConfig, model_dir: str) -> TrainConfig:
     if not isinstance(model, dict):
         raise UserError(f"model dir {model_dir}: config.json is not a JSON object")
     cfg.model, cfg.train.model_dir = model, str(model_dir)
-    if cfg.data.tokenizer is None:
+    from .data import TOKENIZER_FILES
+    if cfg.data.tokenizer is None and any((Path(model_dir) / f).is_file() for f in TOKENIZER_FILES):
         cfg.data.tokenizer = str(model_dir)
     return cfg
