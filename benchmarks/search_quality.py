@@ -106,7 +106,12 @@ class Candidate:
 
 def _timing_steps(spec: OpSpec, problem: Problem, hashes: dict[str, str]) -> dict[str, Callable[[], object]]:
     """Fwd + bwd through the operator's module patched with each kernel: the path OpSpec.timing_candidates
-    times for `tune`, with one set of inputs shared by every candidate (the space can be large)."""
+    times for `tune`, with one set of inputs shared by every candidate (the space can be large).
+    An operator that is not a module (adamw: an optimizer step) times through its own
+    timing_candidates, one kernel at a time."""
+    if type(spec).timing_candidates is not OpSpec.timing_candidates:
+        return {name: spec.timing_candidates(problem, h, with_compiled=False)[0]["aurakernel"]
+                for name, h in hashes.items()}
     inputs = spec.make_inputs(problem, seed=1234)
     module, args = spec.module_call(problem, inputs)
     diff_ids = {id(inputs[n]) for n in spec.differentiable(problem) if n in inputs}

@@ -222,3 +222,12 @@ def test_bench_suite_argument_keeps_the_kernels_options_apart():
         sq.check_options(4, 16)
     with pytest.raises(UserError, match="--max-candidates 1: accepted is 2 or more"):
         sq.check_options(3, 1)
+
+
+def test_search_quality_times_an_optimizer_step_too():
+    """adamw is an optimizer, not a module: its candidates are timed as FusedAdamW steps."""
+    from benchmarks import search_quality as sq
+
+    result = sq.run(problem_list=[OPS["adamw"].problem("65536", "fp32")], max_candidates=2)
+    (row,) = result["rows"]
+    assert row["failed"] == [] and row["candidates_measured"] == 2 and row["pick_over_best"] >= 1.0
