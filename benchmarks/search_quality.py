@@ -40,7 +40,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
 
 from aurakernel import __version__
 from aurakernel.build import build_kernel
@@ -112,26 +111,7 @@ def _timing_steps(spec: OpSpec, problem: Problem, hashes: dict[str, str]) -> dic
     if type(spec).timing_candidates is not OpSpec.timing_candidates:
         return {name: spec.timing_candidates(problem, h, with_compiled=False)[0]["aurakernel"]
                 for name, h in hashes.items()}
-    inputs = spec.make_inputs(problem, seed=1234)
-    module, args = spec.module_call(problem, inputs)
-    diff_ids = {id(inputs[n]) for n in spec.differentiable(problem) if n in inputs}
-    args = tuple(a.detach().requires_grad_(True) if isinstance(a, torch.Tensor) and id(a) in diff_ids else a
-                 for a in args)
-    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-    with torch.no_grad():
-        out = module(*args)
-    outs = list(out) if isinstance(out, tuple | list) else [out]
-    grad_out = [torch.randn_like(o) for o in outs[: len(spec.grad_outputs())]]
-
-    def step_of(mod):
-        wrt = leaves + list(mod.parameters())
-
-        def step():   # gradients returned, never accumulated: the same work for every candidate
-            o = mod(*args)
-            os_ = list(o) if isinstance(o, tuple | list) else [o]
-            return torch.autograd.grad(os_[: len(grad_out)], wrt, grad_out, allow_unused=True)
-        return step
-
+    module, step_of = spec.module_steps(problem)
     steps = {}
     for name, h in hashes.items():
         ours = copy.deepcopy(module)

@@ -215,12 +215,9 @@ class OpSpec(ABC):
         """Make `module` run kernels: lookup(kernel_key, torch dtype) -> source hash or None
         (None: run the reference)."""
 
-    def timing_candidates(self, problem: Problem, kernel_hash: str, with_compiled: bool):
-        """Zero-argument callables to time side by side: "eager" (the reference module), "compiled"
-        (torch.compile of it) and "aurakernel" (the module patched with the kernel), each one
-        forward + backward through the same nn.Module path the trainer runs. Returns (callables, notes)."""
-        import copy
-
+    def module_steps(self, problem: Problem):
+        """The reference module for one set of inputs, and step_of(module) -> a zero-argument
+        forward + backward through that module (or a patched copy of it) on those inputs."""
         inputs = self.make_inputs(problem, seed=1234)
         module, args = self.module_call(problem, inputs)
         diff_ids = {id(inputs[name]) for name in self.differentiable(problem) if name in inputs}
@@ -241,7 +238,15 @@ class OpSpec(ABC):
                 os_ = list(o) if isinstance(o, tuple | list) else [o]
                 return torch.autograd.grad(os_[: len(grad_out)], wrt, grad_out, allow_unused=True)
             return step
+        return module, step_of
 
+    def timing_candidates(self, problem: Problem, kernel_hash: str, with_compiled: bool):
+        """Zero-argument callables to time side by side: "eager" (the reference module), "compiled"
+        (torch.compile of it) and "aurakernel" (the module patched with the kernel), each one
+        forward + backward through the same nn.Module path the trainer runs. Returns (callables, notes)."""
+        import copy
+
+        module, step_of = self.module_steps(problem)
         candidates, notes = {"eager": step_of(module)}, {}
         if with_compiled:
             compiled_module = copy.deepcopy(module)
