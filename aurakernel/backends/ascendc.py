@@ -44,8 +44,14 @@ PROJECT_FILES = {   # template -> file written into the op project
 SEEDS = (0, 1, 2)
 
 
+def template_dir(spec: OpSpec) -> str:
+    """The op's template folder under templates/ascendc/ (specs that share a kernel, e.g. mhc_head
+    with mhc_pre, name it with `ascend_template_dir`)."""
+    return getattr(spec, "ascend_template_dir", None) or spec.name
+
+
 def supported(spec: OpSpec) -> bool:
-    return (TEMPLATES_DIR / "ascendc" / spec.name / "kernel.cpp.j2").is_file()
+    return (TEMPLATES_DIR / "ascendc" / template_dir(spec) / "kernel.cpp.j2").is_file()
 
 
 def require_supported(spec: OpSpec) -> None:
@@ -58,8 +64,9 @@ def require_supported(spec: OpSpec) -> None:
 def model(spec: OpSpec, problem: Problem, hw: HardwareProfile) -> ChoiceModel:
     """The op's UB-partition / pipe model: its kernel as rows x cols, its phases."""
     rows, cols = spec.ascend_rows_cols(problem)
+    col_tiles = spec.ascend_col_tiles(problem) if hasattr(spec, "ascend_col_tiles") else None
     return ascend_rowwise_model(rows, cols, problem.dtype.itemsize, spec.ascend_phases(problem), hw,
-                                split_cols=spec.ascend_split_cols)
+                                split_cols=spec.ascend_split_cols, col_tiles=col_tiles)
 
 
 def pipelines(spec: OpSpec, problem: Problem, hw: HardwareProfile, knobs: dict[str, int]) -> dict[str, Pipeline]:
@@ -107,7 +114,7 @@ def render_project(spec: OpSpec, problem: Problem, knobs: dict[str, int], out_di
     out_dir.mkdir(parents=True, exist_ok=True)
     written = {}
     for template, name in PROJECT_FILES.items():
-        text = render(f"ascendc/{spec.name}/{template}", params).text
+        text = render(f"ascendc/{template_dir(spec)}/{template}", params).text
         written[template] = write_text_atomic(out_dir / name.format(op=spec.name), text)
     return written
 

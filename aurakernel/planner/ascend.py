@@ -66,14 +66,16 @@ def _pow2_upto(limit: int, start: int = 1) -> list[int]:
 
 
 def ascend_rowwise_model(rows: int, cols: int, elem_bytes: int, phases: list[AscendRowPhase],
-                         hw: HardwareProfile, split_cols: bool = False) -> ChoiceModel:
+                         hw: HardwareProfile, split_cols: bool = False,
+                         col_tiles: list[int] | None = None) -> ChoiceModel:
     clock = hw.clock_ghz * 1e9
     block_dim = max(1, min(rows, hw.cores))
     figures = hw.ascend_pipes(block_dim)
     latency, issue, slow, rate = figures.mte_latency, figures.vec_issue, figures.vec_slow_factor, figures.mte_bytes_per_cycle
     sc = {k: float(hw.costmodel.get(k, v)) for k, v in SCALES.items()}
     rb = math.ceil(rows / block_dim)
-    col_tiles = sorted({c for c in _pow2_upto(cols, 1024) if c < cols} | {cols}) if split_cols else [cols]
+    if col_tiles is None:   # else the kernel's own column tiles (a split row: one row per tile)
+        col_tiles = sorted({c for c in _pow2_upto(cols, 1024) if c < cols} | {cols}) if split_cols else [cols]
     domains = {"tile_rows": [1] if split_cols else _pow2_upto(min(rb, 64)),   # column-streaming kernels: a row at a time
                "buffers": [1, 2],
                "chunk": _pow2_upto(max(64, math.ceil(cols / 64) * 64), 64)[:12],
