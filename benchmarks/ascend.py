@@ -28,7 +28,8 @@ from aurakernel.planner.model import ChoiceModel
 CASES = (("rms_norm", "weighted", "{rows}x4096", "bf16"), ("rms_norm", "unweighted", "{rows}x16384", "bf16"),
          ("swiglu", "default", "{rows}x2048", "bf16"), ("adamw", "default", "8388608", "fp32"),
          ("cross_entropy", "default", "1024x129280", "bf16"),
-         ("mhc_post", "default", "{rows}x4x4096", "bf16"))   # 1024 tokens: the emulator runs every logit
+         ("mhc_post", "default", "{rows}x4x4096", "bf16"),   # 1024 tokens: the emulator runs every logit
+         ("rope", "default", "1024x64x512x64", "bf16"))      # q of 1024 tokens: 64 heads of 512, rope slice 64
 
 
 def naive_knobs(model: ChoiceModel) -> dict[str, int]:
