@@ -28,6 +28,9 @@ from aurakernel.planner.model import ChoiceModel
 CASES = (("rms_norm", "weighted", "{rows}x4096", "bf16"), ("rms_norm", "unweighted", "{rows}x16384", "bf16"),
          ("swiglu", "default", "{rows}x2048", "bf16"), ("adamw", "default", "8388608", "fp32"),
          ("cross_entropy", "default", "1024x129280", "bf16"),
+         # the lightning indexer: 64 heads x 128 over the 1024 compressed keys of a 4096-token sequence (CSA,
+         # m = 4), 96 queries (2 per core; the time per query row is what scales); on the vector unit only
+         ("indexer_score", "default", "1x96x64x128x1024", "bf16"),
          ("mhc_post", "default", "{rows}x4x4096", "bf16"),   # 1024 tokens: the emulator runs every logit
          ("rope", "default", "1024x64x512x64", "bf16"))      # q of 1024 tokens: 64 heads of 512, rope slice 64
 

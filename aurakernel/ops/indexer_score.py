@@ -150,28 +150,33 @@ class IndexerScoreSpec(OpSpec):
         key_tile = dim * e // 4 + cast * dim          # per key (floats): the k tile as loaded, its fp32 copy
         # fast ops per key-row element: one unit = T/64 repeats per query row (see planner/ascend.py)
         dots = 128 * pieces + pieces - 1              # Mul + WholeReduceSum per piece, pieces added
+        # the score / gradient rows' UB pitch rounds T up to the key tile: up to 1 KB more per row
         return [
             # q, w in; score row (fp32) out; per head: the dot products, ReLU, weight, accumulate
-            AscendRowPhase("forward", 0, fp32_streams, rows_in, 256, dim * 4,
-                           work_buffers=key_tile + 64 + 2,
-                           fast_ops_per_elem=heads * (dots + 3) + 64 * pieces * cast,
-                           slow_ops_per_elem=0, instrs_per_chunk=heads * (3 * pieces + 2 + cast) + 2),
+            # (resident per row: q as fp32, c w[h] and its Brcb blocks); per key of the tile: the k tile,
+            # the Mul products of one piece, every head's dot products (two pieces' worth)
+            AscendRowPhase("forward", 0, fp32_streams, rows_in + cast * heads * dim * 4 + heads * 36, 1024, 0,
+                           work_buffers=key_tile + 64 + 1 + 2 * heads,
+                           fast_ops_per_elem=heads * (128 * pieces + 4) + 64 * pieces * cast,
+                           slow_ops_per_elem=0, instrs_per_chunk=heads * 2 * pieces + 10 + cast),
             # q, w, score gradient row in; dq and dw accumulated per row (fp32, resident over the key
             # tiles); per key tile the dk accumulator and the key-row products; per head: dots, dw,
             # coef (Compare/Select), Brcb, dk += coef q (Mul, Add), dq += coef k (Mul, halving tree)
-            AscendRowPhase("backward", fp32_streams, 0, rows_in + 256, heads * dim * 4 + heads * 32,
-                           dim * 4 + heads * 32 + 64,
+            AscendRowPhase("backward", fp32_streams, 0, rows_in + 1024, heads * dim * 4 + heads * 32,
+                           dim * 4 + heads * 36,
                            work_buffers=key_tile + 2 * dim + 4 + 8 + 1,
                            fast_ops_per_elem=heads * (dots + 6 + 8 + 4 * 64 * pieces) + 64 * pieces * cast,
-                           slow_ops_per_elem=0, instrs_per_chunk=heads * (5 * pieces + 15) + 6),
+                           slow_ops_per_elem=0, instrs_per_chunk=heads * (5 * pieces + 14) + 6),
         ]
 
     def ascend_params(self, problem: Problem, knobs: dict[str, int]) -> dict:
         from ..errors import UserError
         _, _, heads, dim, _ = problem.shape
         key_tile = int(knobs["chunk"])
-        if dim % 64:
-            raise UserError(f"indexer_score on AscendC: index_head_dim {dim} must be a multiple of 64 (V4: 128)")
+        if dim % 64 or dim > 2040:
+            raise UserError(f"indexer_score on AscendC: index_head_dim {dim} must be a multiple of 64, <= 2040 (V4: 128)")
+        if heads % 8 or heads > 255:
+            raise UserError(f"indexer_score on AscendC: index_n_heads {heads} must be a multiple of 8, <= 255 (V4: 64)")
         if key_tile % 64 or key_tile > 255 or key_tile * 4 < heads * problem.dtype.itemsize:
             raise UserError(f"indexer_score on AscendC: key tile {key_tile} must be a multiple of 64, <= 255 "
                             f"(one level-0 repeat per key) and hold a row of dq")
@@ -203,7 +208,7 @@ class IndexerScoreSpec(OpSpec):
         rows = batch * seq
         block_rows, block_dim = row_split(rows, knobs["block_dim"])
         tiling = bytearray(struct.pack("<10If", rows, seq, entries, batch, block_rows, block_dim, knobs["chunk"],
-                                       knobs["tile_rows"], -(-entries // 64) * 64, -(-batch * entries // block_dim),
+                                       knobs["tile_rows"], -(-entries // knobs["chunk"]) * knobs["chunk"], -(-batch * entries // block_dim),
                                        dim ** -0.5))
         w = self.weights(hidden, proj, heads).contiguous()
         score = torch.full((batch, seq, entries), float("nan"))
