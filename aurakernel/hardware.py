@@ -18,10 +18,9 @@ import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
 
 from .errors import UserError
-from .paths import PROFILES_DIR, cache_dir, write_text_atomic
+from .paths import PROFILES_DIR, cache_dir, read_yaml_mapping, write_text_atomic
 
 
 @dataclass(frozen=True)
@@ -104,8 +103,8 @@ def _load_yaml(name: str) -> dict:
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in PROFILES_DIR.glob("*.yaml")))
         raise UserError(f"unknown target {name!r}: accepted are {known}")
-    d = yaml.safe_load(path.read_text())
-    missing = [k for k in _REQUIRED_KEYS if not isinstance(d, dict) or k not in d]
+    d = read_yaml_mapping(path, "hardware profile")
+    missing = [k for k in _REQUIRED_KEYS if k not in d]
     if missing:
         raise UserError(f"hardware profile {path}: missing key(s) {', '.join(missing)}")
     return d

@@ -45,7 +45,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Exper
 from .errors import UserError
 from .hardware import HardwareProfile
 from .ops import OPS
-from .profiler import FUSABLE, _Hooks
+from .profiler import FUSABLE, _Hooks, save_group_chart
 
 MATMUL_ATEN = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "_grouped_mm", "matmul", "linear"}
 EXPERT_PARAMS = ".mlp.experts."
@@ -95,26 +95,13 @@ class ModeledProfile:
         return d
 
     def save_chart(self, path: str | Path) -> Path:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        groups = [g for g in self.groups if g.time_us > 0][:16][::-1]
-        fig, ax = plt.subplots(figsize=(8.5, 0.42 * len(groups) + 1.8))
-        y = range(len(groups))
-        ax.barh([v + 0.2 for v in y], [g.time_us / 1e3 for g in groups], height=0.4, color="#9bb7d4",
-                label="modeled eager")
-        ax.barh([v - 0.2 for v in y], [g.time_after_us / 1e3 for g in groups], height=0.4, color="#5cb85c",
-                label="with planned kernels")
-        ax.set_yticks(list(y), [f"{g.name} ({g.kind})" for g in groups])
-        ax.set_xlabel("ms per training step (modeled)")
-        ax.set_title(f"{Path(self.config).stem} on {self.target}, seq {self.seq_len}: "
-                     f"MFU {self.mfu_before:.1%} -> {self.mfu_after:.1%}")
-        ax.legend(loc="lower right")
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        return Path(path)
+        groups = [g for g in self.groups if g.time_us > 0][:16]
+        return save_group_chart(path, [f"{g.name} ({g.kind})" for g in groups],
+                                [("modeled eager", "#9bb7d4", [g.time_us / 1e3 for g in groups]),
+                                 ("with planned kernels", "#5cb85c", [g.time_after_us / 1e3 for g in groups])],
+                                xlabel="ms per training step (modeled)",
+                                title=f"{Path(self.config).stem} on {self.target}, seq {self.seq_len}: "
+                                      f"MFU {self.mfu_before:.1%} -> {self.mfu_after:.1%}")
 
 
 class _GroupTracker(_Hooks):

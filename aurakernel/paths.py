@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -20,6 +21,40 @@ def write_text_atomic(path: Path, text: str) -> Path:
     tmp.write_text(text)
     os.replace(tmp, path)
     return path
+
+
+def read_json_object(path: str | Path, what: str) -> dict:
+    """A JSON file that must hold an object, or a one-line UserError naming `what` and the path
+    (missing file, not JSON, not an object)."""
+    from .errors import UserError
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{what} {path}: no such file")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        why = f"{exc.msg} at line {exc.lineno}" if isinstance(exc, json.JSONDecodeError) else exc.reason
+        raise UserError(f"{what} {path}: not valid JSON ({why})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{what} {path}: expected a JSON object")
+    return data
+
+
+def read_yaml_mapping(path: str | Path, what: str) -> dict:
+    """A YAML file that must hold a mapping, or a one-line UserError naming `what` and the path."""
+    import yaml
+
+    from .errors import UserError
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{what} {path}: no such file")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise UserError(f"{what} {path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{what} {path}: expected a YAML mapping")
+    return data
 
 
 def cache_dir() -> Path:

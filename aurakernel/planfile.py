@@ -14,7 +14,7 @@ from pathlib import Path
 
 from . import __version__
 from .errors import UserError
-from .paths import write_text_atomic
+from .paths import read_json_object, write_text_atomic
 
 FORMAT = 1
 
@@ -61,14 +61,7 @@ class KernelPlan:
 
     @classmethod
     def load(cls, path: str | Path) -> KernelPlan:
-        path = Path(path)
-        if not path.is_file():
-            raise UserError(f"kernel plan {path}: no such file")
-        try:
-            d = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise UserError(f"kernel plan {path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
-        return cls.from_dict(d, str(path))
+        return cls.from_dict(read_json_object(path, "kernel plan"), str(path))
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "kernel plan") -> KernelPlan:

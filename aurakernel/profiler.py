@@ -93,23 +93,35 @@ class ProfileReport:
         return path
 
     def save_chart(self, path: str | Path) -> Path:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        groups = [g for g in self.groups if g.time_us > 0][:16]
+        return save_group_chart(path, [f"{g.name} ({g.kind})" for g in groups],
+                                [("measured", "#9bb7d4", [g.time_us / 1e3 for g in groups]),
+                                 ("est. saving", "#d9534f", [(g.saving_us or 0) / 1e3 for g in groups])],
+                                xlabel="ms per training step", title="Training step time by op group")
 
-        groups = [g for g in self.groups if g.time_us > 0][:16][::-1]
-        fig, ax = plt.subplots(figsize=(8, 0.4 * len(groups) + 1.5))
-        y = range(len(groups))
-        ax.barh(y, [g.time_us / 1e3 for g in groups], color="#9bb7d4", label="measured")
-        ax.barh(y, [(g.saving_us or 0) / 1e3 for g in groups], color="#d9534f", height=0.4, label="est. saving")
-        ax.set_yticks(list(y), [f"{g.name} ({g.kind})" for g in groups])
-        ax.set_xlabel("ms per training step")
-        ax.set_title("Training step time by op group")
-        ax.legend(loc="lower right")
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        return Path(path)
+
+def save_group_chart(path: str | Path, labels: list[str], series: list[tuple[str, str, list[float]]], *,
+                     xlabel: str, title: str) -> Path:
+    """Horizontal bars per op group (first label on top), one bar per (name, color, values) series
+    side by side: the profile's and the modeled profile's PNG chart."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8.5, 0.42 * len(labels) + 1.8))
+    y = list(range(len(labels)))[::-1]
+    height = 0.8 / len(series)
+    for i, (name, color, values) in enumerate(series):
+        offset = height * ((len(series) - 1) / 2 - i)
+        ax.barh([v + offset for v in y], values, height=height, color=color, label=name)
+    ax.set_yticks(y, labels)
+    ax.set_xlabel(xlabel)
+    ax.set_title(title)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
 
 
 def _group_of(module: nn.Module) -> str | None:

@@ -81,6 +81,7 @@ from transformers.initialization import no_init_weights
 from transformers.utils.hub import convert_file_size_to_int
 
 from aurakernel.errors import UserError
+from aurakernel.paths import read_json_object
 
 CONFIG_NAME = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -289,12 +290,7 @@ def _read_config(model_dir: Path) -> tuple[Path, dict]:
     path = model_dir / CONFIG_NAME
     if not path.is_file():
         raise UserError(f"checkpoint {model_dir}: no {CONFIG_NAME}")
-    try:
-        raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UserError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(raw, dict):
-        raise UserError(f"{path}: expected a JSON object")
+    raw = read_json_object(path, "checkpoint config")
     if raw.get("model_type", "deepseek_v4") != "deepseek_v4":
         raise UserError(f"{path}: model_type {raw['model_type']!r}: accepted is 'deepseek_v4'")
     return path, raw

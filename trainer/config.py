@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-import yaml
-
 from aurakernel.errors import UserError
+from aurakernel.paths import read_json_object, read_yaml_mapping
 
 
 @dataclass
@@ -77,13 +75,8 @@ def _section(cls, raw: dict | None, name: str, source: str):
 
 def load_config(path: str | Path) -> TrainConfig:
     path = Path(path)
-    if not path.is_file():
-        raise UserError(f"config {path}: no such file")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise UserError(f"config {path}: not valid YAML ({str(exc).splitlines()[0]})") from None
-    if not isinstance(raw, dict) or ("model" not in raw and not (raw.get("train") or {}).get("model_dir")):
+    raw = read_yaml_mapping(path, "config")
+    if ("model" not in raw and not (raw.get("train") or {}).get("model_dir")):
         raise UserError(f"config {path}: expected a mapping with a 'model' section (or train.model_dir)")
     unknown = sorted(set(raw) - {"model", "data", "train", "hardware"})
     if unknown:
@@ -139,12 +132,7 @@ def use_model_dir(cfg: TrainConfig, model_dir: str) -> TrainConfig:
     config_json = Path(model_dir) / "config.json"
     if not config_json.is_file():
         raise UserError(f"model dir {model_dir}: no config.json (expected a Hugging Face model directory)")
-    try:
-        model = json.loads(config_json.read_text())
-    except json.JSONDecodeError as exc:
-        raise UserError(f"model dir {model_dir}: config.json is not valid JSON ({exc.msg})") from None
-    if not isinstance(model, dict):
-        raise UserError(f"model dir {model_dir}: config.json is not a JSON object")
+    model = read_json_object(config_json, "model config")
     cfg.model, cfg.train.model_dir = model, str(model_dir)
     from .data import TOKENIZER_FILES
     if cfg.data.tokenizer is None and any((Path(model_dir) / f).is_file() for f in TOKENIZER_FILES):
