@@ -143,7 +143,7 @@ class IndexerScoreSpec(OpSpec):
         from ..planner.ascend import AscendRowPhase
         _, _, heads, dim, _ = problem.shape
         e = problem.dtype.itemsize
-        pieces = max(1, dim // 64)                    # 64-lane fp32 repeats per key row
+        pieces = -(-dim // 64)                        # 64-lane fp32 repeats per key row
         fp32_streams = max(1, 4 // e)                 # a fp32 row of T keys in units of T elements of the dtype
         cast = 0 if e == 4 else 1
         rows_in = heads * dim * e + heads * 4         # q and w per query row
@@ -155,7 +155,7 @@ class IndexerScoreSpec(OpSpec):
             # q, w in; score row (fp32) out; per head: the dot products, ReLU, weight, accumulate
             # (resident per row: q as fp32, c w[h] and its Brcb blocks); per key of the tile: the k tile,
             # the Mul products of one piece, every head's dot products (two pieces' worth)
-            AscendRowPhase("forward", 0, fp32_streams, rows_in + cast * heads * dim * 4 + heads * 36, 1024, 0,
+            AscendRowPhase("forward", 0, fp32_streams, rows_in + cast * heads * dim * 4 + heads * 36, 1024, 288,
                            work_buffers=key_tile + 64 + 1 + 2 * heads,
                            fast_ops_per_elem=heads * (128 * pieces + 4) + 64 * pieces * cast,
                            slow_ops_per_elem=0, instrs_per_chunk=heads * 2 * pieces + 10 + cast),
@@ -170,16 +170,16 @@ class IndexerScoreSpec(OpSpec):
         ]
 
     def ascend_params(self, problem: Problem, knobs: dict[str, int]) -> dict:
-        from ..errors import UserError
+        from ..errors import PlanInfeasible
         _, _, heads, dim, _ = problem.shape
         key_tile = int(knobs["chunk"])
-        if dim % 64 or dim > 2040:
-            raise UserError(f"indexer_score on AscendC: index_head_dim {dim} must be a multiple of 64, <= 2040 (V4: 128)")
-        if heads % 8 or heads > 255:
-            raise UserError(f"indexer_score on AscendC: index_n_heads {heads} must be a multiple of 8, <= 255 (V4: 64)")
+        if dim % 16 or dim > 2040:   # fp32 key rows of whole 32 B blocks, a level-0 repeat stride <= 255 blocks
+            raise PlanInfeasible("index_head_dim", f"{dim} must be a multiple of 16 and <= 2040 (V4: 128)")
+        if heads > 255:              # one level-0 repeat per head
+            raise PlanInfeasible("index_n_heads", f"{heads} must be <= 255 (V4: 64)")
         if key_tile % 64 or key_tile > 255 or key_tile * 4 < heads * problem.dtype.itemsize:
-            raise UserError(f"indexer_score on AscendC: key tile {key_tile} must be a multiple of 64, <= 255 "
-                            f"(one level-0 repeat per key) and hold a row of dq")
+            raise PlanInfeasible("key tile", f"{key_tile} keys must be a multiple of 64, <= 255 (one level-0 repeat "
+                                             f"per key) and hold a row of dq")
         return {"dtype": problem.dtype, "heads": int(heads), "dim": int(dim), "key_tile": key_tile,
                 "tile_rows": int(knobs["tile_rows"]), "buffers": int(knobs["buffers"]),
                 "block_dim": int(knobs["block_dim"])}
