@@ -32,7 +32,9 @@ CASES = (("rms_norm", "weighted", "{rows}x4096", "bf16"), ("rms_norm", "unweight
          # m = 4), 96 queries (2 per core; the time per query row is what scales); on the vector unit only
          ("indexer_score", "default", "1x96x64x128x1024", "bf16"),
          ("mhc_post", "default", "{rows}x4x4096", "bf16"),   # 1024 tokens: the emulator runs every logit
-         ("rope", "default", "1024x64x512x64", "bf16"))      # q of 1024 tokens: 64 heads of 512, rope slice 64
+         ("rope", "default", "1024x64x512x64", "bf16"),      # q of 1024 tokens: 64 heads of 512, rope slice 64
+         # the MoE router after its gate matmul: V4-Flash's 256 experts, top-6 (biased top-k, and the hash layers)
+         ("router", "topk", "{rows}x256x6", "bf16"), ("router", "hash", "{rows}x256x6", "bf16"))
 
 
 def naive_knobs(model: ChoiceModel) -> dict[str, int]:

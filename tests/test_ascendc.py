@@ -34,6 +34,10 @@ HW = load_profile("ascend910b2")
     ("cross_entropy", "default", "52x129280", "fp32"),
     ("mhc_post", "default", "60x4x4096", "bf16"),       # V4-Flash: 4 streams of 4096
     ("mhc_post", "default", "52x4x7168", "bf16"),       # V4-Pro: rows stream through in column tiles
+    ("router", "topk", "60x256x6", "bf16"),             # V4-Flash: 256 routed experts, top-6
+    ("router", "topk", "52x384x6", "bf16"),             # V4-Pro: 384 routed experts, top-6
+    ("router", "hash", "60x256x6", "bf16"),             # the hash layers: tid2eid's experts
+    ("router", "topk", "52x256x6", "fp32"),
     ("indexer_score", "default", "1x60x64x128x64", "bf16"),   # V4-Flash and V4-Pro: 64 heads x index_head_dim 128
     ("indexer_score", "default", "1x52x64x128x64", "fp32"),
     ("rope", "default", "5x64x512x64", "bf16"),         # V4-Flash q: 64 heads of 512, rope slice 64
