@@ -171,9 +171,14 @@ class MhcSpec(OpSpec):
     ascend_split_cols = True
     ascend_template_dir = "mhc_pre"
     ASCEND_ROW_BLOCK = 16   # tokens per fn tile (and lanes of the head's vectors): a multiple of 8
-    # planner/schedule.py: neither phase's streaming compute reads results back on the scalar unit
-    # (the partial dot products add up in UB; the backward's per-token coefficients come by MTE2)
-    ascend_compute_waits_scalar = {"forward": False, "backward": False}
+    # planner/schedule.py. Neither phase's per-tile compute reads results back on the scalar unit,
+    # but both hold back the x stream the same way: at every column tile the fn tile (NOUT x CT fp32,
+    # ~11 x tiles' worth of MTE2 time) enters MTE2's in-order queue ahead of the x tiles issued after
+    # it, so an x tile issued after that point cannot arrive under the compute already queued; and the
+    # backward reads each token block's coefficients on the scalar unit (an MTE2_S wait). Modelled as
+    # a compute step that holds back the copies issued after it: the schedule then prefetches x tiles
+    # (more of them in flight) as the emulator shows it should (tests/test_planner_depth.py).
+    ascend_compute_waits_scalar = {"forward": True, "backward": True}
 
     def ascend_col_tiles(self, problem: Problem) -> list[int]:
         """Columns of a stream per tile: a multiple of 512 (the partial sums fold 64 lanes into whole
