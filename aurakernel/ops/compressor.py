@@ -16,6 +16,7 @@ from ..planner.costmodel import RowwisePhase, rowwise_model
 from .base import Entry, OpSpec, Problem, Tensors, Tolerance, Work, bind
 
 EPS = 1e-6
+ASCEND_UB_USABLE = 196608 - 8192   # A2/A3 UB below its reserved top (the emulator enforces the profile's)
 ASCEND_TILE_ELEMS = 4096   # AscendC: slot rows x channels of one window's tile (NS x ct)
 CHANNEL_BLOCK = 64   # channels per block of the kernel's softmax-weight scratch (16 KB of it per 64 slots)
 
@@ -170,12 +171,13 @@ class CompressorSpec(OpSpec):
     # --- AscendC (templates/ascendc/compressor/): a unit of work is one window's channel tile (its
     # NS slot rows x ct channels); the planner sees units as rows of NS x ct elements and picks the
     # windows per tile (tile_rows), the queue depth (buffers) and the cores. ------------------------
-    def _ascend_geometry(self, problem: Problem) -> tuple[int, int, int]:
-        """(slots per window, channels per tile, channel tiles): tiles of at most ASCEND_TILE_ELEMS
-        elements, ct a multiple of 16 (32 B rows of bf16); ct = D when a window's slots fit whole."""
+    def _ascend_geometry(self, problem: Problem, elems: int = ASCEND_TILE_ELEMS) -> tuple[int, int, int]:
+        """(slots per window, channels per tile, channel tiles): tiles of at most `elems` elements
+        (the backward's; the forward's are twice that), ct a multiple of 16 (32 B rows of bf16);
+        ct = D when a window's slots fit whole."""
         _, _, ratio, d = problem.shape
         ns = (2 if problem.variant == "csa" else 1) * ratio
-        ct = min(-(-d // 16) * 16, max(16, ASCEND_TILE_ELEMS // ns // 16 * 16))
+        ct = min(-(-d // 16) * 16, max(16, elems // ns // 16 * 16))
         ct = d if ct >= d else ct
         return ns, ct, -(-d // ct)
 
@@ -206,7 +208,9 @@ class CompressorSpec(OpSpec):
     def ascend_params(self, problem: Problem, knobs: dict[str, int]) -> dict:
         ns, ct, _ = self._ascend_geometry(problem)
         return {"dtype": problem.dtype, "ratio": int(problem.shape[2]), "overlap": problem.variant == "csa",
-                "ct": int(ct), "tile_win": int(self._tile_win(problem, knobs)), "buffers": int(knobs["buffers"]),
+                "ct": int(ct), "tile_win": int(self._tile_win(problem, knobs)),
+                "tile_win_fwd": int(self._fwd_tile_win(problem, knobs)),
+                "ct_fwd": int(self._ascend_geometry(problem, 2 * ASCEND_TILE_ELEMS)[1]), "buffers": int(knobs["buffers"]),
                 "block_dim": int(knobs["block_dim"]), "eps": float(EPS)}
 
     def _tile_win(self, problem: Problem, knobs: dict[str, int]) -> int:
@@ -214,6 +218,31 @@ class CompressorSpec(OpSpec):
         ns, ct, _ = self._ascend_geometry(problem)
         per = ns * (-(-ct // 16) * 16)
         return max(1, min(int(knobs["tile_rows"]), 64, int(knobs["chunk"]) // per))
+
+    def _fwd_ub(self, problem: Problem, tile_win: int, buffers: int) -> int:
+        """UB bytes of the forward kernel's InitBuffer calls (kernel.cpp.j2) at `tile_win` windows per tile."""
+        ns, ct, _ = self._ascend_geometry(problem, 2 * ASCEND_TILE_ELEMS)
+        d, e = problem.shape[3], problem.dtype.itemsize
+        a32 = lambda b: -(-b // 32) * 32                                   # noqa: E731
+        ctp, dp = -(-ct // 16) * 16, -(-d // 16) * 16
+        row_len = -(-dp // 64) * 64
+        tile = tile_win * ns * ctp
+        return (2 * buffers * a32(tile * e) + ns * ctp * 4 + 2 * tile * 4 + 3 * row_len * 4
+                + tile_win * 32 + a32((8 + -(-row_len * 4 // 256)) * 4)
+                + buffers * (tile_win * 2 * ctp * 4 + a32(tile_win * dp * e) + a32(tile_win * 4)) + tile_win * ctp * 4)
+
+    def _fwd_tile_win(self, problem: Problem, knobs: dict[str, int]) -> int:
+        """Windows per forward tile. The plan's tile is sized by the backward (four tiles of the dtype
+        and two of fp32 besides two resident fp32 slot tiles); the forward (two tiles in, none out)
+        takes tiles of twice the channels (up to D), then the plan's windows times the largest of 4,
+        2, 1 that still fits the UB: fewer, larger copies per window."""
+        ns, ct, _ = self._ascend_geometry(problem)
+        _, ct_f, _ = self._ascend_geometry(problem, 2 * ASCEND_TILE_ELEMS)
+        base = max(1, self._tile_win(problem, knobs) * ct // ct_f)
+        for f in (4, 2, 1):
+            if base * f <= 64 and self._fwd_ub(problem, base * f, int(knobs["buffers"])) <= ASCEND_UB_USABLE:
+                return base * f
+        return base
 
     def ascend_verification_problems(self, problem: Problem, knobs: dict[str, int]) -> list[Problem]:
         """The plan's windows (a tail core when they do not divide), and two batch rows of a few
@@ -258,16 +287,18 @@ class CompressorSpec(OpSpec):
         ratio, d = inputs["position_bias"].shape[0], inputs["weight"].shape[0]
         batch, windows = kv.shape[0], kv.shape[1] // ratio
         _, ct_plan, _ = self._ascend_geometry(problem)
-        tile_win = self._tile_win(problem, knobs)
+        tiling_f, block_dim, _, dp = self.ascend_tiling((batch, windows, ratio, d), problem.variant, knobs,
+                                                        self._ascend_geometry(problem, 2 * ASCEND_TILE_ELEMS)[1],
+                                                        self._fwd_tile_win(problem, knobs), kv.element_size())
         tiling, block_dim, ws_bytes, dp = self.ascend_tiling((batch, windows, ratio, d), problem.variant, knobs, ct_plan,
-                                                             tile_win, kv.element_size())
+                                                             self._tile_win(problem, knobs), kv.element_size())
         rows = batch * windows
         pb, w = inputs["position_bias"].float().contiguous(), inputs["weight"].float().contiguous()
         y = torch.full((batch, windows, d), float("nan")).to(kv.dtype)
         rstd = torch.full((rows,), float("nan"))
         rec = torch.full((rows, 2, dp), float("nan"))
         fwd_bufs = [to_bytes(kv), to_bytes(gate), to_bytes(pb), to_bytes(w), to_bytes(y), to_bytes(rstd), to_bytes(rec),
-                    bytearray(32), tiling]
+                    bytearray(32), tiling_f]
         fwd = emulator.run(emu.exe("ak_compressor_fwd", 9), block_dim, fwd_bufs)
         y, rstd, rec = from_bytes(fwd_bufs[4], y), from_bytes(fwd_bufs[5], rstd), from_bytes(fwd_bufs[6], rec)
         grads = {"kv": torch.full_like(kv, float("nan")), "gate": torch.full_like(gate, float("nan")),
