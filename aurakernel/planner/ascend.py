@@ -6,11 +6,13 @@ cores share the rows.
               chunk in {64, 128, ...} fp32 elements (<= the row), block_dim = min(rows, AIV cores),
               col_tile: the whole row, or (kernels that stream a row in pieces, split_cols) a power
               of two >= 1024 elements with one row per tile: rows wider than the UB (the vocabulary)
-    UB        buffers * (streams * tile_rows * row_pitch + per-row outputs) + resident + work * chunk * 4
-              + reduce scratch <= UB - reserved top        (the sum over every InitBuffer)
+    UB        buffers * (streams * tile_rows * row_pitch + per-row outputs + per-tile inputs) + resident
+              + work * chunk * 4 + fp32 tiles * tile_rows * row_pitch(fp32) + reduce scratch
+              <= UB - reserved top        (the sum over every InitBuffer)
     per core  rb = ceil(rows / block_dim) rows, ceil(rb / tile_rows) tiles
     MTE2/MTE3 tiles * copies * latency + rb * bytes / rate, rate = min(core MTE rate, HBM / block_dim)
     Vector    rb * (fp32 repeats per row * cycles + ceil(D / chunk) * instructions per chunk * issue)
+              + tiles * instructions per tile * issue      (copies of per-tile inputs count in MTE2)
     time      buffers = 2: the slowest pipe + fill x one tile's copy in and out (fill and drain);
               buffers = 1: Vector + serial_mte x (MTE2 + MTE3): the pipes one after another, less
               what the separate in and out queues still overlap (a tile's copy-out under the next
@@ -45,6 +47,10 @@ class AscendRowPhase:
     fast_ops_per_elem: float   # fp32 vector passes over the row (1 cycle per 256 B repeat)
     slow_ops_per_elem: float   # Exp/Sqrt/Div-class passes
     instrs_per_chunk: int      # vector instructions issued per chunk of a row
+    f32_tiles: int = 0         # fp32 buffers of a whole tile (tile_rows x the row), beside the chunk buffers
+    tile_in_bytes: int = 0     # copied in once per tile (a row its rows share, e.g. a mask), queued with it
+    extra_copies_in: int = 0   # further copies in per tile (e.g. side inputs split over several copies)
+    instrs_per_tile: int = 0   # vector instructions (and scalar-sync drains) issued once per tile
 
 
 # planner-only scales (1.0: the model as written; fitted by planner/fit.py); every term is linear in them
@@ -90,8 +96,10 @@ def ascend_rowwise_model(rows: int, cols: int, elem_bytes: int, phases: list[Asc
         if ct < cols and tr > 1:
             return 1e12                                            # a split row is one row per tile
         pitch = math.ceil(ct * elem_bytes / 32) * 32               # UB row pitch in bytes
-        per_buf = (p.streams_in + p.streams_out) * tr * pitch + align32(tr * p.small_in_bytes) + align32(tr * p.small_out_bytes)
-        return nb * per_buf + align32(p.resident_bytes) + p.work_buffers * ch * 4 + align32((8 + ch * 4 / 256) * 4)
+        per_buf = ((p.streams_in + p.streams_out) * tr * pitch + align32(tr * p.small_in_bytes) + align32(tr * p.small_out_bytes)
+                   + align32(p.tile_in_bytes))
+        return (nb * per_buf + align32(p.resident_bytes) + p.work_buffers * ch * 4 + align32((8 + ch * 4 / 256) * 4)
+                + p.f32_tiles * tr * align32(ct * 4))
 
     usage = Term.of(knobs, domains, lambda tr, nb, ch, ct: max(ub_bytes(p, tr, nb, ch, ct) for p in phases))
     constraints = [Constraint("UB capacity", usage, figures.ub_usable,
@@ -103,8 +111,9 @@ def ascend_rowwise_model(rows: int, cols: int, elem_bytes: int, phases: list[Asc
     model_phases = []
     for p in phases:
         def mte2_parts(tr, ct, p=p):   # (copy latencies, transfer) cycles of the copies in
-            return (tiles(tr, ct) * (p.streams_in + (1 if p.small_in_bytes else 0)) * latency,
-                    rb * (p.streams_in * cols * elem_bytes + p.small_in_bytes) / rate)
+            copies = p.streams_in + (1 if p.small_in_bytes else 0) + (1 if p.tile_in_bytes else 0) + p.extra_copies_in
+            return (tiles(tr, ct) * copies * latency,
+                    (rb * (p.streams_in * cols * elem_bytes + p.small_in_bytes) + tiles(tr, ct) * p.tile_in_bytes) / rate)
 
         def mte3_parts(tr, ct, p=p):   # ... and of the copies out
             return (tiles(tr, ct) * (p.streams_out + (1 if p.small_out_bytes else 0)) * latency,
@@ -114,11 +123,12 @@ def ascend_rowwise_model(rows: int, cols: int, elem_bytes: int, phases: list[Asc
             copies, transfer = parts
             return copies * sc["mte_copy_scale"] + transfer * sc["mte_byte_scale"]
 
-        def vector(ch, ct, p=p):
+        def vector(tr, ch, ct, p=p):
             repeats = cols * 4 / 256
-            return rb * (repeats * (p.fast_ops_per_elem * sc["vec_repeat_scale"]
-                                    + slow * p.slow_ops_per_elem * sc["vec_slow_scale"])
-                         + math.ceil(cols / min(ch, ct)) * p.instrs_per_chunk * issue * sc["vec_issue_scale"])
+            return (rb * (repeats * (p.fast_ops_per_elem * sc["vec_repeat_scale"]
+                                     + slow * p.slow_ops_per_elem * sc["vec_slow_scale"])
+                          + math.ceil(cols / min(ch, ct)) * p.instrs_per_chunk * issue * sc["vec_issue_scale"])
+                    + tiles(tr, ct) * p.instrs_per_tile * issue * sc["vec_issue_scale"])
 
         def copies(tr, ct, m2=mte2_parts, m3=mte3_parts):   # unscaled copy cycles in and out
             return sum(m2(tr, ct)) + sum(m3(tr, ct))
@@ -127,14 +137,14 @@ def ascend_rowwise_model(rows: int, cols: int, elem_bytes: int, phases: list[Asc
             return Term.of(knobs, domains, lambda tr, nb, ch, ct: fn(tr, ch, ct) / clock if nb == 2 else 0.0)
 
         serial = Term.of(knobs, domains, lambda tr, nb, ch, ct, v=vector, cp=copies:
-                         (v(ch, ct) + sc["serial_mte_scale"] * cp(tr, ct)) / clock if nb == 1 else 0.0)
+                         (v(tr, ch, ct) + sc["serial_mte_scale"] * cp(tr, ct)) / clock if nb == 1 else 0.0)
         fill = Term.of(knobs, domains, lambda tr, nb, ch, ct, cp=copies:
                        sc["fill_scale"] * cp(tr, ct) / tiles(tr, ct) / clock if nb == 2 else 0.0)
         mte2 = overlapped(lambda tr, ch, ct, f=mte2_parts: scaled(f(tr, ct)))
         mte3 = overlapped(lambda tr, ch, ct, f=mte3_parts: scaled(f(tr, ct)))
         launch = Term.of(("block_dim",), domains, lambda bd: hw.call_overhead_us * 1e-6)
         model_phases.append(Phase(p.name, {"MTE2": [mte2], "MTE3": [mte3],
-                                           "Vector": [overlapped(lambda tr, ch, ct, f=vector: f(ch, ct))],
+                                           "Vector": [overlapped(lambda tr, ch, ct, f=vector: f(tr, ch, ct))],
                                            "serial": [serial]}, [fill, launch]))
     return ChoiceModel(domains, constraints, model_phases)
 

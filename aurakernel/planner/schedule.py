@@ -297,11 +297,14 @@ def ascend_row_pipeline(phase, rows: int, cols: int, elem_bytes: int, knobs: dic
     elems = tr * width
     repeats = elems * 4 / 256
     vector = repeats * (phase.fast_ops_per_elem + figures.vec_slow_factor * phase.slow_ops_per_elem) \
-        + tr * math.ceil(width / min(ch, width)) * phase.instrs_per_chunk * figures.vec_issue
-    stages = [Stage("copy_in", "MTE2", mte(phase.streams_in, phase.streams_in * tr * pitch), max_lead=max_prefetch),
+        + tr * math.ceil(width / min(ch, width)) * phase.instrs_per_chunk * figures.vec_issue \
+        + phase.instrs_per_tile * figures.vec_issue
+    shared_in = (1 if phase.tile_in_bytes else 0) + phase.extra_copies_in   # per-tile side copies (planner/ascend.py)
+    stages = [Stage("copy_in", "MTE2", mte(phase.streams_in + shared_in, phase.streams_in * tr * pitch + phase.tile_in_bytes),
+                    max_lead=max_prefetch),
               Stage("compute", "Vector", int(math.ceil(vector)), inputs=("copy_in",),
                     blocks_issuer=compute_waits_scalar)]
-    in_bytes = phase.streams_in * tr * pitch + align32(tr * phase.small_in_bytes)
+    in_bytes = phase.streams_in * tr * pitch + align32(tr * phase.small_in_bytes) + align32(phase.tile_in_bytes)
     queues = [Queue("in", "copy_in", ("compute",), in_bytes, max_buffers)]
     if phase.streams_out:
         stages.append(Stage("copy_out", "MTE3", mte(phase.streams_out, phase.streams_out * tr * pitch),
@@ -309,7 +312,8 @@ def ascend_row_pipeline(phase, rows: int, cols: int, elem_bytes: int, knobs: dic
         queues.append(Queue("out", "compute", ("copy_out",), phase.streams_out * tr * pitch
                             + align32(tr * phase.small_out_bytes), max_buffers))
     # the UB beside the queues, as planner/ascend.py counts it
-    fixed = align32(phase.resident_bytes) + phase.work_buffers * ch * 4 + align32((8 + ch * 4 / 256) * 4)
+    fixed = (align32(phase.resident_bytes) + phase.work_buffers * ch * 4 + align32((8 + ch * 4 / 256) * 4)
+             + phase.f32_tiles * tr * align32(width * 4))
     return Pipeline(tuple(stages), tuple(queues), tiles, figures.ub_usable - fixed)
 
 
