@@ -33,6 +33,8 @@ CASES = (("rms_norm", "weighted", "{rows}x4096", "bf16"), ("rms_norm", "unweight
          ("indexer_score", "default", "1x96x64x128x1024", "bf16"),
          ("mhc_post", "default", "{rows}x4x4096", "bf16"),   # 1024 tokens: the emulator runs every logit
          ("rope", "default", "1024x64x512x64", "bf16"),      # q of 1024 tokens: 64 heads of 512, rope slice 64
+         # the attention sink softmax: 256 queries x 64 heads over window 128 + top-k 512 keys (CSA)
+         ("attn_softmax", "default", "1x64x256x640", "bf16"),
          # the compressors' pooling + kv_norm over an 8192-token sequence: CSA (m = 4) and HCA (m = 128), head_dim 512
          ("compressor", "csa", "1x2048x4x512", "bf16"), ("compressor", "hca", "1x64x128x512", "bf16"),
          # the MoE router after its gate matmul: V4-Flash's 256 experts, top-6 (biased top-k, and the hash layers)
