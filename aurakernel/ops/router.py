@@ -16,6 +16,8 @@ Hash routing keeps the table's order, exactly as the reference."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from transformers import DeepseekV4Config
@@ -170,7 +172,8 @@ class RouterSpec(OpSpec):
         from ..planner.ascend import AscendRowPhase
         rows, experts, top_k = problem.shape
         e = problem.dtype.itemsize
-        pitch, lanes = -(-experts * e // 32) * 32 // e, 32 // e
+        lanes, chunks = 32 // e, -(-experts // 64)
+        vpitch = chunks * 64            # a row of s + bias in fp32: whole 64-lane repeats
         idx_bytes = -(-top_k * 8 // 32) * 32
         rounds = top_k + 1 if experts > top_k else top_k
         repeats = max(1.0, experts * 4 / 256)
@@ -178,9 +181,9 @@ class RouterSpec(OpSpec):
             fwd = AscendRowPhase("forward", 1, 0, idx_bytes + 5 * lanes * 4, lanes * e, 0, 0,
                                  fast_ops_per_elem=22 * lanes * 4 / 256 / repeats,
                                  slow_ops_per_elem=5 * lanes * 4 / 256 / repeats, instrs_per_chunk=0)
-        else:                           # K + 1 rounds of a ReduceMax per row (3 issues each), then the weights
-            fwd = AscendRowPhase("forward", 1, 0, pitch * 4 + 3 * lanes * 4, idx_bytes + lanes * e + 1, pitch * 4, 0,
-                                 fast_ops_per_elem=rounds * (1 + 36 / repeats) + 3, slow_ops_per_elem=0,
+        else:   # K + 1 rounds of 3 WholeReduceMax over a half tile (2 passes over the row), then the weights
+            fwd = AscendRowPhase("forward", 1, 0, vpitch * 4 + 3 * lanes * 4 + 64, idx_bytes + lanes * e + 1,
+                                 vpitch * 4, 0, fast_ops_per_elem=rounds * 2.5 + 4, slow_ops_per_elem=0,
                                  instrs_per_chunk=0)
         # logits in, d logits out; index and d weights in; 8 compact fp32 tiles
         bwd = AscendRowPhase("backward", 1, 1, idx_bytes + 32 + 8 * lanes * 4, 0, 0, 0,
@@ -194,6 +197,9 @@ class RouterSpec(OpSpec):
         if top_k > 32 // problem.dtype.itemsize:
             raise UserError(f"router on AscendC: top_k {top_k} > {32 // problem.dtype.itemsize} "
                             f"(a row's experts are kept in 32 B of {problem.dtype.value})")
+        chunks = -(-experts // 64)      # a row's 64-lane repeat maxima, spread to whole 32 B blocks
+        if chunks * (8 // math.gcd(chunks, 8)) > 64:
+            raise UserError(f"router on AscendC: {experts} experts; the kernel takes up to 512, or a multiple of 512")
         return {"dtype": problem.dtype, "experts": int(experts), "top_k": int(top_k), "hash": problem.variant == "hash",
                 "scale": float(SCALE), "tile_rows": int(knobs["tile_rows"]), "buffers": int(knobs["buffers"]),
                 "block_dim": int(knobs["block_dim"])}
