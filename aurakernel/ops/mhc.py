@@ -201,7 +201,7 @@ class MhcSpec(OpSpec):
         fwd = (2 * n * ct * 4 + (32 if e == 4 else ct * 4) + (n + 1) * ct * 4 + a32((n + 1) * nseg * 4)
                + tr * (n + 1) * nseg * 4 + ((n + 1) + 2 * hc + ncomb + 3) * tr * 4 + a32(tr * (hc + ncomb) * 4))
         kcoef = 2 * n + hc + 2
-        bwd = 2 * n * ct * 4 + n * ct * 4 + kcoef * tr * 4 + 4 * ct * 4
+        bwd = 3 * n * ct * 4 + kcoef * tr * 4 + 2 * n * tr * 32 + (32 if e == 4 else 2 * ct * 4)
         return fwd, bwd
 
     def ascend_phases(self, problem: Problem):
@@ -215,11 +215,12 @@ class MhcSpec(OpSpec):
             # Per x element: cast, NOUT products, x^2, the fold; pass 2: cast, multiply, add
             AscendRowPhase("forward", 1, 0, 0, 0, fwd_ub, -(-(2 * hc * e + 2 * e + 8) // 4),
                            fast_ops_per_elem=2 * n + 6, slow_ops_per_elem=0, instrs_per_chunk=ct // 64 + 8),
-            # x and dy tiles in, dx out; resident: fn's double buffer, the d_fn accumulator, the
-            # coefficients, four fp32 tiles. Per element: casts, dn (NOUT multiply-adds), dx, d_fn
-            # (NOUT multiply-adds), and the head kernel's d_pre pass
-            AscendRowPhase("backward", 2, 1, 0, 0, bwd_ub, 0, fast_ops_per_elem=4 * n + 10, slow_ops_per_elem=0,
-                           instrs_per_chunk=4 * n + 10),
+            # x and dy tiles in, dx out; resident: the fn tile, the d_fn accumulator, the products, the
+            # coefficients and their per-token broadcast blocks, two fp32 tiles. Per element: casts, dn
+            # (NOUT products + the halving tree), dx, d_fn (NOUT products + one add), and the head
+            # kernel's d_pre pass
+            AscendRowPhase("backward", 2, 1, 0, 0, bwd_ub, 0, fast_ops_per_elem=3 * n + 12, slow_ops_per_elem=0,
+                           instrs_per_chunk=ct // 32 + 16),
         ]
 
     def ascend_params(self, problem: Problem, knobs: dict[str, int]) -> dict:
