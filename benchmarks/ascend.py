@@ -31,10 +31,10 @@ CASES = (("rms_norm", "weighted", "{rows}x4096", "bf16"), ("rms_norm", "unweight
          # the lightning indexer: 64 heads x 128 over the 1024 compressed keys of a 4096-token sequence (CSA,
          # m = 4), 96 queries (2 per core; the time per query row is what scales); on the vector unit only
          ("indexer_score", "default", "1x96x64x128x1024", "bf16"),
-         ("mhc_post", "default", "{rows}x4x4096", "bf16"),
+         ("mhc_post", "default", "{rows}x4x4096", "bf16"),   # 1024 tokens: the emulator runs every logit
          # mHC pre and head: 1024 tokens (the emulator runs NOUT products per element; the d_fn partials
          # are per core, so fewer tokens weigh them more)
-         ("mhc_pre", "default", "1024x4x4096", "bf16"), ("mhc_head", "default", "1024x4x4096", "bf16"),   # 1024 tokens: the emulator runs every logit
+         ("mhc_pre", "default", "1024x4x4096", "bf16"), ("mhc_head", "default", "1024x4x4096", "bf16"),
          ("rope", "default", "1024x64x512x64", "bf16"),      # q of 1024 tokens: 64 heads of 512, rope slice 64
          # the attention sink softmax: 256 queries x 64 heads over window 128 + top-k 512 keys (CSA)
          ("attn_softmax", "default", "1x64x256x640", "bf16"),
