@@ -39,3 +39,14 @@ def db_path(tmp_path):
 def host():
     from aurakernel.hardware import host_profile
     return host_profile()
+
+
+# `make test` runs two pytest-xdist workers with --dist loadgroup. A module's tests stay on one
+# worker (its module-scoped fixtures, e.g. the quick bench run or a trained model, are built once),
+# except in modules that set SPREAD_TESTS = True: independent, long tests (the emulator's kernel
+# cases) that go to whichever worker is free.
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if not getattr(item.module, "SPREAD_TESTS", False):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
