@@ -158,17 +158,17 @@ class AttnSoftmaxSpec(OpSpec):
         mask = -(-keys * 4 // 32) * 32                             # the mask row a tile's rows share
         red = 64 * 32 + 2 * 32 * 4 + -(-(keys * 4 + 255) // 256) * 4   # row results, sink exps, reduce scratch
         return [
-            # casts in (3) and out, Muls scale; per row Add mask, ReduceMax, Adds, ReduceSum, Muls; Exp
+            # casts in (3) and out, Muls scale, Exp (tile-wide); per row Add mask, ReduceMax, Adds, ReduceSum, Muls
             AscendRowPhase("forward", 1, 1, 0, 8, hp * 4 + red, 0, fast_ops_per_elem=3 + 5 + 3 * cast,
-                           slow_ops_per_elem=1, instrs_per_chunk=10, f32_tiles=1, tile_in_bytes=mask,
-                           instrs_per_tile=6 + 4),   # tile-wide casts, scale and Exp; two V_S drains
+                           slow_ops_per_elem=1, instrs_per_chunk=9, f32_tiles=1, tile_in_bytes=mask,
+                           instrs_per_tile=7 + 4),   # tile-wide casts, scale and Exp; two V_S drains
             # recompute z (as forward) and p (Adds, Exp, Muls), cast dp, Mul + ReduceSum (the dot), Adds,
             # Mul, Muls scale, cast out; resident besides: the sinks, the d sinks accumulator, every
             # core's partials (core 0 reduces them) and one fp32 row
             AscendRowPhase("backward", 2, 1, 8, 0, 2 * hp * 4 + AIV_MAX * hp * 4 + ub_pitch(keys + 1, 4) * 4 + red, 0,
-                           fast_ops_per_elem=3 + 8 + 5 * cast, slow_ops_per_elem=1, instrs_per_chunk=10, f32_tiles=2,
+                           fast_ops_per_elem=3 + 8 + 5 * cast, slow_ops_per_elem=1, instrs_per_chunk=9, f32_tiles=2,
                            tile_in_bytes=mask, extra_copies_in=1,   # row max and row sum: two copies
-                           instrs_per_tile=8 + 6),   # tile-wide casts, scale and Exp; MTE2_S and V_S/S_V drains
+                           instrs_per_tile=9 + 6),   # tile-wide casts, scale and Exp; MTE2_S and V_S/S_V drains
         ]
 
     def ascend_params(self, problem: Problem, knobs: dict[str, int]) -> dict:
