@@ -199,7 +199,7 @@ class MhcSpec(OpSpec):
         def a32(b: int) -> int:
             return -(-b // 32) * 32
         fwd = (2 * n * ct * 4 + (32 if e == 4 else ct * 4) + (n + 1) * ct * 4 + a32((n + 1) * nseg * 4)
-               + tr * (n + 1) * nseg * 4 + ((n + 1) + 2 * hc + ncomb + 3) * tr * 4 + a32(tr * (hc + ncomb) * 4))
+               + tr * (n + 1) * nseg * 4 + ((n + 1) + 2 * hc + ncomb + 3 * hc) * tr * 4 + a32(tr * (hc + ncomb) * 4))
         kcoef = 2 * n + hc + 2
         bwd = 3 * n * ct * 4 + kcoef * tr * 4 + 2 * n * tr * 32 + (32 if e == 4 else 2 * ct * 4)
         return fwd, bwd
