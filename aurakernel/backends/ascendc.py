@@ -11,6 +11,8 @@ An operator takes part by implementing the OpSpec hooks `ascend_phases`, `ascend
 schedule (planner/schedule.py: prefetch distance and buffer counts per phase) also declares
 `ascend_compute_waits_scalar` ({phase: whether its compute step ends in scalar waits}); the plan then
 carries <phase>_prefetch and <phase>_<queue>_buffers knobs, and the plain order is the fallback.
+Optional: `ascend_template_dir` (specs sharing one template folder: mhc_head renders mhc_pre's) and
+`ascend_col_tiles(problem)` (the column tiles the kernel accepts, instead of the planner's powers of two).
 """
 
 from __future__ import annotations
