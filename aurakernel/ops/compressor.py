@@ -271,10 +271,15 @@ class CompressorSpec(OpSpec):
         slot_blocks = max(1, min(ns, block_dim // nct))
         red_rows = -(-ns // slot_blocks)
         slot_blocks = -(-ns // red_rows)
+        red_cols = ctp                   # few slot rows in all: split the columns too, a row at a time
+        if nct * ns < block_dim:
+            cb = min(-(-block_dim // (nct * ns)), -(-ctp // 64))
+            red_rows, slot_blocks, red_cols = 1, ns, -(-(-(-ctp // cb)) // 16) * 16
+        col_blocks = -(-ctp // red_cols)
         if tile_win * ns * ctp < dp:
             raise ValueError(f"compressor: a tile of {tile_win} x {ns} x {ctp} holds less than one row of {dp}")
         fields = (batch, seq, windows, rows, d, (2 if variant == "csa" else 1) * d, dp, ct, ctp, nct, tile_win,
-                  units, block_units, block_rows, used, red_rows, slot_blocks)
+                  units, block_units, block_rows, used, red_rows, slot_blocks, red_cols, col_blocks)
         tiling = bytearray(struct.pack(f"<{len(fields)}I2f", *fields, EPS, 1.0 / d))
         workspace = 4 * (rows * dp + block_dim * nct * ns * ctp + block_dim * dp)
         return tiling, block_dim, workspace, dp
