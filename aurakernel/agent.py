@@ -235,6 +235,8 @@ def autotune_ascend(cfg, *, target: str, out_dir, solver: str = "highs", profile
                                          out_dir=out / f"{problem.op}_{problem.variant}_{problem.shape_text}_{problem.dtype.value}"))
         except PlanInfeasible as exc:
             skipped.append(where | {"reason": str(exc)})
+        except BuildError as exc:   # one kernel that does not build must not cost the other groups
+            skipped.append(where | {"reason": str(exc).splitlines()[0]})
     result = AscendAutotuneResult(projects, skipped, report)
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out / "summary.json", json.dumps(result.to_json(), indent=2, default=str))
