@@ -60,11 +60,12 @@ def build(kernel_source: str, *, entry: str, nargs: int, hw: HardwareProfile, bl
         raise BuildError("no C++ compiler found for the AscendC emulator (set CXX or install g++)")
     defines = {**pipe_defines(hw, block_dim), "AK_KERNEL": entry,
                "AK_PARAMS": ",".join(["uint8_t*"] * nargs), "AK_ARGS": ",".join(f"gm[{i}]" for i in range(nargs))}
-    flags = ["-std=c++20", "-O2", "-pthread", f"-I{INCLUDE}", *(f"-I{d}" for d in include_dirs),
-             *(f"-D{k}={v}" for k, v in defines.items())]
-    extra = "".join(p.read_text() for d in include_dirs for p in sorted(Path(d).glob("*.h")))
-    key = hashlib.sha256("\0".join([kernel_source, extra, RUNNER.read_text(), (INCLUDE / "kernel_operator.h").read_text(),
-                                    cxx, *flags]).encode()).hexdigest()[:24]
+    flags = ["-std=c++20", "-O2", "-pthread", f"-I{INCLUDE}", *(f"-D{k}={v}" for k, v in defines.items())]
+    # the kernel's own headers (its tiling struct) are copied beside it, so the cache key holds their
+    # content, not the (temporary) directory they came from
+    headers = {h.name: h.read_text() for d in include_dirs for h in sorted(Path(d).glob("*.h"))}
+    key = hashlib.sha256("\0".join([kernel_source, *(f"{n}\0{t}" for n, t in headers.items()), RUNNER.read_text(),
+                                    (INCLUDE / "kernel_operator.h").read_text(), cxx, *flags]).encode()).hexdigest()[:24]
     out_dir = cache_dir() / "ascendc-emu"
     out_dir.mkdir(parents=True, exist_ok=True)
     exe = out_dir / f"{entry}-{key}"
@@ -73,8 +74,11 @@ def build(kernel_source: str, *, entry: str, nargs: int, hw: HardwareProfile, bl
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         src = Path(tmp) / "kernel.cpp"
         src.write_text(kernel_source)
+        for name, text in headers.items():
+            (Path(tmp) / name).write_text(text)
         tmp_exe = Path(tmp) / "runner"
-        proc = subprocess.run([cxx, *flags, str(src), str(RUNNER), "-o", str(tmp_exe)], capture_output=True, text=True)
+        proc = subprocess.run([cxx, *flags, f"-I{tmp}", str(src), str(RUNNER), "-o", str(tmp_exe)],
+                              capture_output=True, text=True)
         if proc.returncode != 0:
             raise BuildError(f"AscendC emulator build of {entry} failed:\n{proc.stderr[-4000:]}")
         os.replace(tmp_exe, exe)   # atomic: a concurrent build never sees half a file
