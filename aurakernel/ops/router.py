@@ -205,12 +205,14 @@ class RouterSpec(OpSpec):
                 "block_dim": int(knobs["block_dim"])}
 
     def ascend_verification_problems(self, problem: Problem, knobs: dict[str, int]) -> list[Problem]:
-        """Tokens that leave a tail core and a short last tile, and a width of E + 3 experts (not a
-        multiple of 16)."""
+        """Tokens that leave a tail core and a short last tile, a width of E + 3 experts (not a
+        multiple of 16), and (where the problem has that many tokens) two full tiles per core and a
+        short third, so the prefetch and the kernels' two-stage loops run."""
         rows, experts, top_k = problem.shape
-        bd = knobs["block_dim"]
-        return [Problem(problem.op, problem.variant, (min(rows, 2 * bd + 3), experts, top_k), problem.dtype),
-                Problem(problem.op, problem.variant, (min(rows, bd + 5), experts + 3, top_k), problem.dtype)]
+        bd, tr = knobs["block_dim"], knobs["tile_rows"]
+        shapes = [(min(rows, 2 * bd + 3), experts, top_k), (min(rows, bd + 5), experts + 3, top_k),
+                  (min(rows, bd * (2 * tr + 1) - 5), experts, top_k)]
+        return [Problem(problem.op, problem.variant, s, problem.dtype) for s in dict.fromkeys(shapes)]
 
     def ascend_run(self, problem: Problem, knobs: dict[str, int], inputs: Tensors, grad_out: Tensors, emu):
         """Forward (selection + weights; tie rows re-selected by torch.topk and weighted by
