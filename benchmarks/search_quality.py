@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 
 from aurakernel import __version__
+from aurakernel.bench import machine_info
 from aurakernel.build import build_kernel
 from aurakernel.db import Record, TuningDB
 from aurakernel.dtypes import shape_text
@@ -249,7 +250,6 @@ def run(ops: list[str] | None = None, shapes_per_op: int = SHAPES_PER_OP, max_ca
     todo = problem_list if problem_list is not None else problems(ops, shapes_per_op)
     t0 = time.perf_counter()
     rows = [problem_row(p, hw, max_candidates, seed, db, progress) for p in todo]
-    from aurakernel.bench import machine_info
     return {"schema": SCHEMA, "machine": machine_info(), "max_candidates": max_candidates, "seed": seed,
             "wall_s": time.perf_counter() - t0, **summarize(rows), "rows": rows}
 
