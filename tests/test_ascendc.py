@@ -30,21 +30,17 @@ SPREAD_TESTS = True   # no shared fixtures: xdist spreads these long emulator ca
     ("rms_norm", "weighted", "60x4096", "fp32"),
     ("swiglu", "default", "60x2048", "bf16"),          # V4-Flash moe_intermediate_size
     ("swiglu", "default", "60x3072", "bf16"),          # V4-Pro moe_intermediate_size
-    ("swiglu", "default", "60x2048", "fp32"),
     ("cross_entropy", "default", "60x129280", "bf16"),  # the V4 vocabulary: rows stream in column tiles
-    ("cross_entropy", "default", "52x129280", "fp32"),
     ("mhc_post", "default", "60x4x4096", "bf16"),       # V4-Flash: 4 streams of 4096
     ("mhc_post", "default", "52x4x7168", "bf16"),       # V4-Pro: rows stream through in column tiles
     ("mhc_pre", "default", "60x4x4096", "bf16"),        # V4-Flash: 4 streams of 4096 against fn's column tiles
     ("mhc_pre", "default", "52x4x7168", "bf16"),        # V4-Pro
-    ("mhc_pre", "default", "52x4x4096", "fp32"),
     ("mhc_head", "default", "60x4x4096", "bf16"),       # the same template, hc pre weights only
     ("router", "topk", "60x256x6", "bf16"),             # V4-Flash: 256 routed experts, top-6
     ("router", "topk", "52x384x6", "bf16"),             # V4-Pro: 384 routed experts, top-6
     ("router", "hash", "60x256x6", "bf16"),             # the hash layers: tid2eid's experts
     ("router", "topk", "52x256x6", "fp32"),
     ("indexer_score", "default", "1x60x64x128x64", "bf16"),   # V4-Flash and V4-Pro: 64 heads x index_head_dim 128
-    ("indexer_score", "default", "1x52x64x128x64", "fp32"),
     ("rope", "default", "5x64x512x64", "bf16"),         # V4-Flash q: 64 heads of 512, rope slice 64
     ("rope", "default", "3x128x512x64", "bf16"),        # V4-Pro q: 128 heads
     ("rope", "default", "60x1x512x64", "fp32"),         # the shared kv head
@@ -111,6 +107,9 @@ BROKEN = {
                                      " LocalTensor<float> a = q.AllocTensor<float>(); LocalTensor<float> b = q.AllocTensor<float>();",
     "queue discipline: DeQue": "TQue<TPosition::VECIN, 1> q; pipe.InitBuffer(q, 1, 256); LocalTensor<float> a = q.DeQue<float>();",
     "queue discipline: a SetFlag": "SetFlag<HardEvent::V_S>(EVENT_ID0);",
+    # a level-0 Add whose repeat stride walks past its 256-float tensor (4 repeats of 8 blocks)
+    "UB bounds": "TBuf<TPosition::VECCALC> b; pipe.InitBuffer(b, 1024); LocalTensor<float> t = b.Get<float>();"
+                 " Add(t, t, t, 64, 5, {1, 1, 1, 8, 8, 8});",
     "GM bounds": "TBuf<TPosition::VECCALC> b; pipe.InitBuffer(b, 1024); LocalTensor<float> t = b.Get<float>();"
                  " DataCopy(t, xg[32], 64);",
     "guard page": "((__gm__ float*)y)[64 + 1024] = 1.0f;",
@@ -170,7 +169,7 @@ def test_templates_call_only_emulated_apis():
         assert not unknown, f"{path.name} calls APIs the emulator does not document: {sorted(unknown)}"
 
 
-def test_cli_tune_ascend_json_and_unsupported_op(tmp_path):
+def test_cli_tune_ascend_json(tmp_path):
     aurakernel = [sys.executable, "-m", "aurakernel.cli"]
     out = subprocess.run([*aurakernel, "tune", "rms_norm", "--target", "ascend910b2", "--shape", "50x4096",
                           "--dtype", "bf16", "--out", str(tmp_path / "proj"), "--json"],
@@ -182,11 +181,6 @@ def test_cli_tune_ascend_json_and_unsupported_op(tmp_path):
         assert key in d
     assert d["verified"] is True and d["target"] == "ascend910b2"
     assert (tmp_path / "proj" / "rms_norm_host.cpp").is_file()
-    unsupported = sorted(name for name, spec in OPS.items() if not ascendc.supported(spec))
-    if unsupported:   # (every operator may have an AscendC kernel one day)
-        bad = subprocess.run([*aurakernel, "tune", unsupported[0], "--target", "ascend910b2"], capture_output=True, text=True)
-        assert bad.returncode == 2
-        assert "no AscendC kernel yet" in bad.stderr and "Traceback" not in bad.stderr
 
 
 @pytest.mark.skipif(not os.environ.get("ASCEND_HOME_PATH"), reason="ASCEND_HOME_PATH is not set: no CANN toolkit to build with")

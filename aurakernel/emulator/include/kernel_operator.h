@@ -507,6 +507,16 @@ inline void check_repeat(int32_t repeat) {
 template <typename T> inline uint32_t l0_index(uint32_t r, uint32_t b, uint32_t j, uint32_t blkStride, uint32_t repStride) {
     return (r * repStride + b * blkStride) * (32 / sizeof(T)) + j;
 }
+// elements from a level-0 operand's start that a call of `lanes` lanes x repeatTime repeats touches
+// (one past the highest index): the UB bounds rule for the strided form
+template <typename T> inline uint32_t l0_extent(uint64_t lanes, int32_t repeatTime, uint32_t blkStride, uint32_t repStride) {
+    const uint32_t per_blk = 32 / sizeof(T);
+    uint32_t top = 0;
+    if (repeatTime <= 0 || lanes == 0) return 0;
+    for (uint32_t lane = 0; lane < uint32_t(std::min<uint64_t>(lanes, 8 * per_blk)); ++lane)
+        top = std::max(top, l0_index<T>(uint32_t(repeatTime - 1), lane / per_blk, lane % per_blk, blkStride, repStride) + 1);
+    return top;
+}
 // a level-0 call: fn(r, blk, j) for every repeat and every lane the (continuous-mode) mask enables
 template <typename T, typename F> void level0(uint64_t mask, int32_t repeatTime, F&& fn) {
     check_repeat(repeatTime);
@@ -529,6 +539,9 @@ template <typename T, typename F> void level0(uint64_t mask, int32_t repeatTime,
     template <typename T, bool isSetMask = true> void NAME(const LocalTensor<T>& dst, const LocalTensor<T>& src0, \
             const LocalTensor<T>& src1, uint64_t mask, const uint8_t repeatTime, const BinaryRepeatParams& p) { \
         detail::check_dtype_arith<T>();                                                                        \
+        dst.check(detail::l0_extent<T>(mask, repeatTime, p.dstBlkStride, p.dstRepStride), #NAME);               \
+        src0.check(detail::l0_extent<T>(mask, repeatTime, p.src0BlkStride, p.src0RepStride), #NAME);            \
+        src1.check(detail::l0_extent<T>(mask, repeatTime, p.src1BlkStride, p.src1RepStride), #NAME);            \
         detail::level0<T>(mask, repeatTime, [&](uint32_t r, uint32_t blk, uint32_t j) {                        \
             const T x = src0.GetPhyAddr()[detail::l0_index<T>(r, blk, j, p.src0BlkStride, p.src0RepStride)];   \
             const T y = src1.GetPhyAddr()[detail::l0_index<T>(r, blk, j, p.src1BlkStride, p.src1RepStride)];   \
@@ -559,6 +572,8 @@ AK_BINARY(Min, (x < y ? x : y))
     template <typename T, bool isSetMask = true> void NAME(const LocalTensor<T>& dst, const LocalTensor<T>& src, \
             const T& scalarValue, uint64_t mask, const uint8_t repeatTime, const UnaryRepeatParams& p) {        \
         detail::check_dtype_arith<T>(); const T s = scalarValue;                                               \
+        dst.check(detail::l0_extent<T>(mask, repeatTime, p.dstBlkStride, p.dstRepStride), #NAME);               \
+        src.check(detail::l0_extent<T>(mask, repeatTime, p.srcBlkStride, p.srcRepStride), #NAME);               \
         detail::level0<T>(mask, repeatTime, [&](uint32_t r, uint32_t blk, uint32_t j) {                        \
             const T x = src.GetPhyAddr()[detail::l0_index<T>(r, blk, j, p.srcBlkStride, p.srcRepStride)];      \
             dst.GetPhyAddr()[detail::l0_index<T>(r, blk, j, p.dstBlkStride, p.dstRepStride)] = (EXPR);         \
@@ -582,6 +597,8 @@ AK_SCALAR_BINARY(Mins, (x < s ? x : s))
     template <typename T, bool isSetMask = true> void NAME(const LocalTensor<T>& dst, const LocalTensor<T>& src, \
             uint64_t mask, const uint8_t repeatTime, const UnaryRepeatParams& p) {                             \
         detail::check_dtype_arith<T>();                                                                        \
+        dst.check(detail::l0_extent<T>(mask, repeatTime, p.dstBlkStride, p.dstRepStride), #NAME);               \
+        src.check(detail::l0_extent<T>(mask, repeatTime, p.srcBlkStride, p.srcRepStride), #NAME);               \
         detail::level0<T>(mask, repeatTime, [&](uint32_t r, uint32_t blk, uint32_t j) {                        \
             const float x = float(src.GetPhyAddr()[detail::l0_index<T>(r, blk, j, p.srcBlkStride, p.srcRepStride)]);\
             dst.GetPhyAddr()[detail::l0_index<T>(r, blk, j, p.dstBlkStride, p.dstRepStride)] = T(EXPR);        \
@@ -689,6 +706,8 @@ template <typename T, bool isSetMask = true> void WholeReduceSum(const LocalTens
     detail::check_repeat(repeatTime);
     const uint32_t per_blk = 32 / sizeof(T);
     if (uint32_t(mask) > 8 * per_blk) ak::fail("mask", "WholeReduceSum mask " + std::to_string(mask) + " > " + std::to_string(8 * per_blk));
+    src.check(detail::l0_extent<T>(uint64_t(mask), repeatTime, srcBlkStride, srcRepStride), "WholeReduceSum");
+    if (repeatTime > 0) dst.check(uint32_t((repeatTime - 1) * dstRepStride + 1), "WholeReduceSum");
     for (int32_t r = 0; r < repeatTime; ++r) {
         std::vector<T> v(mask);
         for (int32_t lane = 0; lane < mask; ++lane)
@@ -704,6 +723,8 @@ template <typename T, bool isSetMask = true> void WholeReduceMax(const LocalTens
     detail::check_repeat(repeatTime);
     const uint32_t per_blk = 32 / sizeof(T);
     if (uint32_t(mask) > 8 * per_blk) ak::fail("mask", "WholeReduceMax mask " + std::to_string(mask) + " > " + std::to_string(8 * per_blk));
+    src.check(detail::l0_extent<T>(uint64_t(mask), repeatTime, srcBlkStride, srcRepStride), "WholeReduceMax");
+    if (repeatTime > 0) dst.check(uint32_t((repeatTime - 1) * dstRepStride + (order == ReduceOrder::ORDER_ONLY_VALUE || order == ReduceOrder::ORDER_ONLY_INDEX ? 1 : 2)), "WholeReduceMax");
     for (int32_t r = 0; r < repeatTime; ++r) {
         uint32_t best = 0;
         T bv = src.GetPhyAddr()[detail::l0_index<T>(r, 0, 0, srcBlkStride, srcRepStride)];
