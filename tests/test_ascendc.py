@@ -199,12 +199,9 @@ def test_autotune_ascend_writes_a_verified_project_per_supported_group(tmp_path)
                          capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     d = json.loads(out.stdout)
-    assert {p["op"] for p in d["projects"]} >= {"rms_norm", "swiglu", "mhc_post", "mhc_pre", "adamw"}
+    # every op group of the tiny model (fp32, its own small widths) gets a verified project
+    assert {p["op"] for p in d["projects"]} == set(OPS) and d["skipped"] == []
     for p in d["projects"]:
         assert p["verified"] is True and p["est_us"] > 0
         assert (Path(p["project_dir"]) / f"{p['op']}_kernel.cpp").is_file()
-    unsupported = {name for name, spec in OPS.items() if not ascendc.supported(spec)}
-    assert all(s["op"] in unsupported and "no AscendC kernel" in s["reason"]
-               for s in d["skipped"] if "no AscendC kernel" in s["reason"])
-    assert not any(s["op"] in ("mhc_pre", "mhc_head") and "no AscendC kernel" in s["reason"] for s in d["skipped"])
     assert json.loads((tmp_path / "summary.json").read_text()) == json.loads(json.dumps(d))
