@@ -49,7 +49,7 @@ SEEDS = (0, 1, 2)
 def template_dir(spec: OpSpec) -> str:
     """The op's template folder under templates/ascendc/ (specs that share a kernel, e.g. mhc_head
     with mhc_pre, name it with `ascend_template_dir`)."""
-    return getattr(spec, "ascend_template_dir", None) or spec.name
+    return spec.ascend_template_dir or spec.name
 
 
 def supported(spec: OpSpec) -> bool:
@@ -66,15 +66,14 @@ def require_supported(spec: OpSpec) -> None:
 def model(spec: OpSpec, problem: Problem, hw: HardwareProfile) -> ChoiceModel:
     """The op's UB-partition / pipe model: its kernel as rows x cols, its phases."""
     rows, cols = spec.ascend_rows_cols(problem)
-    col_tiles = spec.ascend_col_tiles(problem) if hasattr(spec, "ascend_col_tiles") else None
     return ascend_rowwise_model(rows, cols, problem.dtype.itemsize, spec.ascend_phases(problem), hw,
-                                split_cols=spec.ascend_split_cols, col_tiles=col_tiles)
+                                split_cols=spec.ascend_split_cols, col_tiles=spec.ascend_col_tiles(problem))
 
 
 def pipelines(spec: OpSpec, problem: Problem, hw: HardwareProfile, knobs: dict[str, int]) -> dict[str, Pipeline]:
     """The op's phases at the tiling's knobs as copy-in -> compute -> copy-out pipelines ({} when its
     template does not render a schedule)."""
-    waits = getattr(spec, "ascend_compute_waits_scalar", None)
+    waits = spec.ascend_compute_waits_scalar
     if not waits:
         return {}
     rows, cols = spec.ascend_rows_cols(problem)

@@ -15,7 +15,7 @@ import math
 import types
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -186,6 +186,14 @@ class OpSpec(ABC):
     # implement ascend_phases (the planner's per-phase UB and pipe work), ascend_params (typed
     # template values) and ascend_run (forward and backward in the emulator). -------------------
     ascend_split_cols = False   # the AscendC kernel streams a row in column tiles (rows wider than the UB)
+    ascend_template_dir: ClassVar[str | None] = None   # another op's template folder this one renders (mhc_head: mhc_pre)
+    # {phase: whether its compute step ends in scalar waits} for a template that renders the solved
+    # pipeline schedule (planner/schedule.py); None: the plain CopyIn / Compute / CopyOut order
+    ascend_compute_waits_scalar: ClassVar[dict[str, bool] | None] = None
+
+    def ascend_col_tiles(self, problem: Problem) -> list[int] | None:
+        """The column tiles the kernel accepts; None: the planner's own (the whole row, or powers of two)."""
+        return None
 
     def ascend_rows_cols(self, problem: Problem) -> tuple[int, int]:
         """The kernel's work as rows x cols for the Ascend planner: by default every dimension but the

@@ -223,7 +223,7 @@ class CompressorSpec(OpSpec):
         """UB bytes of the forward kernel's InitBuffer calls (kernel.cpp.j2) at `tile_win` windows per tile."""
         ns, ct, _ = self._ascend_geometry(problem, 2 * ASCEND_TILE_ELEMS)
         d, e = problem.shape[3], problem.dtype.itemsize
-        a32 = lambda b: -(-b // 32) * 32                                   # noqa: E731
+        from ..planner.ascend import align32 as a32
         ctp, dp = -(-ct // 16) * 16, -(-d // 16) * 16
         row_len = -(-dp // 64) * 64
         tile = tile_win * ns * ctp

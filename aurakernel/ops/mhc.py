@@ -195,9 +195,7 @@ class MhcSpec(OpSpec):
         n, ct, tr = self.nout(hc), self.ascend_col_tiles(problem)[0], self.ASCEND_ROW_BLOCK
         ncomb = 0 if self.head else hc * hc
         nseg = ct // 64
-
-        def a32(b: int) -> int:
-            return -(-b // 32) * 32
+        from ..planner.ascend import align32 as a32
         fwd = (2 * n * ct * 4 + (32 if e == 4 else ct * 4) + (n + 1) * ct * 4 + a32((n + 1) * nseg * 4)
                + tr * (n + 1) * nseg * 4 + ((n + 1) + 2 * hc + ncomb + 3 * hc) * tr * 4 + a32(tr * (hc + ncomb) * 4))
         kcoef = 2 * n + hc + 2

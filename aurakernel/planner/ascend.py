@@ -71,6 +71,11 @@ def _pow2_upto(limit: int, start: int = 1) -> list[int]:
     return out
 
 
+def align32(b: float) -> int:
+    """Bytes rounded up to the 32 B a UB buffer (and a DataCopy) must span."""
+    return int(math.ceil(b / 32) * 32)
+
+
 def ascend_rowwise_model(rows: int, cols: int, elem_bytes: int, phases: list[AscendRowPhase],
                          hw: HardwareProfile, split_cols: bool = False,
                          col_tiles: list[int] | None = None) -> ChoiceModel:
@@ -88,9 +93,6 @@ def ascend_rowwise_model(rows: int, cols: int, elem_bytes: int, phases: list[Asc
                "block_dim": [block_dim],
                "col_tile": col_tiles}
     knobs = ("tile_rows", "buffers", "chunk", "col_tile")
-
-    def align32(b: float) -> int:
-        return int(math.ceil(b / 32) * 32)
 
     def ub_bytes(p: AscendRowPhase, tr: int, nb: int, ch: int, ct: int) -> float:
         if ct < cols and tr > 1:
