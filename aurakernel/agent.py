@@ -39,6 +39,7 @@ class TuneResult:
     measured_us: float | None = None
     eager_us: float | None = None
     compiled_us: float | None = None
+    aurakernel_compiled_us: float | None = None   # the kernel inside torch.compile (bench only)
     status: str = "ok"
     reasons: list[str] = field(default_factory=list)
 
@@ -75,9 +76,10 @@ class TuneResult:
 
 
 def measure_problem(spec: OpSpec, problem: Problem, kernel_hash: str, *, with_compiled: bool,
-                    threads: int) -> tuple[dict[str, float], dict[str, str]]:
-    """Median microseconds of eager, torch.compile and the kernel (fwd+bwd), in the same rounds."""
-    candidates, notes = spec.timing_candidates(problem, kernel_hash, with_compiled)
+                    threads: int, with_compiled_kernel: bool = False) -> tuple[dict[str, float], dict[str, str]]:
+    """Median microseconds of eager, torch.compile, the kernel and (with_compiled_kernel) the kernel
+    under torch.compile (fwd+bwd), in the same rounds."""
+    candidates, notes = spec.timing_candidates(problem, kernel_hash, with_compiled, with_compiled_kernel)
     timings = compare(candidates, threads=threads)
     return {name: t.us for name, t in timings.items()}, notes
 
@@ -99,7 +101,7 @@ def tune(op: str, shape: str | None, dtype: str, *, variant: str | None = None, 
 
 
 def tune_problem(spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, solver: str,
-                 db: TuningDB, with_compiled: bool) -> TuneResult:
+                 db: TuningDB, with_compiled: bool, with_compiled_kernel: bool = False) -> TuneResult:
     plan = solve_tiling(spec.tiling_problem(problem, hw), op=problem.op, variant=problem.variant,
                         shape=problem.shape, dtype=problem.dtype.value, target=target, solver=solver)
     result = TuneResult(problem, target, plan, None, None)
@@ -119,10 +121,12 @@ def tune_problem(spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target:
         _record(db, result, hw)
         return result
 
-    times, notes = measure_problem(spec, problem, kernel.source_hash, with_compiled=with_compiled, threads=hw.cores)
+    times, notes = measure_problem(spec, problem, kernel.source_hash, with_compiled=with_compiled, threads=hw.cores,
+                                   with_compiled_kernel=with_compiled_kernel)
     result.measured_us = times["aurakernel"]
     result.eager_us = times["eager"]
     result.compiled_us = times.get("compiled")
+    result.aurakernel_compiled_us = times.get("aurakernel_compiled")
     result.reasons.extend(notes.values())
     if result.measured_us >= result.eager_us:
         result.status = "slower"

@@ -17,10 +17,15 @@ depend on the hardware, so only verification is enforced and the report says why
 
 JSON: {"schema": 1, "machine": {...}, "versions": {...}, "quick": bool, "subset": bool,
        "kernels": [{"op", "variant", "shape", "dtype", "aurakernel_us", "eager_us", "compiled_us",
-                    "speedup_vs_eager", "speedup_vs_compiled", "roofline_pct", "intensity",
+                    "aurakernel_compiled_us", "speedup_vs_eager", "speedup_vs_compiled",
+                    "compiled_speedup_vs_compiled", "roofline_pct", "intensity",
                     "verified", "verification", "status"}],
        "train_step": {"steps", "median_step_ms": {...}, "tokens_per_s": {...}, "mfu": {...},
-                      "speedup_vs_eager", "speedup_vs_compiled"} | null,
+                      "speedup_vs_eager", "speedup_vs_compiled", "compiled_speedup_vs_compiled"} | null,
+The four columns: eager, torch.compile, AuraKernel alone ("aurakernel"), and AuraKernel inside
+torch.compile ("aurakernel_compiled": the patched module compiled, its kernels custom ops in the
+graph); compiled_speedup_vs_compiled = compiled_us / aurakernel_compiled_us, what a user who already
+compiles gains. The gate compares speedup_vs_eager and speedup_vs_compiled.
        "summary": {"geomean_vs_eager", "geomean_vs_compiled", "min_vs_eager"}}
 """
 
@@ -50,8 +55,9 @@ QUICK_OPS = ("rms_norm", "swiglu", "router", "cross_entropy", "adamw")   # one o
 # CPU features the kernels take different paths on: a baseline from a CPU without the same set is
 # not comparable
 PATH_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
-KERNEL_KEYS = ("op", "variant", "shape", "dtype", "aurakernel_us", "eager_us", "compiled_us", "speedup_vs_eager",
-               "speedup_vs_compiled", "roofline_pct", "intensity", "verified", "verification", "status")
+KERNEL_KEYS = ("op", "variant", "shape", "dtype", "aurakernel_us", "eager_us", "compiled_us", "aurakernel_compiled_us",
+               "speedup_vs_eager", "speedup_vs_compiled", "compiled_speedup_vs_compiled", "roofline_pct", "intensity",
+               "verified", "verification", "status")
 
 
 def machine_info() -> dict:
@@ -82,7 +88,8 @@ def bench_problems(quick: bool, ops: list[str] | None = None) -> list[Problem]:
 def kernel_row(problem: Problem, hw, db: TuningDB, with_compiled: bool) -> dict:
     """Plan, build, verify and time one kernel: its row of the report."""
     spec = OPS[problem.op]
-    result = tune_problem(spec, problem, hw, target="host", solver="highs", db=db, with_compiled=with_compiled)
+    result = tune_problem(spec, problem, hw, target="host", solver="highs", db=db, with_compiled=with_compiled,
+                          with_compiled_kernel=with_compiled)
     work = [spec.work(problem, backward=b) for b in (False, True)]
     nbytes, flops = sum(w.bytes_moved for w in work), sum(w.flops for w in work)
     roofline = None
@@ -90,10 +97,16 @@ def kernel_row(problem: Problem, hw, db: TuningDB, with_compiled: bool) -> dict:
         roofline = 100.0 * (nbytes / (result.measured_us * 1e-6)) / hw.stream_bandwidth(hw.cores)
     return {"op": problem.op, "variant": problem.variant, "shape": problem.shape_text, "dtype": problem.dtype.value,
             "aurakernel_us": result.measured_us, "eager_us": result.eager_us, "compiled_us": result.compiled_us,
+            "aurakernel_compiled_us": result.aurakernel_compiled_us,
             "speedup_vs_eager": result.speedup_vs_eager, "speedup_vs_compiled": result.speedup_vs_compiled,
+            "compiled_speedup_vs_compiled": _ratio(result.compiled_us, result.aurakernel_compiled_us),
             "roofline_pct": roofline, "intensity": flops / nbytes if nbytes else None,
             "verified": result.verified, "verification": result.verification.summary if result.verification else
             "; ".join(result.reasons), "status": result.status}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
 
 
 @dataclass
@@ -110,14 +123,15 @@ class TrainStepResult:
         return {"steps": self.steps, "median_step_ms": ms, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
                 "final_loss": self.final_loss, "swapped": self.swapped,
                 "speedup_vs_eager": ms["eager"] / ms["aurakernel"],
-                "speedup_vs_compiled": ms["compiled"] / ms["aurakernel"] if "compiled" in ms else None}
+                "speedup_vs_compiled": _ratio(ms.get("compiled"), ms["aurakernel"]),
+                "compiled_speedup_vs_compiled": _ratio(ms.get("compiled"), ms.get("aurakernel_compiled"))}
 
 
 def train_step_compare(config: str = "trainer/configs/tiny.yaml", plan=None, steps: int = 20,
                        with_compiled: bool = True, log=lambda msg: None) -> TrainStepResult:
-    """The tiny model's full training step three ways from the same weights on the same batches,
-    alternating every step: eager transformers, torch.compile of it, every kernel of `plan` (an
-    autotune plan; autotuned here when None) swapped in."""
+    """The tiny model's full training step from the same weights on the same batches, alternating
+    every step: eager transformers, every kernel of `plan` (an autotune plan; autotuned here when
+    None) swapped in and, with `with_compiled`, torch.compile of each of the two."""
     from trainer.config import load_config
     from trainer.data import TokenBatches
     from trainer.metrics import flops_per_token, mfu
@@ -141,11 +155,18 @@ def train_step_compare(config: str = "trainer/configs/tiny.yaml", plan=None, ste
     report = apply(tuned, plan)
     runs["aurakernel"] = make_run("aurakernel", tuned, cfg, adamw_kernel=report.optimizer_kernel)
     runs["aurakernel"].apply_report = report   # the loss through the plan's cross_entropy kernel too
+    if with_compiled:   # the applied model compiled: its kernels are custom ops in the graph
+        both = copy.deepcopy(tuned)
+        runs["aurakernel_compiled"] = make_run("aurakernel_compiled", both, cfg, adamw_kernel=report.optimizer_kernel)
+        runs["aurakernel_compiled"].apply_report = report
+        runs["aurakernel_compiled"].model = torch.compile(both)
     batches = TokenBatches(cfg.data.source, cfg.data.path, cfg.data.seq_len, cfg.data.batch_size,
                            base.config.vocab_size, cfg.train.seed)
     if with_compiled:
-        log("torch.compile of the model (its first step)")
-        train_step(runs["compiled"], next(batches), cfg)
+        log("torch.compile of the model and of the applied model (their first steps)")
+        warmup = next(batches)
+        for name in ("compiled", "aurakernel_compiled"):
+            train_step(runs[name], warmup, cfg)
     names = list(runs)
     for step in range(steps):
         batch = next(batches)
@@ -172,6 +193,7 @@ def geomean(values) -> float | None:
 def summarize(kernels: list[dict]) -> dict:
     return {"geomean_vs_eager": geomean(k["speedup_vs_eager"] for k in kernels),
             "geomean_vs_compiled": geomean(k["speedup_vs_compiled"] for k in kernels),
+            "geomean_compiled_vs_compiled": geomean(k.get("compiled_speedup_vs_compiled") for k in kernels),
             "min_vs_eager": min((k["speedup_vs_eager"] for k in kernels if k["speedup_vs_eager"]), default=None)}
 
 
@@ -215,11 +237,11 @@ def combine(results: list[dict], envelope: bool = False) -> dict:
 
     def merged(rows: list[dict]) -> dict:
         row = dict(rows[0])
-        for key in ("aurakernel_us", "eager_us", "compiled_us", "roofline_pct"):
-            vals = [r[key] for r in rows if r[key] is not None]
+        for key in ("aurakernel_us", "eager_us", "compiled_us", "aurakernel_compiled_us", "roofline_pct"):
+            vals = [r[key] for r in rows if r.get(key) is not None]
             row[key] = statistics.median(vals) if vals else None
-        for key in ("speedup_vs_eager", "speedup_vs_compiled"):
-            vals = [r[key] for r in rows if r[key] is not None]
+        for key in ("speedup_vs_eager", "speedup_vs_compiled", "compiled_speedup_vs_compiled"):
+            vals = [r[key] for r in rows if r.get(key) is not None]
             row[key] = pick(vals) if vals else None
         row["verified"] = all(r["verified"] for r in rows)
         row["verification"] = next((r["verification"] for r in rows if not r["verified"]), rows[0]["verification"])
@@ -232,7 +254,7 @@ def combine(results: list[dict], envelope: bool = False) -> dict:
     trains = [r["train_step"] for r in results if r.get("train_step")]
     if trains:
         out["train_step"] = dict(trains[0])
-        for key in ("speedup_vs_eager", "speedup_vs_compiled"):
+        for key in ("speedup_vs_eager", "speedup_vs_compiled", "compiled_speedup_vs_compiled"):
             vals = [t[key] for t in trains if t.get(key) is not None]
             out["train_step"][key] = pick(vals) if vals else None
     return out
@@ -324,20 +346,24 @@ def remeasure_regressed(current: dict, baseline: dict, max_regression: float, *,
 # --- reports -------------------------------------------------------------------------------------
 
 def markdown(result: dict) -> str:
-    lines = ["| op | shape | dtype | aurakernel us | eager us | compile us | vs eager | vs compile | roofline | verified |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| op | shape | dtype | aurakernel us | eager us | compile us | aurakernel + compile us | vs eager | "
+             "vs compile | + compile vs compile | roofline | verified |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def num(v, fmt):
         return format(v, fmt) if v is not None else "-"
     for k in result["kernels"]:
         lines.append(f"| {k['op']}[{k['variant']}] | {k['shape']} | {k['dtype']} | {num(k['aurakernel_us'], ',.0f')} | "
                      f"{num(k['eager_us'], ',.0f')} | {num(k['compiled_us'], ',.0f')} | "
+                     f"{num(k.get('aurakernel_compiled_us'), ',.0f')} | "
                      f"{num(k['speedup_vs_eager'], '.2f')}x | {num(k['speedup_vs_compiled'], '.2f')}x | "
+                     f"{num(k.get('compiled_speedup_vs_compiled'), '.2f')}x | "
                      f"{num(k['roofline_pct'], '.0f')}% | {'yes' if k['verified'] else 'NO'} |")
     s = result["summary"]
     lines.append("")
     lines.append(f"Geomean speedup: {num(s['geomean_vs_eager'], '.2f')}x vs eager, "
-                 f"{num(s['geomean_vs_compiled'], '.2f')}x vs torch.compile.")
+                 f"{num(s['geomean_vs_compiled'], '.2f')}x vs torch.compile; AuraKernel inside torch.compile "
+                 f"{num(s.get('geomean_compiled_vs_compiled'), '.2f')}x vs torch.compile.")
     t = result.get("train_step")
     if t:
         ms = t["median_step_ms"]
@@ -346,7 +372,9 @@ def markdown(result: dict) -> str:
             lines.append(f"| {name} | {ms[name]:.0f} | {t['tokens_per_s'][name]:,.0f} | {100 * t['mfu'][name]:.2f}% |")
         lines.append("")
         lines.append(f"Training step: {t['speedup_vs_eager']:.2f}x vs eager"
-                     + (f", {t['speedup_vs_compiled']:.2f}x vs torch.compile." if t.get("speedup_vs_compiled") else "."))
+                     + (f", {t['speedup_vs_compiled']:.2f}x vs torch.compile" if t.get("speedup_vs_compiled") else "")
+                     + (f"; AuraKernel inside torch.compile {t['compiled_speedup_vs_compiled']:.2f}x vs torch.compile."
+                        if t.get("compiled_speedup_vs_compiled") else "."))
     m = result["machine"]
     lines += ["", f"Machine: {m['cpu']}, {m['cores']} cores ({', '.join(m['path_flags'])}); "
               + ", ".join(f"{k} {v}" for k, v in result["versions"].items()) + "."]
@@ -364,8 +392,10 @@ def plots(result: dict, out_dir: Path) -> list[Path]:
     names = [f"{k['op']}[{k['variant']}]\n{k['shape']}" for k in rows]
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(rows)), 4.5))
     x = range(len(rows))
-    ax.bar([i - 0.2 for i in x], [k["speedup_vs_eager"] for k in rows], 0.4, label="vs eager")
-    ax.bar([i + 0.2 for i in x], [k["speedup_vs_compiled"] or 0 for k in rows], 0.4, label="vs torch.compile")
+    ax.bar([i - 0.27 for i in x], [k["speedup_vs_eager"] for k in rows], 0.27, label="vs eager")
+    ax.bar(list(x), [k["speedup_vs_compiled"] or 0 for k in rows], 0.27, label="vs torch.compile")
+    ax.bar([i + 0.27 for i in x], [k.get("compiled_speedup_vs_compiled") or 0 for k in rows], 0.27,
+           label="inside torch.compile vs torch.compile")
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(list(x), names, rotation=60, ha="right", fontsize=7)
     ax.set_ylabel("speedup (fwd + bwd)")

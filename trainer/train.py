@@ -276,8 +276,8 @@ def prepare_run(label: str, model: torch.nn.Module, cfg: TrainConfig, world: Dis
         aligner = optional_module("objectives", "train.indexer_kl_weight").IndexerAlignment(model, t.indexer_kl_weight)
     if world.world_size > 1:
         shard(model)
-    # FusedAdamW's kernel updates whole local tensors; FSDP2 hands the optimizer DTensor shards
-    adamw = report.optimizer_kernel if report is not None and world.world_size == 1 else None
+    # FusedAdamW runs its kernel on each rank's local shard of FSDP2's DTensor parameters
+    adamw = report.optimizer_kernel if report is not None else None
     run = make_run(label, model, cfg, adamw_kernel=adamw)
     run.apply_report, run.device, run.balancer, run.aligner = report, world.device, balancer, aligner
     return run

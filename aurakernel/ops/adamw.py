@@ -7,10 +7,11 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ..dtypes import DType
 from ..planner.costmodel import RowwisePhase, rowwise_model
-from .base import Entry, OpSpec, Problem, Tensors, Tolerance, Work
+from .base import Entry, OpSpec, Problem, Tensors, Tolerance, Work, compiled_step
 
 HYPER = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.01}
 ELEMS_PER_ROW = 1024   # the planner sees the flat parameter as rows of this many elements
@@ -128,9 +129,11 @@ class AdamWSpec(OpSpec):
     def module_call(self, problem, inputs):
         raise TypeError("adamw is an optimizer, not a module: see FusedAdamW")
 
-    def timing_candidates(self, problem: Problem, kernel_hash: str, with_compiled: bool):
+    def timing_candidates(self, problem: Problem, kernel_hash: str, with_compiled: bool,
+                          with_compiled_kernel: bool = False):
         """One optimizer step over one parameter of the problem's size: torch's AdamW (for-loop),
-        torch.compile of that step, FusedAdamW."""
+        torch.compile of that step, FusedAdamW (an optimizer step, which no model graph holds: there
+        is no compiled-kernel candidate)."""
         inputs = self.make_inputs(problem, seed=1234)
 
         def make(cls, **extra):
@@ -143,13 +146,7 @@ class AdamWSpec(OpSpec):
         eager = make(torch.optim.AdamW, foreach=False)
         candidates, notes = {"eager": eager.step}, {}
         if with_compiled:
-            compiled_opt = make(torch.optim.AdamW, foreach=False)
-            step = torch.compile(compiled_opt.step)
-            try:
-                step()
-                candidates["compiled"] = step
-            except Exception as exc:  # noqa: BLE001
-                notes["compiled"] = f"torch.compile failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            compiled_step(candidates, notes, "compiled", torch.compile(make(torch.optim.AdamW, foreach=False).step))
         ours = make(FusedAdamW, kernel=kernel_hash)
         candidates["aurakernel"] = ours.step
         return candidates, notes
@@ -170,6 +167,11 @@ def update(kernel, p, g, m, v, step: int, hyper: dict, out=None) -> None:
     po, mo, vo = out if out is not None else (p, m, v)
     kernel.call("update", p, g, m, v, po, mo, vo, p.numel(), lr, beta1, beta2, hyper["eps"],
                 hyper["weight_decay"], step_size, bc2_sqrt)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2), or the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class FusedAdamW(torch.optim.Optimizer):
@@ -199,9 +201,11 @@ class FusedAdamW(torch.optim.Optimizer):
                 state["step"] += 1
                 step = int(state["step"].item())
                 g = p.grad
-                if (p.dtype == torch.float32 and g.dtype == torch.float32 and not g.is_sparse
-                        and p.is_contiguous() and g.is_contiguous() and p.device.type == "cpu"):
-                    update(k, p, g, state["exp_avg"], state["exp_avg_sq"], step, hyper)
+                # FSDP2 hands DTensor shards: the update is elementwise, so it runs on the local shard
+                lp, lg, lm, lv = (_local(t) for t in (p, g, state["exp_avg"], state["exp_avg_sq"]))
+                if (lp.dtype == torch.float32 and lg.dtype == torch.float32 and not lg.is_sparse
+                        and all(t.is_contiguous() for t in (lp, lg, lm, lv)) and lp.device.type == "cpu"):
+                    update(k, lp, lg, lm, lv, step, hyper)
                 else:
                     torch.optim.adamw.adamw([p], [g], [state["exp_avg"]], [state["exp_avg_sq"]], [],
                                             [state["step"] - 1 + 1], foreach=False, amsgrad=False,

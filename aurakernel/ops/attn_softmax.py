@@ -2,12 +2,15 @@
 between its two matmuls (scale, add the mask, append the sink logit, subtract the max, softmax in
 the scores' dtype, drop the sink, cast to the values' dtype), as one kernel each way.
 
-The swap replaces `eager_attention_forward` (a module-level function, scoped to patched models like
-rope) with the same computation around the kernel; with a single shared KV head (V4's MQA) the two
+The patch makes the attention modules of a patched model call `attention_dispatch` where their
+code calls the module-level `eager_attention_forward` (patch.install.swap_globals, as rope does):
+the same computation around the kernel; with a single shared KV head (V4's MQA) the two
 matmuls also fold the heads into the rows instead of materialising `repeat_kv`'s copies.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +19,8 @@ from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
 
 from ..dtypes import DType
 from ..planner.costmodel import RowwisePhase, rowwise_model
+from ..patch.install import install, swap_globals
+from ..patch.torch_op import torch_op
 from . import scoped
 from .base import Entry, OpSpec, Problem, Tensors, Tolerance, Work
 
@@ -135,12 +140,13 @@ class AttnSoftmaxSpec(OpSpec):
 
     def patch(self, module: torch.nn.Module, lookup) -> None:
         if isinstance(module, SinkSoftmax):
-            import types
             module._ak_lookup = lookup
-            module.forward = types.MethodType(_sink_softmax_forward, module)
+            install(module, "forward", _sink_softmax_forward)
             return
-        SWAP.install()
-        scoped.scope(module, "attn_softmax", lookup)
+        dispatch = functools.partial(attention_dispatch, lookup)
+        for sub in module.modules():
+            if isinstance(sub, v4.DeepseekV4Attention):
+                swap_globals(sub, eager_attention_forward=dispatch)
 
 
     # --- AscendC (templates/ascendc/attn_softmax/): rows over the vector cores in (b, s, h) order -
@@ -244,39 +250,48 @@ def _mask_rows(mask, scores):
     return m, m.stride(0), m.stride(2)
 
 
-class _SinkSoftmax(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, scores, mask, sinks, scaling, kernel, out_dtype):
-        from ..build import built_kernel
-        scores = scores.contiguous()
-        inputs = {"scores": scores, "mask": mask, "sinks": sinks, "scaling": scaling}
-        outputs = SPEC.empty_outputs(None, inputs)
-        SPEC.run_forward(built_kernel(kernel), inputs, outputs)
-        ctx.save_for_backward(scores, sinks, outputs["row_max"], outputs["row_sum"])
-        ctx.mask, ctx.scaling, ctx.kernel = mask, scaling, kernel
-        return outputs["probs"].to(out_dtype)
+def _forward(scores: torch.Tensor, mask: torch.Tensor | None, sinks: torch.Tensor, scaling: float, kernel: str,
+             out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(probs in out_dtype, row max, row sum): the row statistics are the backward's residuals."""
+    from ..build import built_kernel
+    inputs = {"scores": scores.contiguous(), "mask": mask, "sinks": sinks, "scaling": scaling}
+    outputs = SPEC.empty_outputs(None, inputs)
+    SPEC.run_forward(built_kernel(kernel), inputs, outputs)
+    probs = outputs["probs"]
+    return (probs.to(out_dtype) if probs.dtype != out_dtype else probs), outputs["row_max"], outputs["row_sum"]
 
-    @staticmethod
-    def backward(ctx, dp):
-        from ..build import built_kernel
-        scores, sinks, row_max, row_sum = ctx.saved_tensors
-        grads = {"scores": torch.empty_like(scores), "sinks": torch.empty(sinks.shape)}
-        SPEC.run_backward(built_kernel(ctx.kernel),
-                          {"scores": scores, "mask": ctx.mask, "sinks": sinks, "scaling": ctx.scaling},
-                          {"row_max": row_max, "row_sum": row_sum}, {"probs": dp}, grads)
-        return grads["scores"], None, grads["sinks"].to(sinks.dtype), None, None, None
+
+def _fake_forward(scores, mask, sinks, scaling, kernel, out_dtype):
+    rows = scores.numel() // scores.shape[-1]
+    return (scores.new_empty(scores.shape, dtype=out_dtype), scores.new_empty(rows, dtype=torch.float32),
+            scores.new_empty(rows, dtype=torch.float32))
+
+
+def _backward(dp: torch.Tensor, scores: torch.Tensor, mask: torch.Tensor | None, sinks: torch.Tensor,
+              row_max: torch.Tensor, row_sum: torch.Tensor, scaling: float,
+              kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
+    from ..build import built_kernel
+    scores = scores.contiguous()
+    grads = {"scores": torch.empty_like(scores), "sinks": torch.empty(sinks.shape)}
+    SPEC.run_backward(built_kernel(kernel), {"scores": scores, "mask": mask, "sinks": sinks, "scaling": scaling},
+                      {"row_max": row_max, "row_sum": row_sum}, {"probs": dp}, grads)
+    return grads["scores"], grads["sinks"].to(sinks.dtype)
+
+
+OP = torch_op("attn_softmax", _forward, _backward, fake_forward=_fake_forward, outputs=1,
+              saved=("scores", "mask", "sinks"), consts=("scaling", "kernel"), grads=("scores", "sinks"))
 
 
 def _sink_softmax_forward(self: SinkSoftmax, scores, mask):
-    return _SinkSoftmax.apply(scores, mask, self.sinks, SCALING, self._ak_lookup((), scores.dtype), scores.dtype)
+    return OP(scores, mask, self.sinks, SCALING, self._ak_lookup((), scores.dtype), scores.dtype)
 
 
-def dispatching_eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    """eager_attention_forward with the sink softmax through a kernel inside a patched model's forward."""
-    lookup = scoped.current("attn_softmax")
+def attention_dispatch(lookup, module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """eager_attention_forward with `lookup` bound (functools.partial): the sink softmax through a
+    kernel when one fits the call, else the reference."""
     kernel = None
-    if (lookup is not None and dropout == 0.0 and query.device.type == "cpu" and key.shape[1] == 1
-            and value.shape[1] == 1 and query.dtype == key.dtype and not torch.compiler.is_compiling()):
+    if (dropout == 0.0 and query.device.type == "cpu" and key.shape[1] == 1
+            and value.shape[1] == 1 and query.dtype == key.dtype):
         kernel = lookup((), query.dtype)
     if kernel is None:
         return SWAP.reference(module, query, key, value, attention_mask, scaling, dropout=dropout, **kwargs)
@@ -284,12 +299,12 @@ def dispatching_eager_attention_forward(module, query, key, value, attention_mas
     keys = key.shape[2]
     # one shared KV head: fold the heads into the rows, no repeat_kv copies
     scores = torch.matmul(query.reshape(batch, 1, heads * seq, dim), key.transpose(2, 3)).view(batch, heads, seq, keys)
-    probs = _SinkSoftmax.apply(scores, attention_mask, module.sinks, float(scaling), kernel, value.dtype)
+    probs = OP(scores, attention_mask, module.sinks, float(scaling), kernel, value.dtype)
     out = torch.matmul(probs.view(batch, 1, heads * seq, keys), value).view(batch, heads, seq, -1)
     return out.transpose(1, 2).contiguous(), probs
 
 
-SWAP = scoped.FunctionSwap(v4, "eager_attention_forward", dispatching_eager_attention_forward)
+SWAP = scoped.FunctionSwap(v4, "eager_attention_forward")
 
 
 def call_problem(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):

@@ -11,8 +11,6 @@ OpSpec and its templates.
 from __future__ import annotations
 
 import math
-
-import types
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -21,6 +19,7 @@ import torch
 
 from ..dtypes import DType, parse_shape, shape_text
 from ..errors import UserError
+from ..patch.install import install
 
 if TYPE_CHECKING:
     from ..backends.base import Kernel
@@ -32,12 +31,11 @@ Tensors = dict[str, torch.Tensor]
 
 def bind(module: torch.nn.Module, lookup, op: str, methods) -> None:
     """Patch `module` for `op`: of (class, attribute, function) triples, the first whose class the
-    module is gets `module.<attribute>` = function bound to the module (a bound method survives
-    deepcopy, a closure would keep pointing at the original); `lookup` is stored for it."""
+    module is gets `module.<attribute>` = function (patch.install); `lookup` is stored for it."""
     for cls, attribute, fn in methods:
         if isinstance(module, cls):
             module._ak_lookup = lookup
-            setattr(module, attribute, types.MethodType(fn, module))
+            install(module, attribute, fn)
             return
     raise TypeError(f"{op} cannot patch {type(module).__name__}")
 
@@ -85,6 +83,16 @@ class Problem:
     def describe(self) -> str:
         suffix = "" if self.variant == "default" else f"[{self.variant}]"
         return f"{self.op}{suffix} {self.shape_text} {self.dtype.value}"
+
+
+def compiled_step(candidates: dict, notes: dict, name: str, step) -> None:
+    """Run a torch.compile'd step once (compiling it outside the timed rounds) and add it as a
+    candidate; a step that cannot compile is reported in `notes`, not fatal."""
+    try:
+        step()
+        candidates[name] = step
+    except Exception as exc:  # noqa: BLE001 - a baseline that cannot compile is reported, not fatal
+        notes[name] = f"torch.compile failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
 
 
 @dataclass
@@ -248,25 +256,28 @@ class OpSpec(ABC):
             return step
         return module, step_of
 
-    def timing_candidates(self, problem: Problem, kernel_hash: str, with_compiled: bool):
+    def timing_candidates(self, problem: Problem, kernel_hash: str, with_compiled: bool,
+                          with_compiled_kernel: bool = False):
         """Zero-argument callables to time side by side: "eager" (the reference module), "compiled"
-        (torch.compile of it) and "aurakernel" (the module patched with the kernel), each one
-        forward + backward through the same nn.Module path the trainer runs. Returns (callables, notes)."""
+        (torch.compile of it), "aurakernel" (the module patched with the kernel) and, with
+        `with_compiled_kernel`, "aurakernel_compiled" (torch.compile of the patched module: the
+        kernel's custom ops inside the compiled graph), each one forward + backward through the
+        same nn.Module path the trainer runs. Returns (callables, notes)."""
         import copy
 
         module, step_of = self.module_steps(problem)
         candidates, notes = {"eager": step_of(module)}, {}
+
+        def patched():
+            ours = copy.deepcopy(module)
+            self.patch(ours, lambda key, dtype: kernel_hash)
+            return ours
+
         if with_compiled:
-            compiled_module = copy.deepcopy(module)
-            step = step_of(torch.compile(compiled_module))
-            try:
-                step()  # compile now, outside the timed rounds
-                candidates["compiled"] = step
-            except Exception as exc:  # noqa: BLE001 - a baseline that cannot compile is reported, not fatal
-                notes["compiled"] = f"torch.compile failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-        ours = copy.deepcopy(module)
-        self.patch(ours, lambda key, dtype: kernel_hash)
-        candidates["aurakernel"] = step_of(ours)
+            compiled_step(candidates, notes, "compiled", step_of(torch.compile(copy.deepcopy(module))))
+        candidates["aurakernel"] = step_of(patched())
+        if with_compiled_kernel:
+            compiled_step(candidates, notes, "aurakernel_compiled", step_of(torch.compile(patched())))
         return candidates, notes
 
     def verification_problems(self, problem: Problem, knobs: dict[str, int], simd_elems: int) -> list[Problem]:

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import torch
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb
 
 from ..dtypes import DType
 from ..planner.costmodel import RowwisePhase, rowwise_model
+from ..patch.torch_op import torch_op
 from .base import Entry, OpSpec, Problem, Tensors, Tolerance, Work, bind
 
 EPS = 1e-6
@@ -325,51 +327,70 @@ class CompressorSpec(OpSpec):
 _SAVED = ("rstd", "p", "pooled", "exact")   # what the forward keeps for the backward
 
 
-class _Pool(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, kv, gate, position_bias, weight, kernel):
-        from ..build import built_kernel
-        k = built_kernel(kernel)
-        inputs = {"kv": kv.contiguous(), "gate": gate.contiguous(), "position_bias": position_bias.float().contiguous(),
-                  "weight": weight.float().contiguous()}
-        outputs = SPEC.empty_outputs(None, inputs)
-        SPEC.run_forward(k, inputs, outputs)
-        ctx.save_for_backward(inputs["kv"], inputs["weight"], *(outputs[n] for n in _SAVED))
-        ctx.kernel, ctx.dtypes, ctx.pb_shape = kernel, (position_bias.dtype, weight.dtype), position_bias.shape
-        return outputs["y"]
+def _inputs(kv, gate, position_bias, weight) -> Tensors:
+    return {"kv": kv.contiguous(), "gate": gate.contiguous(), "position_bias": position_bias.float().contiguous(),
+            "weight": weight.float().contiguous()}
 
-    @staticmethod
-    def backward(ctx, dy):
-        from ..build import built_kernel
-        kv, weight, *saved = ctx.saved_tensors
-        grads = {"kv": torch.empty_like(kv), "gate": torch.empty_like(kv),
-                 "position_bias": kv.new_empty(ctx.pb_shape, dtype=torch.float32), "weight": torch.empty_like(weight)}
-        SPEC.run_backward(built_kernel(ctx.kernel), {"kv": kv, "weight": weight},
-                          dict(zip(_SAVED, saved)), {"y": dy.to(kv.dtype)}, grads)
-        return (grads["kv"], grads["gate"], grads["position_bias"].to(ctx.dtypes[0]),
-                grads["weight"].to(ctx.dtypes[1]), None)
+
+def _forward(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Tensor, weight: torch.Tensor,
+             kernel: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, rstd, p, pooled, exact): all but y are residuals for the backward."""
+    from ..build import built_kernel
+    inputs = _inputs(kv, gate, position_bias, weight)
+    outputs = SPEC.empty_outputs(None, inputs)
+    SPEC.run_forward(built_kernel(kernel), inputs, outputs)
+    return outputs["y"], *(outputs[n] for n in _SAVED)
+
+
+def _fake_forward(kv, gate, position_bias, weight, kernel):
+    outputs = SPEC.empty_outputs(None, {"kv": kv, "position_bias": position_bias, "weight": weight})
+    return outputs["y"], *(outputs[n] for n in _SAVED)
+
+
+def _backward(dy: torch.Tensor, kv: torch.Tensor, position_bias: torch.Tensor, weight: torch.Tensor,
+              rstd: torch.Tensor, p: torch.Tensor, pooled: torch.Tensor, exact: torch.Tensor,
+              kernel: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from ..build import built_kernel
+    kv, w32 = kv.contiguous(), weight.float().contiguous()
+    grads = {"kv": torch.empty_like(kv), "gate": torch.empty_like(kv),
+             "position_bias": kv.new_empty(position_bias.shape, dtype=torch.float32), "weight": torch.empty_like(w32)}
+    SPEC.run_backward(built_kernel(kernel), {"kv": kv, "weight": w32},
+                      {"rstd": rstd, "p": p, "pooled": pooled, "exact": exact}, {"y": dy.to(kv.dtype)}, grads)
+    return grads["kv"], grads["gate"], grads["position_bias"].to(position_bias.dtype), grads["weight"].to(weight.dtype)
+
+
+def _fake_backward(dy, kv, position_bias, weight, rstd, p, pooled, exact, kernel):
+    return kv.new_empty(kv.shape), kv.new_empty(kv.shape), position_bias.new_empty(position_bias.shape), \
+        weight.new_empty(weight.shape)
+
+
+POOL_OP = torch_op("compressor", _forward, _backward, fake_forward=_fake_forward, fake_backward=_fake_backward,
+                   outputs=1, saved=("kv", "position_bias", "weight"), consts=("kernel",),
+                   grads=("kv", "gate", "position_bias", "weight"))
 
 
 def _pooled(module, kv, gate, ratio: int, head_dim: int, overlap: bool):
     """kv_norm(pooling) through the kernel when one fits, else the reference lines."""
     kernel = None
-    if kv.device.type == "cpu" and kv.dtype == gate.dtype and not torch.compiler.is_compiling():
+    if kv.device.type == "cpu" and kv.dtype == gate.dtype:
         kernel = module._ak_lookup((ratio, head_dim), kv.dtype)
     if kernel is None:
         return module.kv_norm(pool_reference(kv, gate, module.position_bias, ratio, head_dim, overlap))
-    return _Pool.apply(kv, gate, module.position_bias, module.kv_norm.weight, kernel)
+    return POOL_OP(kv, gate, module.position_bias, module.kv_norm.weight, kernel)
 
 
 def _pool_forward(self: CompressorPool, kv, gate, position_bias):
     kernel = self._ak_lookup((self.ratio, self.head_dim), kv.dtype)
-    return _Pool.apply(kv, gate, position_bias, self.kv_norm.weight, kernel)
+    return POOL_OP(kv, gate, position_bias, self.kv_norm.weight, kernel)
 
 
-def _rope_at_windows(module, compressed, n_windows: int, batch: int, first: int = 0):
+def _rope_at_windows(module, compressed, n_windows: int, batch: int, rope):
+    """The pooled keys rotated at their windows' first positions; `rope` is the caller's
+    apply_rotary_pos_emb (the kernel's dispatcher where rope is patched too)."""
     positions = torch.arange(n_windows, device=compressed.device)
-    positions = (positions * module.compress_rate + first).unsqueeze(0).expand(batch, -1)
+    positions = (positions * module.compress_rate).unsqueeze(0).expand(batch, -1)
     cos, sin = module.rotary_emb(compressed, position_ids=positions, layer_type=module.rope_layer_type)
-    return v4.apply_rotary_pos_emb(compressed.unsqueeze(1), cos, sin).squeeze(1)
+    return rope(compressed.unsqueeze(1), cos, sin).squeeze(1)
 
 
 def _hca_forward(self, hidden_states, q_residual, position_ids, cache, layer_idx):
@@ -381,7 +402,7 @@ def _hca_forward(self, hidden_states, q_residual, position_ids, cache, layer_idx
     n_windows = kv.shape[1] // self.compress_rate
     if n_windows > 0:
         compressed = _pooled(self, kv, gate, self.compress_rate, self.head_dim, overlap=False)
-        compressed = _rope_at_windows(self, compressed, n_windows, batch)
+        compressed = _rope_at_windows(self, compressed, n_windows, batch, apply_rotary_pos_emb)
     else:
         compressed = kv.new_zeros((batch, 0, self.head_dim))
     compressed_kv = compressed.unsqueeze(1)
@@ -405,7 +426,7 @@ def _csa_forward(self, hidden_states, q_residual, position_ids, cache, layer_idx
     n_windows = kv.shape[1] // self.compress_rate
     if n_windows > 0:
         compressed = _pooled(self, kv, gate, self.compress_rate, self.head_dim, overlap=True)
-        compressed = _rope_at_windows(self, compressed, n_windows, batch)
+        compressed = _rope_at_windows(self, compressed, n_windows, batch, apply_rotary_pos_emb)
     else:
         compressed = kv.new_zeros((batch, 0, self.head_dim))
     compressed_kv = compressed.unsqueeze(1)
@@ -427,12 +448,12 @@ def _indexer_forward(self, hidden_states, q_residual, position_ids, cache, layer
     n_windows = kv.shape[1] // self.compress_rate
     if n_windows > 0:
         compressed = _pooled(self, kv, gate, self.compress_rate, self.head_dim, overlap=True)
-        compressed_kv = _rope_at_windows(self, compressed, n_windows, batch)
+        compressed_kv = _rope_at_windows(self, compressed, n_windows, batch, apply_rotary_pos_emb)
     else:
         compressed_kv = kv.new_zeros((batch, 0, self.head_dim))
     cos_q, sin_q = self.rotary_emb(hidden_states, position_ids=position_ids, layer_type=self.rope_layer_type)
     q = self.q_b_proj(q_residual).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
-    q = v4.apply_rotary_pos_emb(q, cos_q, sin_q).transpose(1, 2)
+    q = apply_rotary_pos_emb(q, cos_q, sin_q).transpose(1, 2)
     index_scores = self.scorer(q, compressed_kv, hidden_states)
     compressed_len = compressed_kv.shape[1]
     top_k = min(self.index_topk, compressed_len)

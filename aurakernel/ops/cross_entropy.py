@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from ..dtypes import DType
 from ..errors import UserError
 from ..planner.costmodel import RowwisePhase, rowwise_model
+from ..patch.torch_op import torch_op
 from .base import Entry, OpSpec, Problem, Tensors, Tolerance, Work, bind
 
 IGNORE = -100
@@ -158,39 +159,42 @@ def _check_labels(labels: torch.Tensor, vocab: int) -> None:
                         f"or {IGNORE} (ignored)")
 
 
-class _CrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, labels, kernel):
-        from ..build import built_kernel
-        rows = logits.shape[0]
-        loss_rows, lse = torch.empty(rows), torch.empty(rows)
-        built_kernel(kernel).call("fwd", logits, labels, loss_rows, lse, rows)
-        n_valid = int((labels != IGNORE).sum())
-        ctx.save_for_backward(logits, labels, lse)
-        ctx.kernel, ctx.n_valid = kernel, n_valid
-        return loss_rows.sum() / n_valid if n_valid else loss_rows.sum() * float("nan")
+def _forward(logits: torch.Tensor, labels: torch.Tensor, kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean loss, lse): the per-row logsumexp is the backward's residual. The labels are checked
+    here, inside the op, so a compiled graph keeps the check without a data-dependent branch."""
+    from ..build import built_kernel
+    _check_labels(labels, logits.shape[-1])
+    rows = logits.shape[0]
+    loss_rows, lse = torch.empty(rows), torch.empty(rows)
+    built_kernel(kernel).call("fwd", logits, labels, loss_rows, lse, rows)
+    n_valid = int((labels != IGNORE).sum())
+    return (loss_rows.sum() / n_valid if n_valid else loss_rows.sum() * float("nan")), lse
 
-    @staticmethod
-    def backward(ctx, g):
-        from ..build import built_kernel
-        logits, labels, lse = ctx.saved_tensors
-        d = torch.empty_like(logits)
-        scale = float(g) / max(ctx.n_valid, 1)
-        built_kernel(ctx.kernel).call("bwd", logits, labels, lse, d, logits.shape[0], scale)
-        return d, None, None
+
+def _backward(g: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, kernel: str) -> torch.Tensor:
+    from ..build import built_kernel
+    d = torch.empty_like(logits)
+    scale = float(g) / max(int((labels != IGNORE).sum()), 1)
+    built_kernel(kernel).call("bwd", logits, labels, lse, d, logits.shape[0], scale)
+    return d
+
+
+OP = torch_op("cross_entropy", _forward, _backward,
+              fake_forward=lambda logits, labels, kernel: (logits.new_empty((), dtype=torch.float32),
+                                                           logits.new_empty(logits.shape[0], dtype=torch.float32)),
+              saved=("logits", "labels"), consts=("kernel",), grads=("logits",))
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, kernel: str) -> torch.Tensor:
     """Mean cross-entropy of `logits` [..., V] against `labels` [...] through the kernel."""
     vocab = logits.shape[-1]
     flat, lab = logits.reshape(-1, vocab), labels.reshape(-1).long().contiguous()
-    _check_labels(lab, vocab)
-    return _CrossEntropy.apply(flat.contiguous(), lab, kernel)
+    return OP(flat.contiguous(), lab, kernel)
 
 
 def _module_forward(module, logits, labels):
     kernel = module._ak_lookup((logits.shape[-1],), logits.dtype) if logits.device.type == "cpu" else None
-    if kernel is None or torch.compiler.is_compiling():
+    if kernel is None:
         return CrossEntropy.forward(module, logits, labels)
     return cross_entropy(logits, labels, kernel)
 

@@ -23,6 +23,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Index
 
 from ..dtypes import DType
 from ..planner.costmodel import RowwisePhase, rowwise_model
+from ..patch.torch_op import torch_op
 from .base import Entry, OpSpec, Problem, Tensors, Tolerance, Work, bind
 
 HIDDEN = 64   # hidden size of the test inputs (the weights projection's input)
@@ -257,34 +258,36 @@ def _bwd(kernel, q, k, w, g, dq, dk, dw):
     kernel.call("bwd", q, k, w, g, dq, dk, dw, scratch, b, s, t, dim**-0.5)
 
 
-class _Score(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, w, kernel):
-        from ..build import built_kernel
-        q, k, w = q.contiguous(), k.contiguous(), w.contiguous()
-        out = torch.empty(q.shape[0], q.shape[1], k.shape[1])
-        _fwd(built_kernel(kernel), q, k, w, out)
-        ctx.save_for_backward(q, k, w)
-        ctx.kernel = kernel
-        return out
+def _score_forward(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, kernel: str) -> torch.Tensor:
+    from ..build import built_kernel
+    q, k, w = q.contiguous(), k.contiguous(), w.contiguous()
+    out = torch.empty(q.shape[0], q.shape[1], k.shape[1])
+    _fwd(built_kernel(kernel), q, k, w, out)
+    return out
 
-    @staticmethod
-    def backward(ctx, g):
-        from ..build import built_kernel
-        q, k, w = ctx.saved_tensors
-        dq, dk, dw = torch.empty_like(q), torch.empty_like(k), torch.empty_like(w)
-        _bwd(built_kernel(ctx.kernel), q, k, w, g.float().contiguous(), dq, dk, dw)
-        return dq, dk, dw, None
+
+def _score_backward(g: torch.Tensor, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor,
+                    kernel: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from ..build import built_kernel
+    q, k, w = q.contiguous(), k.contiguous(), w.contiguous()
+    dq, dk, dw = torch.empty_like(q), torch.empty_like(k), torch.empty_like(w)
+    _bwd(built_kernel(kernel), q, k, w, g.float().contiguous(), dq, dk, dw)
+    return dq, dk, dw
+
+
+OP = torch_op("indexer_score", _score_forward, _score_backward,
+              fake_forward=lambda q, k, w, kernel: q.new_empty(q.shape[0], q.shape[1], k.shape[1], dtype=torch.float32),
+              saved=("q", "k", "w"), consts=("kernel",), grads=("q", "k", "w"))
 
 
 def _scorer_forward(self: DeepseekV4IndexerScorer, q, compressed_kv, hidden_states):
     kernel = None
-    if q.device.type == "cpu" and q.dtype == compressed_kv.dtype and not torch.compiler.is_compiling():
+    if q.device.type == "cpu" and q.dtype == compressed_kv.dtype:
         kernel = self._ak_lookup((q.shape[2], q.shape[3]), q.dtype)
     if kernel is None or compressed_kv.shape[1] == 0:
         return DeepseekV4IndexerScorer.forward(self, q, compressed_kv, hidden_states)
     weights = self.weights_proj(hidden_states).float() * self.weights_scaling
-    return _Score.apply(q, compressed_kv, weights, kernel)
+    return OP(q, compressed_kv, weights, kernel)
 
 
 SPEC = IndexerScoreSpec(

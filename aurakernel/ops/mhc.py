@@ -9,8 +9,6 @@ ops per call (the Sinkhorn loop) forward and backward.
 
 from __future__ import annotations
 
-import types
-
 import torch
 from torch.func import functional_call
 from transformers import DeepseekV4Config
@@ -18,6 +16,8 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Hyper
 
 from ..dtypes import DType
 from ..planner.costmodel import RowwisePhase, rowwise_model
+from ..patch.install import install
+from ..patch.torch_op import torch_op
 from .base import Entry, OpSpec, Problem, Tensors, Tolerance, Work
 from .layout import like_layout, rows_layout
 
@@ -303,7 +303,7 @@ class MhcSpec(OpSpec):
         if "_ak_reference_forward" not in module.__dict__:
             module._ak_reference_forward = module.forward
         module._ak_lookup = lookup
-        module.forward = types.MethodType(_module_forward, module)
+        install(module, "forward", _module_forward)
 
 
 # --- the kernel as a torch op ---------------------------------------------------------------------
@@ -318,56 +318,88 @@ def _params(module):
     return module.fn, module.base, module.scale
 
 
-class _Mhc(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, fn, base, scale, spec, kernel):
-        from ..build import built_kernel
-        x = rows_layout(x)
-        k = built_kernel(kernel)
-        p32 = [t.detach().float().contiguous() for t in (fn, base, scale)]
-        outputs = spec.empty_outputs(None, {"x": x.view(-1, x.shape[-2], x.shape[-1])})
-        spec.run_forward(k, {"x": x, "fn": p32[0], "base": p32[1], "scale": p32[2]}, outputs)
-        ctx.save_for_backward(x, *p32, outputs["mix"], outputs["rstd"])
-        ctx.spec, ctx.kernel = spec, kernel
-        ctx.dtypes = (fn.dtype, base.dtype, scale.dtype)
-        lead = x.shape[:-2]
-        y = outputs["y"].view(*lead, x.shape[-1])
-        if spec.head:
-            return y
-        hc = x.shape[-2]
-        return outputs["post"].view(*lead, hc), outputs["comb"].view(*lead, hc, hc), y
+def _run_forward(spec: MhcSpec, x, fn, base, scale, kernel: str) -> Tensors:
+    from ..build import built_kernel
+    x = rows_layout(x)
+    outputs = spec.empty_outputs(None, {"x": x.view(-1, x.shape[-2], x.shape[-1])})
+    spec.run_forward(built_kernel(kernel), {"x": x, **_fp32_params(fn, base, scale)}, outputs)
+    return outputs
 
-    @staticmethod
-    def backward(ctx, *grads_out):
-        from ..build import built_kernel
-        x, fn, base, scale, mix, rstd = ctx.saved_tensors
-        spec = ctx.spec
-        hc, d = x.shape[-2], x.shape[-1]
-        rows = rstd.numel()
-        if spec.head:
-            (dy,) = grads_out
-            gout = {}
-        else:
-            d_post, d_comb, dy = grads_out
-            gout = {"post": None if d_post is None else d_post.float().contiguous().view(rows, hc),
-                    "comb": None if d_comb is None else d_comb.float().contiguous().view(rows, hc, hc)}
-        dy = torch.zeros(rows, d, dtype=x.dtype) if dy is None else dy.to(x.dtype).contiguous().view(rows, d)
-        gout["y"] = dy
-        grads = {"x": torch.empty_like(x), "fn": torch.empty_like(fn), "base": torch.empty_like(base),
-                 "scale": torch.empty_like(scale)}
-        spec.run_backward(built_kernel(ctx.kernel), {"x": x, "fn": fn, "base": base, "scale": scale},
-                          {"mix": mix, "rstd": rstd}, gout, grads)
-        return (grads["x"], grads["fn"].to(ctx.dtypes[0]), grads["base"].to(ctx.dtypes[1]),
-                grads["scale"].to(ctx.dtypes[2]), None, None)
+
+def _fp32_params(fn, base, scale) -> Tensors:
+    return {name: t.detach().float().contiguous() for name, t in (("fn", fn), ("base", base), ("scale", scale))}
+
+
+def _run_backward(spec: MhcSpec, grads_out: dict, x, fn, base, scale, mix, rstd, kernel: str):
+    """(dx, dfn, dbase, dscale), each in its input's dtype."""
+    from ..build import built_kernel
+    x = rows_layout(x)
+    hc, d = x.shape[-2], x.shape[-1]
+    rows = rstd.numel()
+    gout = {name: g.float().contiguous().view(rows, *([hc] * (1 if name == "post" else 2)))
+            for name, g in grads_out.items() if name != "y"}
+    gout["y"] = grads_out["y"].to(x.dtype).contiguous().view(rows, d)
+    p32 = _fp32_params(fn, base, scale)
+    grads = {"x": torch.empty_like(x), **{name: torch.empty_like(t) for name, t in p32.items()}}
+    spec.run_backward(built_kernel(kernel), {"x": x, **p32}, {"mix": mix, "rstd": rstd}, gout, grads)
+    return grads["x"], grads["fn"].to(fn.dtype), grads["base"].to(base.dtype), grads["scale"].to(scale.dtype)
+
+
+def _pre_forward(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                 kernel: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(post, comb, y, mix, rstd): mix and rstd are residuals for the backward."""
+    out = _run_forward(PRE, x, fn, base, scale, kernel)
+    lead, hc = x.shape[:-2], x.shape[-2]
+    return (out["post"].view(*lead, hc), out["comb"].view(*lead, hc, hc), out["y"].view(*lead, x.shape[-1]),
+            out["mix"], out["rstd"])
+
+
+def _pre_backward(d_post: torch.Tensor, d_comb: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, fn: torch.Tensor,
+                  base: torch.Tensor, scale: torch.Tensor, mix: torch.Tensor, rstd: torch.Tensor,
+                  kernel: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _run_backward(PRE, {"post": d_post, "comb": d_comb, "y": dy}, x, fn, base, scale, mix, rstd, kernel)
+
+
+def _head_forward(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                  kernel: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, mix, rstd)."""
+    out = _run_forward(HEAD, x, fn, base, scale, kernel)
+    return out["y"].view(*x.shape[:-2], x.shape[-1]), out["mix"], out["rstd"]
+
+
+def _head_backward(dy: torch.Tensor, x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                   mix: torch.Tensor, rstd: torch.Tensor, kernel: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _run_backward(HEAD, {"y": dy}, x, fn, base, scale, mix, rstd, kernel)
+
+
+def _fake_residuals(spec: MhcSpec, x):
+    rows = x.numel() // (x.shape[-2] * x.shape[-1])
+    return x.new_empty(rows, spec.nout(x.shape[-2]), dtype=torch.float32), x.new_empty(rows, dtype=torch.float32)
+
+
+def _fake_pre_forward(x, fn, base, scale, kernel):
+    lead, hc = x.shape[:-2], x.shape[-2]
+    f32 = torch.float32
+    return (x.new_empty(*lead, hc, dtype=f32), x.new_empty(*lead, hc, hc, dtype=f32), x.new_empty(*lead, x.shape[-1]),
+            *_fake_residuals(PRE, x))
+
+
+def _fake_head_forward(x, fn, base, scale, kernel):
+    return (x.new_empty(*x.shape[:-2], x.shape[-1]), *_fake_residuals(HEAD, x))
+
+
+_SAVED = ("x", "fn", "base", "scale")
+_GRADS = ("x", "fn", "base", "scale")
 
 
 def _module_forward(module: torch.nn.Module, hidden_streams: torch.Tensor):
     """forward of a patched DeepseekV4HyperConnection / DeepseekV4HyperHead."""
     key = tuple(hidden_streams.shape[-2:])
     kernel = module._ak_lookup(key, hidden_streams.dtype) if hidden_streams.device.type == "cpu" else None
-    if kernel is None or torch.compiler.is_compiling():
+    if kernel is None:
         return module._ak_reference_forward(hidden_streams)
-    return _Mhc.apply(hidden_streams, *_params(module), _spec_of(module), kernel)
+    op = HEAD_OP if isinstance(module, DeepseekV4HyperHead) else PRE_OP
+    return op(hidden_streams, *_params(module), kernel)
 
 
 def _spec(name: str, head: bool) -> MhcSpec:
@@ -395,3 +427,8 @@ def _spec(name: str, head: bool) -> MhcSpec:
 
 PRE = _spec("mhc_pre", head=False)
 HEAD = _spec("mhc_head", head=True)
+
+PRE_OP = torch_op("mhc_pre", _pre_forward, _pre_backward, fake_forward=_fake_pre_forward, outputs=3,
+                  saved=_SAVED, consts=("kernel",), grads=_GRADS)
+HEAD_OP = torch_op("mhc_head", _head_forward, _head_backward, fake_forward=_fake_head_forward, outputs=1,
+                   saved=_SAVED, consts=("kernel",), grads=_GRADS)

@@ -10,13 +10,13 @@ repeated with that one expression replaced).
 
 from __future__ import annotations
 
-import types
-
 import torch
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4DecoderLayer
 
 from ..dtypes import DType
 from ..planner.costmodel import RowwisePhase, rowwise_model
+from ..patch.install import install
+from ..patch.torch_op import torch_op
 from .base import Entry, OpSpec, Problem, Tensors, Tolerance, Work
 from .layout import like_layout
 
@@ -172,42 +172,45 @@ class MhcPostSpec(OpSpec):
         if isinstance(module, DeepseekV4DecoderLayer):
             module._ak_post = MhcPost()
             self.patch(module._ak_post, lookup)
-            module.forward = types.MethodType(_layer_forward, module)
+            install(module, "forward", _layer_forward)
             return
         module._ak_lookup = lookup
-        module.forward = types.MethodType(_post_forward, module)
+        install(module, "forward", _post_forward)
 
 
-class _MhcPostFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, post, comb, out, h, kernel):
-        from ..build import built_kernel
-        tensors = {"post": post.float().contiguous(), "comb": comb.float().contiguous(),
-                   "out": out.contiguous(), "h": h.contiguous()}
-        y = torch.empty_like(tensors["h"])
-        SPEC.run_forward(built_kernel(kernel), tensors, {"y": y})
-        ctx.save_for_backward(*tensors.values())
-        ctx.kernel, ctx.dtypes = kernel, (post.dtype, comb.dtype)
-        return y
+def _inputs(post, comb, out, h) -> Tensors:
+    return {"post": post.float().contiguous(), "comb": comb.float().contiguous(), "out": out.contiguous(),
+            "h": h.contiguous()}
 
-    @staticmethod
-    def backward(ctx, g):
-        from ..build import built_kernel
-        post, comb, out, h = ctx.saved_tensors
-        grads = {"post": torch.empty_like(post), "comb": torch.empty_like(comb), "out": torch.empty_like(out),
-                 "h": torch.empty_like(h)}
-        SPEC.run_backward(built_kernel(ctx.kernel), {"post": post, "comb": comb, "out": out, "h": h}, {},
-                          {"y": like_layout(g.to(h.dtype), h)}, grads)
-        return grads["post"].to(ctx.dtypes[0]), grads["comb"].to(ctx.dtypes[1]), grads["out"], grads["h"], None
+
+def _forward(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, h: torch.Tensor, kernel: str) -> torch.Tensor:
+    from ..build import built_kernel
+    tensors = _inputs(post, comb, out, h)
+    y = torch.empty_like(tensors["h"])
+    SPEC.run_forward(built_kernel(kernel), tensors, {"y": y})
+    return y
+
+
+def _backward(g: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, h: torch.Tensor,
+              kernel: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from ..build import built_kernel
+    tensors = _inputs(post, comb, out, h)
+    grads = {name: torch.empty_like(t) for name, t in tensors.items()}
+    SPEC.run_backward(built_kernel(kernel), tensors, {}, {"y": like_layout(g.to(h.dtype), tensors["h"])}, grads)
+    return grads["post"].to(post.dtype), grads["comb"].to(comb.dtype), grads["out"], grads["h"]
+
+
+OP = torch_op("mhc_post", _forward, _backward, fake_forward=lambda post, comb, out, h, kernel: h.new_empty(h.shape),
+              saved=("post", "comb", "out", "h"), consts=("kernel",), grads=("post", "comb", "out", "h"))
 
 
 def _post_forward(module: MhcPost, post, comb, block_output, hidden_states):
     key = tuple(hidden_states.shape[-2:])
     kernel = (module._ak_lookup(key, hidden_states.dtype)
               if hidden_states.device.type == "cpu" and block_output.dtype == hidden_states.dtype else None)
-    if kernel is None or torch.compiler.is_compiling():
+    if kernel is None:
         return MhcPost.forward(module, post, comb, block_output, hidden_states)
-    return _MhcPostFn.apply(post, comb, block_output, hidden_states, kernel)
+    return OP(post, comb, block_output, hidden_states, kernel)
 
 
 def _layer_forward(self: DeepseekV4DecoderLayer, hidden_states, input_ids=None, **kwargs):

@@ -7,8 +7,6 @@ per-head q norm (unweighted, head_dim) and the mHC input norms (unweighted, fp32
 
 from __future__ import annotations
 
-import types
-
 import torch
 from torch.func import functional_call
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
@@ -19,6 +17,8 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
 from ..dtypes import DType
 from ..planner.costmodel import RowwisePhase, rowwise_model
 from .base import Entry, OpSpec, Problem, Tensors, Tolerance, Work
+from ..patch.install import install
+from ..patch.torch_op import torch_op
 from .layout import like_layout, rows_layout
 
 EPS = 1e-6
@@ -76,7 +76,7 @@ class RmsNormSpec(OpSpec):
         if "_ak_reference_forward" not in module.__dict__:
             module._ak_reference_forward = module.forward
         module._ak_lookup = lookup
-        module.forward = types.MethodType(_module_forward, module)
+        install(module, "forward", _module_forward)
 
     def reference(self, problem: Problem, inputs: Tensors) -> Tensors:
         mod = self.module(problem)
@@ -219,13 +219,10 @@ SPEC = RmsNormSpec(
 )
 
 
-# --- the kernel as a torch op ---------------------------------------------------------------------
-# Eager calls go through a plain autograd.Function straight to the kernel (the custom_op dispatcher
-# costs ~100 us per fwd+bwd, more than a small norm). Under torch.compile the same math runs as
-# custom_ops with a registered autograd formula, which Dynamo and FSDP2 trace through. The kernel
-# is named by its source hash; build.built_kernel finds it.
+# --- the kernel as a torch op (patch/torch_op.py: custom ops under torch.compile) -------------------
+# The kernel is named by its source hash; build.built_kernel finds it.
 
-def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float, kernel: str):
+def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float, kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
     from ..build import built_kernel
     x = rows_layout(x)
     outputs = {"y": torch.empty_like(x),
@@ -237,7 +234,8 @@ def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float, kernel: s
     return outputs["y"], outputs["rstd"]
 
 
-def _backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor, kernel: str):
+def _backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor,
+              kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
     from ..build import built_kernel
     x = rows_layout(x)
     dy = like_layout(dy, x)
@@ -246,63 +244,20 @@ def _backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, rs
         inputs["weight"] = weight.detach().float().contiguous()
         grads["weight"] = torch.empty(x.shape[-1], dtype=torch.float32, device=x.device)
     SPEC.run_backward(built_kernel(kernel), inputs, {"rstd": rstd}, {"y": dy}, grads)
-    dw = grads["weight"].to(weight.dtype) if weight is not None else None
+    dw = grads["weight"].to(weight.dtype) if weight is not None else x.new_empty(0)
     return grads["x"], dw
 
 
-class _RmsNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, eps, kernel):
-        y, rstd = _forward(x, weight, eps, kernel)
-        ctx.save_for_backward(x, weight, rstd)
-        ctx.kernel = kernel
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight, rstd = ctx.saved_tensors
-        dx, dw = _backward(dy, x, weight, rstd, ctx.kernel)
-        return dx, dw, None, None
-
-
-@torch.library.custom_op("aurakernel::rms_norm_fwd", mutates_args=())
-def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
-                 kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward(x, weight, eps, kernel)
-
-
-@rms_norm_fwd.register_fake
-def _(x, weight, eps, kernel):
+def _fake_forward(x, weight, eps, kernel):
     return torch.empty_like(x), x.new_empty(x.numel() // x.shape[-1], dtype=torch.float32)
 
 
-@torch.library.custom_op("aurakernel::rms_norm_bwd", mutates_args=())
-def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor,
-                 kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
-    dx, dw = _backward(dy, x, weight, rstd, kernel)
-    return dx, (dw if dw is not None else x.new_empty(0, dtype=torch.float32))
+def _fake_backward(dy, x, weight, rstd, kernel):
+    return torch.empty_like(x), (weight.new_empty(weight.shape) if weight is not None else x.new_empty(0))
 
 
-@rms_norm_bwd.register_fake
-def _(dy, x, weight, rstd, kernel):
-    if weight is None:
-        return torch.empty_like(x), x.new_empty(0, dtype=torch.float32)
-    return torch.empty_like(x), weight.new_empty(weight.shape)
-
-
-def _setup_context(ctx, inputs, output):
-    x, weight, _eps, kernel = inputs
-    ctx.save_for_backward(x, weight, output[1])
-    ctx.kernel = kernel
-
-
-def _custom_op_backward(ctx, dy, _drstd):
-    x, weight, rstd = ctx.saved_tensors
-    dx, dw = rms_norm_bwd(dy, x, weight, rstd, ctx.kernel)
-    return dx, (dw if weight is not None else None), None, None
-
-
-rms_norm_fwd.register_autograd(_custom_op_backward, setup_context=_setup_context)
+OP = torch_op("rms_norm", _forward, _backward, fake_forward=_fake_forward, fake_backward=_fake_backward,
+              saved=("x", "weight"), consts=("kernel",), grads=("x", "weight"))
 
 
 def _module_forward(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -317,6 +272,4 @@ def _module_forward(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, kernel: str) -> torch.Tensor:
     """RMSNorm through the kernel with source hash `kernel` (built earlier in this process)."""
-    if torch.compiler.is_compiling():
-        return rms_norm_fwd(x, weight, eps, kernel)[0]
-    return _RmsNorm.apply(x, weight, eps, kernel)
+    return OP(x, weight, eps, kernel)

@@ -2,18 +2,23 @@
 uses it on q, on the shared kv, and (with -sin) to de-rotate the attention output, and as the
 compressor and the indexer use it on their pooled keys and queries.
 
-It is a module-level function, not a module, so the swap replaces that function with one that
-dispatches to a kernel only inside the forward of a model `apply` patched (a context variable set
-by hooks on its DeepseekV4Model), and runs the reference everywhere else.
+It is a module-level function, not a module: the patch makes the modules of a patched model that
+call it (ROPE_CALLERS) call `rope_dispatch` instead (patch.install.swap_globals); every other
+module in the process keeps the reference.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb
 
 from ..dtypes import DType
 from ..planner.costmodel import RowwisePhase, rowwise_model
+from ..patch.install import swap_globals
+from ..patch.torch_op import torch_op
 from . import scoped
 from .base import Entry, OpSpec, Problem, Tensors, Tolerance, Work
 
@@ -26,7 +31,7 @@ class RopeReference(torch.nn.Module):
     """Calls the (possibly patched) module-level function, as the attention does."""
 
     def forward(self, x, cos, sin):
-        return v4.apply_rotary_pos_emb(x, cos, sin)
+        return apply_rotary_pos_emb(x, cos, sin)
 
 
 def _angles(tokens: int, rope_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,9 +108,12 @@ class RopeSpec(OpSpec):
         return None   # a function, not a module: the profiler records it through SWAP.recording
 
     def patch(self, module: torch.nn.Module, lookup) -> None:
-        """Make rope run kernels inside `module`'s forward (a DeepseekV4Model, or RopeReference)."""
-        SWAP.install()
-        scoped.scope(module, "rope", lookup)
+        """Make rope run kernels in every module of `module` (a DeepseekV4Model, or RopeReference)
+        whose code calls apply_rotary_pos_emb."""
+        dispatch = functools.partial(rope_dispatch, lookup)
+        for sub in module.modules():
+            if isinstance(sub, (*ROPE_CALLERS, RopeReference)):
+                swap_globals(sub, apply_rotary_pos_emb=dispatch)
 
     # --- AscendC (templates/ascendc/rope/): (token, head) rows over the vector cores ------------
     # The interleaved pair swap needs each element's partner x[j ^ 1], which no documented vector op
@@ -217,38 +225,41 @@ def _call(kernel, entry: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
                 y, b, h, s)
 
 
-class _Rope(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, cos, sin, kernel):
-        from ..build import built_kernel
-        y = torch.empty(x.shape, dtype=x.dtype)
-        _call(built_kernel(kernel), "fwd", x, cos, sin, y)
-        ctx.save_for_backward(cos, sin)
-        ctx.kernel = kernel
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        from ..build import built_kernel
-        cos, sin = ctx.saved_tensors
-        dx = torch.empty(dy.shape, dtype=dy.dtype)
-        _call(built_kernel(ctx.kernel), "bwd", dy, cos, sin, dx)
-        return dx, None, None, None
+def _forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernel: str) -> torch.Tensor:
+    from ..build import built_kernel
+    y = x.new_empty(x.shape)
+    _call(built_kernel(kernel), "fwd", x, cos, sin, y)
+    return y
 
 
-def dispatching_apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim: int = 1):
-    """Drop-in for v4.apply_rotary_pos_emb: a kernel inside a patched model's forward, else the reference."""
-    lookup = scoped.current("rope")
-    if (lookup is None or unsqueeze_dim != 1 or x.dim() != 4 or cos.dim() != 3 or x.device.type != "cpu"
-            or cos.requires_grad or sin.requires_grad or torch.compiler.is_compiling()):
+def _backward(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernel: str) -> torch.Tensor:
+    """The inverse rotation (dx keeps dy's shape; rope is orthogonal)."""
+    from ..build import built_kernel
+    dx = dy.new_empty(dy.shape)
+    _call(built_kernel(kernel), "bwd", dy, cos, sin, dx)
+    return dx
+
+
+OP = torch_op("rope", _forward, _backward, fake_forward=lambda x, cos, sin, kernel: x.new_empty(x.shape),
+              fake_backward=lambda dy, cos, sin, kernel: dy.new_empty(dy.shape),
+              saved=("cos", "sin"), consts=("kernel",), grads=("x",))
+
+
+def rope_dispatch(lookup, x, cos, sin, unsqueeze_dim: int = 1):
+    """Drop-in for v4.apply_rotary_pos_emb with `lookup` bound (functools.partial): the kernel when
+    one fits the call, else the reference."""
+    if (unsqueeze_dim != 1 or x.dim() != 4 or cos.dim() != 3 or x.device.type != "cpu"
+            or cos.requires_grad or sin.requires_grad):
         return SWAP.reference(x, cos, sin, unsqueeze_dim)
     kernel = lookup((x.shape[-1], 2 * cos.shape[-1]), x.dtype)
     if kernel is None:
         return SWAP.reference(x, cos, sin, unsqueeze_dim)
-    return _Rope.apply(x, cos, sin, kernel)
+    return OP(x, cos, sin, kernel)
 
 
-SWAP = scoped.FunctionSwap(v4, "apply_rotary_pos_emb", dispatching_apply_rotary_pos_emb)
+# the modules whose code calls apply_rotary_pos_emb (the attention, the compressors, the indexer)
+ROPE_CALLERS = (v4.DeepseekV4Attention, v4.DeepseekV4HCACompressor, v4.DeepseekV4CSACompressor, v4.DeepseekV4Indexer)
+SWAP = scoped.FunctionSwap(v4, "apply_rotary_pos_emb")
 
 
 def call_problem(x, cos, sin, unsqueeze_dim=1):

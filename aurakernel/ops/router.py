@@ -26,6 +26,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HashR
 
 from ..dtypes import DType
 from ..planner.costmodel import RowwisePhase, rowwise_model
+from ..patch.torch_op import torch_op
 from .base import Entry, OpSpec, Problem, Tensors, Tolerance, Work, bind
 
 SCALE = 1.5
@@ -281,63 +282,83 @@ class RouterSpec(OpSpec):
                                          (RouterAfterLogits, "forward", _after_logits_forward)])
 
 
+def _select_with(kernel, scores: torch.Tensor, bias: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The kernel's top-k of scores + bias in ascending expert order; tied rows re-selected by torch.topk."""
+    rows = scores.shape[0]
+    indices = torch.empty(rows, top_k, dtype=torch.long)
+    tie = torch.empty(rows, dtype=torch.uint8)
+    kernel.call("select", scores.contiguous(), bias.float().contiguous(), indices, tie, rows)
+    tied = tie.nonzero().flatten()
+    if tied.numel():
+        picked = torch.topk(scores[tied] + bias, top_k, dim=-1, sorted=False).indices
+        indices[tied] = picked.sort(dim=-1).values
+    return indices
+
+
+def _select(scores: torch.Tensor, bias: torch.Tensor, top_k: int, kernel: str) -> torch.Tensor:
+    from ..build import built_kernel
+    return _select_with(built_kernel(kernel), scores, bias, top_k)
+
+
+SELECT_OP = torch_op("router_select", _select,
+                     fake_forward=lambda scores, bias, top_k, kernel: scores.new_empty(scores.shape[0], top_k,
+                                                                                       dtype=torch.long))
+
+
 def select(logits, bias, top_k: int, indices=None, kernel=None):
-    """Scores (bitwise torch's) and the experts in ascending order: the kernel's selection, with
-    tied rows re-selected by torch.topk, or torch.topk alone when no kernel is given."""
+    """Scores (bitwise torch's) and the experts in ascending order: the kernel's selection (a built
+    Kernel, or a source hash: through the custom op), with tied rows re-selected by torch.topk, or
+    torch.topk alone when no kernel is given."""
     scores = ACT2FN["sqrtsoftplus"](logits)
     if indices is None and kernel is not None:
-        rows = scores.shape[0]
-        indices = torch.empty(rows, top_k, dtype=torch.long)
-        tie = torch.empty(rows, dtype=torch.uint8)
-        kernel.call("select", scores.contiguous(), bias.float().contiguous(), indices, tie, rows)
-        tied = tie.nonzero().flatten()
-        if tied.numel():
-            picked = torch.topk(scores[tied] + bias, top_k, dim=-1, sorted=False).indices
-            indices[tied] = picked.sort(dim=-1).values
-        return scores, indices
+        if isinstance(kernel, str):
+            return scores, SELECT_OP(scores, bias, top_k, kernel)
+        return scores, _select_with(kernel, scores, bias, top_k)
     if indices is None:
         indices = torch.topk(scores + bias, top_k, dim=-1, sorted=False).indices
     return scores, indices.sort(dim=-1).values
 
 
-class _Route(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, scores, indices, kernel, scale):
-        """scores=None: hash routing, the kernel scores only the given experts."""
-        from ..build import built_kernel
-        rows, top_k = indices.shape
-        idx = indices.contiguous()
-        weights = logits.new_empty(rows, top_k)
-        if scores is None:
-            built_kernel(kernel).call("fwd_given", logits.contiguous(), idx, weights, rows, scale)
-        else:
-            built_kernel(kernel).call("fwd", scores.contiguous(), idx, weights, rows, scale)
-        ctx.save_for_backward(logits, idx)
-        ctx.kernel, ctx.scale = kernel, scale
-        return weights
+def _route_forward(logits: torch.Tensor, scores: torch.Tensor | None, indices: torch.Tensor, scale: float,
+                   kernel: str) -> torch.Tensor:
+    """scores=None: hash routing, the kernel scores only the given experts."""
+    from ..build import built_kernel
+    rows, top_k = indices.shape
+    idx = indices.contiguous()
+    weights = logits.new_empty(rows, top_k)
+    if scores is None:
+        built_kernel(kernel).call("fwd_given", logits.contiguous(), idx, weights, rows, scale)
+    else:
+        built_kernel(kernel).call("fwd", scores.contiguous(), idx, weights, rows, scale)
+    return weights
 
-    @staticmethod
-    def backward(ctx, d_weights):
-        from ..build import built_kernel
-        logits, idx = ctx.saved_tensors
-        d_logits = torch.empty_like(logits)
-        built_kernel(ctx.kernel).call("bwd", logits.contiguous(), idx, d_weights.to(logits.dtype).contiguous(),
-                                      d_logits, logits.shape[0], ctx.scale)
-        return d_logits, None, None, None, None
+
+def _route_backward(d_weights: torch.Tensor, logits: torch.Tensor, indices: torch.Tensor, scale: float,
+                    kernel: str) -> torch.Tensor:
+    from ..build import built_kernel
+    logits = logits.contiguous()
+    d_logits = torch.empty_like(logits)
+    built_kernel(kernel).call("bwd", logits, indices.contiguous(), d_weights.to(logits.dtype).contiguous(),
+                              d_logits, logits.shape[0], scale)
+    return d_logits
+
+
+ROUTE_OP = torch_op("router", _route_forward, _route_backward,
+                    fake_forward=lambda logits, scores, indices, scale, kernel: logits.new_empty(indices.shape),
+                    saved=("logits", "indices"), consts=("scale", "kernel"), grads=("logits",))
 
 
 def route(logits, bias, top_k: int, scale: float, kernel: str, indices=None):
     """(weights, indices) of the router for `logits` through the kernel."""
-    from ..build import built_kernel
     if indices is not None:   # hash routing: nothing to select, no full score matrix needed; the table's order
-        return _Route.apply(logits, None, indices, kernel, scale), indices
+        return ROUTE_OP(logits, None, indices, scale, kernel), indices
     with torch.no_grad():
-        scores, indices = select(logits, bias, top_k, None, built_kernel(kernel))
-    return _Route.apply(logits, scores, indices, kernel, scale), indices
+        scores, indices = select(logits, bias, top_k, None, kernel)
+    return ROUTE_OP(logits, scores, indices, scale, kernel), indices
 
 
 def _kernel_for(module, logits):
-    if logits.device.type != "cpu" or torch.compiler.is_compiling():
+    if logits.device.type != "cpu":
         return None
     return module._ak_lookup((module.num_experts, module.top_k), logits.dtype)
 

@@ -6,8 +6,6 @@ activation in DeepseekV4MLP (the shared expert, separate gate and up projections
 
 from __future__ import annotations
 
-import types
-
 import torch
 from transformers import DeepseekV4Config
 from transformers.integrations.moe import _grouped_linear
@@ -15,6 +13,8 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Exper
 
 from ..dtypes import DType
 from ..planner.costmodel import RowwisePhase, rowwise_model
+from ..patch.install import install
+from ..patch.torch_op import torch_op
 from .base import Entry, OpSpec, Problem, Tensors, Tolerance, Work, bind
 
 LIMIT = 10.0
@@ -163,7 +163,7 @@ class SwigluSpec(OpSpec):
                                          (DeepseekV4MLP, "forward", _mlp_forward),
                                          (SwigluReference, "forward", _reference_forward)])
         if isinstance(module, DeepseekV4Experts):
-            module.forward = types.MethodType(_experts_forward, module)
+            install(module, "forward", _experts_forward)
 
 
 def _halves(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,53 +171,61 @@ def _halves(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed[..., :inter], packed[..., inter:]
 
 
-class _Swiglu(torch.autograd.Function):
-    """Packed: gate_up [..., 2I] (the experts), gradient returned packed, so autograd does not have
-    to stitch two half-gradients together. Split: gate and up [..., I] (the shared expert)."""
+def _rows(first: torch.Tensor, up: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate and up as [rows, I] views sharing one row stride, copying only when they cannot."""
+    if up is None:   # packed gate_up [..., 2I] (the experts)
+        gu = first.reshape(-1, first.shape[-1])
+        return _halves(gu if gu.stride(-1) == 1 else gu.contiguous())
+    inter = first.shape[-1]
+    g2, u2 = first.reshape(-1, inter), up.reshape(-1, inter)
+    if g2.stride(-1) != 1 or u2.stride(-1) != 1 or g2.stride(0) != u2.stride(0):
+        g2, u2 = g2.contiguous(), u2.contiguous()
+    return g2, u2
 
-    @staticmethod
-    def forward(ctx, first, up, kernel, limit):
-        from ..build import built_kernel
-        packed = up is None
-        if packed:
-            inter = first.shape[-1] // 2
-            gu = first.reshape(-1, 2 * inter)
-            if gu.stride(-1) != 1:
-                gu = gu.contiguous()
-            g2, u2 = _halves(gu)
-        else:
-            inter = first.shape[-1]
-            g2, u2 = first.reshape(-1, inter), up.reshape(-1, inter)
-            if g2.stride(-1) != 1 or u2.stride(-1) != 1 or g2.stride(0) != u2.stride(0):
-                g2, u2 = g2.contiguous(), u2.contiguous()
-        rows = g2.shape[0]
-        y = g2.new_empty(rows, inter)
-        built_kernel(kernel).call("fwd", g2, u2, g2.stride(0), y, rows, limit)
-        ctx.save_for_backward(g2, u2)
-        ctx.kernel, ctx.limit, ctx.packed, ctx.shape = kernel, limit, packed, first.shape
-        return y.view(*first.shape[:-1], inter)
 
-    @staticmethod
-    def backward(ctx, dy):
-        from ..build import built_kernel
-        g2, u2 = ctx.saved_tensors
-        rows, inter = g2.shape
-        out = torch.empty(rows, 2 * inter, dtype=g2.dtype)
+def _forward(first: torch.Tensor, up: torch.Tensor | None, limit: float, kernel: str) -> torch.Tensor:
+    """Packed: first = gate_up [..., 2I]; split: first = gate and up [..., I] (the shared expert)."""
+    from ..build import built_kernel
+    g2, u2 = _rows(first, up)
+    rows, inter = g2.shape
+    y = g2.new_empty(rows, inter)
+    built_kernel(kernel).call("fwd", g2, u2, g2.stride(0), y, rows, limit)
+    return y.view(*first.shape[:-1], inter)
+
+
+def _backward(dy: torch.Tensor, first: torch.Tensor, up: torch.Tensor | None, limit: float,
+              kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed gradient comes back packed, so autograd does not stitch two halves together."""
+    from ..build import built_kernel
+    g2, u2 = _rows(first, up)
+    rows, inter = g2.shape
+    dy = dy.reshape(rows, inter).contiguous().to(g2.dtype)
+    if up is None:
+        out = g2.new_empty(rows, 2 * inter)
         dgate, dup = _halves(out)
-        built_kernel(ctx.kernel).call("bwd", g2, u2, g2.stride(0), dy.reshape(rows, inter).contiguous().to(g2.dtype),
-                                      dgate, dup, out.stride(0), rows, ctx.limit)
-        if ctx.packed:
-            return out.view(ctx.shape), None, None, None
-        return dgate.reshape(ctx.shape), dup.reshape(ctx.shape), None, None
+        built_kernel(kernel).call("bwd", g2, u2, g2.stride(0), dy, dgate, dup, out.stride(0), rows, limit)
+        return out.view(first.shape), first.new_empty(0)
+    dgate, dup = g2.new_empty(rows, inter), g2.new_empty(rows, inter)
+    built_kernel(kernel).call("bwd", g2, u2, g2.stride(0), dy, dgate, dup, inter, rows, limit)
+    return dgate.view(first.shape), dup.view(up.shape)
+
+
+def _fake_forward(first, up, limit, kernel):
+    inter = first.shape[-1] // 2 if up is None else first.shape[-1]
+    return first.new_empty(*first.shape[:-1], inter)
+
+
+OP = torch_op("swiglu", _forward, _backward, fake_forward=_fake_forward,
+              saved=("first", "up"), consts=("limit", "kernel"), grads=("first", "up"))
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor | None, limit: float, kernel: str) -> torch.Tensor:
     """silu(gate.clamp(max=limit)) * up.clamp(-limit, limit); with up=None, `gate` is a packed gate_up."""
-    return _Swiglu.apply(gate, up, kernel, float(limit))
+    return OP(gate, up, float(limit), kernel)
 
 
 def _kernel_for(module, inter: int, x: torch.Tensor):
-    if x.device.type != "cpu" or torch.compiler.is_compiling():
+    if x.device.type != "cpu":
         return None
     return module._ak_lookup((inter,), x.dtype)
 
