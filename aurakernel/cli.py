@@ -491,7 +491,7 @@ def bench(
     """Run a benchmark suite. kernels (default): every operator (fwd + bwd) against eager and
     torch.compile, and the tiny model's training step; with --baseline, exit 1 naming each regression
     or unverified kernel. search-quality: per operator and shape, the planner's pick timed against
-    the other candidates of its tiling space (benchmarks/search_quality.py)."""
+    the other candidates of its tiling space (aurakernel/bench/search_quality.py)."""
     if suite_name not in ("kernels", "search-quality"):
         raise UserError(f"unknown benchmark suite {suite_name!r}: accepted are kernels, search-quality")
     kernels_only = [flag for flag, given in (("--quick", quick), ("--baseline", baseline is not None),
@@ -570,7 +570,7 @@ def bench(
 
 def _bench_search_quality(names: list[str] | None, shapes_per_op: int | None, max_candidates: int | None,
                           db: str | None, out_dir: str | None, as_json: bool) -> None:
-    from benchmarks import search_quality
+    from .bench import search_quality
 
     from .db import TuningDB
     from .paths import write_text_atomic

@@ -1,4 +1,4 @@
-"""calibrate --fit (planner/fit.py) and `aurakernel bench search-quality` (benchmarks/search_quality.py)."""
+"""calibrate --fit (planner/fit.py) and `aurakernel bench search-quality` (aurakernel/bench/search_quality.py)."""
 
 from __future__ import annotations
 
@@ -178,7 +178,7 @@ def test_ascend_fit_recovers_scales_and_the_overlay_reaches_the_planner_only(tmp
 # --- bench search-quality ------------------------------------------------------------------------
 
 def test_search_quality_shapes_and_sampling():
-    from benchmarks import search_quality as sq
+    from aurakernel.bench import search_quality as sq
 
     for name, spec in OPS.items():
         shapes = sq.shapes(spec, spec.variants[0])
@@ -191,7 +191,7 @@ def test_search_quality_shapes_and_sampling():
 
 
 def test_search_quality_one_small_problem(tmp_path):
-    from benchmarks import search_quality as sq
+    from aurakernel.bench import search_quality as sq
 
     db = TuningDB(tmp_path / "tuning.sqlite")
     problem = OPS["rms_norm"].problem("64x256", "fp32", "weighted")
@@ -210,7 +210,7 @@ def test_search_quality_one_small_problem(tmp_path):
 
 
 def test_bench_suite_argument_keeps_the_kernels_options_apart():
-    from benchmarks import search_quality as sq
+    from aurakernel.bench import search_quality as sq
 
     for args, message in ((["bench", "search-quality", "--quick"], "--quick: option(s) of the kernels suite"),
                           (["bench", "--max-candidates", "3"], "--max-candidates: option(s) of `aurakernel bench "
@@ -226,7 +226,7 @@ def test_bench_suite_argument_keeps_the_kernels_options_apart():
 
 def test_search_quality_times_an_optimizer_step_too():
     """adamw is an optimizer, not a module: its candidates are timed as FusedAdamW steps."""
-    from benchmarks import search_quality as sq
+    from aurakernel.bench import search_quality as sq
 
     result = sq.run(problem_list=[OPS["adamw"].problem("65536", "fp32")], max_candidates=2)
     (row,) = result["rows"]

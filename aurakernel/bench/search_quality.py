@@ -41,18 +41,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 
-from aurakernel import __version__
-from aurakernel.bench import machine_info
-from aurakernel.build import build_kernel
-from aurakernel.db import Record, TuningDB
-from aurakernel.dtypes import shape_text
-from aurakernel.errors import BuildError, UserError
-from aurakernel.hardware import HardwareProfile, host_profile
-from aurakernel.measure import compare
-from aurakernel.ops import OPS, OpSpec, Problem
-from aurakernel.planner import solve_tiling
-from aurakernel.planner.fit import feasible_choices
-from aurakernel.verify import verify
+from .. import __version__
+from ..build import build_kernel
+from ..db import Record, TuningDB
+from ..dtypes import shape_text
+from ..errors import BuildError, UserError
+from ..hardware import HardwareProfile, host_profile
+from ..measure import compare
+from ..ops import OPS, OpSpec, Problem
+from ..planner import solve_tiling
+from ..planner.fit import feasible_choices
+from ..verify import verify
+from .kernels import machine_info
 
 SCHEMA = 1
 SHAPES_PER_OP = 3
