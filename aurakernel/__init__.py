@@ -3,7 +3,7 @@
 profile -> plan (MILP/CP) -> render (Jinja) -> build -> verify -> measure -> record -> swap.
 """
 
-__version__ = "0.1.0"
+from .version import __version__
 
 
 def apply(model, plan, **kwargs):

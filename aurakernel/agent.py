@@ -22,7 +22,7 @@ from .ops.base import OpSpec, Problem
 from .paths import default_db_path, write_text_atomic
 from .planfile import KernelPlan, PlanEntry
 from .planner import Plan, solve_tiling
-from .profiler import ProfileReport, profile_training
+from .profiler import ProfileReport, Workload, profile_training
 from .verify import Verification, verify
 
 if TYPE_CHECKING:
@@ -158,9 +158,9 @@ def problems_from_profile(report: ProfileReport) -> list[Problem]:
     return list(found.values())
 
 
-def autotune(cfg, *, target: str = "host", solver: str = "highs", db_path=None, with_compiled: bool = False,
-             profile_steps: int = 3, progress=None) -> AutotuneResult:
-    """Profile the config's training step, tune every group that has an OpSpec, build the plan."""
+def autotune(workload: Workload, *, target: str = "host", solver: str = "highs", db_path=None,
+             with_compiled: bool = False, profile_steps: int = 3, progress=None) -> AutotuneResult:
+    """Profile the workload's training step, tune every group that has an OpSpec, build the plan."""
     hw = load_profile(target)
     if hw.kind != "host":
         raise UserError(f"target {target!r} is an {hw.kind} profile: autotune builds host kernels here "
@@ -168,8 +168,8 @@ def autotune(cfg, *, target: str = "host", solver: str = "highs", db_path=None, 
     db = TuningDB(db_path or default_db_path())
     if progress:
         progress(f"profiling {profile_steps} training steps")
-    report = profile_training(cfg, steps=profile_steps, hw=hw)
-    plan = KernelPlan(target=target, config=cfg.path, hardware=hw.fingerprint(),
+    report = profile_training(workload, steps=profile_steps, hw=hw)
+    plan = KernelPlan(target=target, config=workload.config_path, hardware=hw.fingerprint(),
                       profile=[{"name": g.name, "kind": g.kind, "time_us": g.time_us, "share": g.share,
                                 "calls": g.calls, "ops": g.ops, "saving_us": g.saving_us, "tunable": g.tunable}
                                for g in report.groups])
@@ -210,9 +210,9 @@ class AscendAutotuneResult:
         return {"projects": [r.to_json() for r in self.projects], "skipped": self.skipped}
 
 
-def autotune_ascend(cfg, *, target: str, out_dir, solver: str = "highs", profile_steps: int = 2,
+def autotune_ascend(workload: Workload, *, target: str, out_dir, solver: str = "highs", profile_steps: int = 2,
                     progress=None) -> AscendAutotuneResult:
-    """The config's op groups (profiled on the host) planned for an Ascend target: one AscendC op
+    """The workload's op groups (profiled on the host) planned for an Ascend target: one AscendC op
     project per problem that has an AscendC kernel, under out_dir/<op>_<variant>_<shape>_<dtype>/,
     each verified in the emulator; summary.json lists them and what was skipped, and why."""
     from pathlib import Path
@@ -224,7 +224,7 @@ def autotune_ascend(cfg, *, target: str, out_dir, solver: str = "highs", profile
     out = Path(out_dir)
     if progress:
         progress(f"profiling {profile_steps} training steps on the host")
-    report = profile_training(cfg, steps=profile_steps, hw=load_profile("host"))
+    report = profile_training(workload, steps=profile_steps, hw=load_profile("host"))
     projects, skipped = [], []
     for problem in problems_from_profile(report):
         spec = OPS[problem.op]

@@ -147,6 +147,7 @@ def autotune(
     For an Ascend target (--target ascend910b2 ...): --out is a directory that receives one
     verified AscendC op project per group that has an AscendC kernel, and summary.json."""
     from trainer.config import load_config
+    from trainer.train import workload
 
     from .agent import autotune as run_autotune
     from .hardware import load_profile
@@ -157,7 +158,7 @@ def autotune(
         return
     _ensure_calibrated(target)
     with err.status("autotune...") as status:
-        result = run_autotune(cfg, target=target, solver=solver, db_path=db, with_compiled=compiled,
+        result = run_autotune(workload(cfg), target=target, solver=solver, db_path=db, with_compiled=compiled,
                               progress=lambda msg: status.update(f"autotune: {msg}"))
     path = result.plan.save(out_path)
     if chart:
@@ -180,11 +181,13 @@ def autotune(
 
 
 def _autotune_ascend(cfg, target: str, out_dir: str, solver: str, as_json: bool) -> None:
+    from trainer.train import workload
+
     from .agent import autotune_ascend
 
     _ensure_calibrated("host")   # the profile runs on the host
     with err.status("autotune...") as status:
-        result = autotune_ascend(cfg, target=target, out_dir=out_dir, solver=solver,
+        result = autotune_ascend(workload(cfg), target=target, out_dir=out_dir, solver=solver,
                                  progress=lambda msg: status.update(f"autotune: {escape(msg)}"))
     if as_json:
         print(json.dumps(result.to_json(), default=str))
@@ -251,11 +254,14 @@ def profile(
     if target is None:
         if seq is not None or batch is not None or world_size is not None:
             raise UserError("--seq, --batch and --world-size shape a modeled profile: add --target PROFILE")
+        from trainer.train import workload
+
+        from .hardware import load_profile
         from .profiler import profile_training
 
         _ensure_calibrated(cfg.hardware.target)
         with err.status("profiling..."):
-            report = profile_training(cfg, steps=steps, kernels=kernels)
+            report = profile_training(workload(cfg, kernels), steps=steps, hw=load_profile(cfg.hardware.target))
         if chart:
             report.save_chart(chart)
         if as_json:
@@ -265,11 +271,14 @@ def profile(
         return
     if kernels is not None:
         raise UserError("--kernels applies to a measured profile; a modeled one (--target) plans its own kernels")
+    from trainer.dryrun import build_meta_model
+
     from .modeled import modeled_profile
 
     _ensure_calibrated(target)
     with err.status(f"tracing one training step on the meta device and modeling it on {target}..."):
-        result = modeled_profile(cfg, target, seq_len=seq, batch_size=batch, world_size=world_size)
+        result = modeled_profile(build_meta_model(cfg.model), target, seq_len=seq or cfg.data.seq_len,
+                                 batch_size=batch or cfg.data.batch_size, world_size=world_size, config_path=cfg.path)
     if chart:
         result.save_chart(chart)
     if as_json:

@@ -25,7 +25,7 @@ where the operator has an AscendC kernel, the host plan on the host), other ops 
 at the roofline of the operator's Work, and everything else is unchanged. The remainder of a group
 (ops no kernel covers) keeps its modeled eager time: a group's kernels replace only the share of
 its bytes their problems account for.
-MFU = model FLOPs of the step (trainer.metrics: 6 x active params + attention) / (step time x peak).
+MFU = model FLOPs of the step (aurakernel.flops: 6 x active params + attention) / (step time x peak).
 """
 
 from __future__ import annotations
@@ -332,30 +332,25 @@ def _representative_model(config):
     return model.to(torch.bfloat16).train(), list(kinds.values())
 
 
-def modeled_profile(cfg, target: str, *, seq_len: int | None = None, batch_size: int | None = None,
-                    world_size: int | None = None) -> ModeledProfile:
-    """Trace one training step of `cfg`'s model at (batch_size x seq_len) tokens per device on the meta
-    device and model it on `target` (world_size devices; None: default_world_size); see the module
-    docstring."""
+def modeled_profile(full: torch.nn.Module, target: str, *, seq_len: int, batch_size: int,
+                    world_size: int | None = None, config_path: str | None = None) -> ModeledProfile:
+    """Trace one training step of `full` (a DeepseekV4ForCausalLM on the meta device: the CLI builds
+    it from the config) at (batch_size x seq_len) tokens per device and model it on `target`
+    (world_size devices; None: default_world_size); see the module docstring."""
     import torch.nn.functional as F
 
-    from trainer.dryrun import build_meta_model
-    from trainer.metrics import flops_per_token
-
     from .dtypes import DType
+    from .flops import flops_per_token
     from .hardware import load_profile
     from .ops import attn_softmax, rope
     from .ops.base import Problem
 
     hw = load_profile(target)
-    seq_len = seq_len or cfg.data.seq_len
-    batch_size = batch_size or cfg.data.batch_size
     if seq_len < 1 or batch_size < 1 or (world_size is not None and world_size < 1):
         raise UserError(f"seq {seq_len}, batch {batch_size}, world size {world_size}: each must be >= 1")
     peak = hw.peak_tflops.get("bf16") or hw.peak_tflops.get("fp32") or 0.0
     if peak <= 0:
         raise UserError(f"target {target}: its profile has no bf16 or fp32 peak_tflops to model matmuls with")
-    full = build_meta_model(cfg.model)
     if world_size is None:
         world_size = default_world_size(sum(p.numel() for p in full.parameters()), hw)
     comm_gbps = float(hw.extra.get("collective_gbps", 0.0))
@@ -441,7 +436,7 @@ def modeled_profile(cfg, target: str, *, seq_len: int | None = None, batch_size:
         g.share = g.time_us / step if step else 0.0
     groups.sort(key=lambda g: -g.time_us)
     flops = flops_per_token(full, seq_len) * tokens
-    return ModeledProfile(cfg.path, hw.name, seq_len, batch_size, world_size, tokens, flops, peak, step,
+    return ModeledProfile(config_path, hw.name, seq_len, batch_size, world_size, tokens, flops, peak, step,
                           step_after, groups)
 
 

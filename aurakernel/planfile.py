@@ -12,7 +12,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import __version__
+from .version import __version__
 from .errors import UserError
 from .paths import read_json_object, write_text_atomic
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -24,8 +25,10 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
 
+from .dtypes import DType
 from .hardware import HardwareProfile
 from .ops import OPS
+from .ops.base import Problem
 
 GROUP_OF_MODULE: list[tuple[type, str]] = [
     (v4.DeepseekV4RMSNorm, "rms_norm"),
@@ -238,27 +241,28 @@ def _attribute(events) -> tuple[dict[str, float], dict[str, int], float]:
     return times, counts, total
 
 
-def profile_training(cfg, steps: int = 3, warmup: int = 1, hw: HardwareProfile | None = None,
-                     kernels=None) -> ProfileReport:
-    """Profile `steps` training steps of the config's model (after `warmup` unprofiled ones)."""
-    from trainer.data import TokenBatches
-    from trainer.model import build_model
-    from trainer.train import make_run, train_step
+@dataclass
+class Workload:
+    """What the profiler (and autotune) measure, handed in by the caller (the CLI builds it from the
+    trainer: trainer.train.workload): the model, one training step on it (forward, backward and
+    the optimizer update; it draws its own batch), and the loss it computes outside any module."""
 
+    model: nn.Module
+    step: Callable[[], object]
+    loss_rows: int            # rows of the logits the loss reads per step (tokens)
+    loss_dtype: DType         # the logits' dtype
+    config_path: str | None = None   # recorded in the plan autotune writes
+
+
+def profile_training(workload: Workload, steps: int = 3, warmup: int = 1,
+                     hw: HardwareProfile | None = None) -> ProfileReport:
+    """Profile `steps` training steps of the workload (after `warmup` unprofiled ones)."""
     from .hardware import load_profile
 
-    hw = hw or load_profile(cfg.hardware.target)
-    model = build_model(cfg.model, cfg.train.seed)
-    report = None
-    if kernels is not None:
-        from .swap import apply
-        report = apply(model, kernels)
-    run = make_run("profile", model, cfg, adamw_kernel=report.optimizer_kernel if report else None)
-    run.apply_report = report
-    batches = TokenBatches(cfg.data.source, cfg.data.path, cfg.data.seq_len, cfg.data.batch_size,
-                           model.config.vocab_size, cfg.train.seed)
+    hw = hw or load_profile("host")
+    model = workload.model
     for _ in range(warmup):
-        train_step(run, next(batches), cfg)
+        workload.step()
     from .ops import attn_softmax, rope
 
     hooks = _Hooks(model)
@@ -268,21 +272,17 @@ def profile_training(cfg, steps: int = 3, warmup: int = 1, hw: HardwareProfile |
                 profile(activities=[ProfilerActivity.CPU], record_shapes=False) as prof:
             for _ in range(steps):
                 with record_function("ak.step"):
-                    train_step(run, next(batches), cfg)
+                    workload.step()
     finally:
         hooks.remove()
     times, counts, total = _attribute(prof.events())
     # the optimizer update is one problem per step: the largest fp32 parameter sets its size
     largest = max((p.numel() for p in model.parameters() if p.dtype == torch.float32), default=0)
-    from .dtypes import DType
-    from .ops.base import Problem
     if largest:
         hooks.problems[("adamw", Problem("adamw", "default", (largest,), DType.fp32))] += steps
     # the loss: one row per token over the vocabulary, in the dtype the LM head produces
-    logits_dtype = DType.bf16 if cfg.train.dtype == "bf16" else DType.fp32
-    rows = cfg.data.batch_size * cfg.data.seq_len
-    hooks.problems[("cross_entropy", Problem("cross_entropy", "default", (rows, model.config.vocab_size),
-                                             logits_dtype))] += steps
+    hooks.problems[("cross_entropy", Problem("cross_entropy", "default", (workload.loss_rows, model.config.vocab_size),
+                                             workload.loss_dtype))] += steps
     return _report(times, counts, total, steps, hooks, hw)
 
 

@@ -8,6 +8,7 @@ import torch
 from aurakernel.hardware import load_profile
 from aurakernel.modeled import _matmul_flops, default_world_size, modeled_profile
 from trainer.config import load_config
+from trainer.dryrun import build_meta_model
 
 from conftest import REPO, TINY
 
@@ -17,7 +18,8 @@ FLASH = str(REPO / "trainer" / "configs" / "flash.yaml")
 @pytest.fixture(scope="module")
 def flash():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    result = modeled_profile(load_config(FLASH), "ascend910b2", seq_len=256, batch_size=1)
+    cfg = load_config(FLASH)
+    result = modeled_profile(build_meta_model(cfg.model), "ascend910b2", seq_len=256, batch_size=1, config_path=cfg.path)
     grown_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
     return result, grown_kb
 

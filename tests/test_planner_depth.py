@@ -91,7 +91,8 @@ def test_cross_entropy_plan_carries_the_schedule():
 def forward_in_emulator(exe, knobs, logits, labels):
     """The forward kernel alone: per-row loss and lse, and the emulator's report."""
     from aurakernel import emulator
-    from aurakernel.backends.ascendc import from_bytes, row_split, to_bytes
+    from aurakernel.emulator import from_bytes, to_bytes
+    from aurakernel.planner.ascend import row_split
     rows, vocab = logits.shape
     block_rows, block_dim = row_split(rows, knobs["block_dim"])
     tiling = struct.pack("<5Iif", rows, vocab, block_rows, knobs["col_tile"], knobs["chunk"], -100, 1.0)
@@ -144,7 +145,8 @@ def test_solved_schedule_beats_the_plain_order_in_the_emulator():
 def mhc_pre_forward_in_emulator(exe, spec, knobs, inputs):
     """The mhc_pre forward kernel alone: y, post, comb and the emulator's report."""
     from aurakernel import emulator
-    from aurakernel.backends.ascendc import from_bytes, row_split, to_bytes
+    from aurakernel.emulator import from_bytes, to_bytes
+    from aurakernel.planner.ascend import row_split
     x = inputs["x"]
     rows, hc, d = x.shape
     block_rows, block_dim = row_split(rows, knobs["block_dim"])

@@ -5,6 +5,7 @@ import pytest
 from aurakernel.agent import problems_from_profile
 from aurakernel.profiler import profile_training
 from trainer.config import load_config
+from trainer.train import workload
 
 from conftest import TINY
 
@@ -13,7 +14,7 @@ from conftest import TINY
 def report():
     cfg = load_config(TINY)
     cfg.data.seq_len, cfg.data.batch_size = 160, 2
-    return cfg, profile_training(cfg, steps=1, warmup=1)
+    return cfg, profile_training(workload(cfg), steps=1, warmup=1)
 
 
 def test_groups_cover_the_step(report):

@@ -283,6 +283,23 @@ def prepare_run(label: str, model: torch.nn.Module, cfg: TrainConfig, world: Dis
     return run
 
 
+def workload(cfg: TrainConfig, kernels=None):
+    """The config's training step as AuraKernel's profiler and autotune take it: a fresh model (with
+    the plan `kernels` applied, when given), one full step on the config's data per call."""
+    from aurakernel import apply
+    from aurakernel.dtypes import DType
+    from aurakernel.profiler import Workload
+
+    model = build_model(cfg.model, cfg.train.seed)
+    report = apply(model, kernels) if kernels is not None else None
+    run = make_run("profile", model, cfg, adamw_kernel=report.optimizer_kernel if report else None)
+    run.apply_report = report
+    batches = TokenBatches(cfg.data.source, cfg.data.path, cfg.data.seq_len, cfg.data.batch_size,
+                           model.config.vocab_size, cfg.train.seed)
+    return Workload(model, lambda: train_step(run, next(batches), cfg), cfg.data.batch_size * cfg.data.seq_len,
+                    DType.bf16 if cfg.train.dtype == "bf16" else DType.fp32, cfg.path)
+
+
 # -- one step
 
 

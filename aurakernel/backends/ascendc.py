@@ -136,25 +136,6 @@ class Emulated:
         return self._exes[entry]
 
 
-def row_split(rows: int, block_dim: int) -> tuple[int, int]:
-    """(rows per core, cores used) when `rows` are split evenly over at most `block_dim` cores."""
-    block_rows = -(-rows // min(rows, block_dim))
-    return block_rows, -(-rows // block_rows)
-
-
-def ub_pitch(cols: int, itemsize: int) -> int:
-    """Elements per UB row: `cols` rounded up to 32 B (DataCopyPad pads each row to it)."""
-    return -(-cols * itemsize // 32) * 32 // itemsize
-
-
-def to_bytes(t: torch.Tensor) -> bytearray:
-    return bytearray(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
-
-
-def from_bytes(buf: bytearray, like: torch.Tensor) -> torch.Tensor:
-    return torch.frombuffer(buf, dtype=torch.uint8).view(like.dtype).reshape(like.shape).clone()
-
-
 def verify(spec: OpSpec, problems: list[Problem], knobs: dict[str, int], emu: Emulated, seeds=SEEDS) -> Verification:
     """Forward and backward in the emulator against the PyTorch reference (verify.check_case);
     a broken hardware rule fails the case with the emulator's message."""

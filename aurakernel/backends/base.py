@@ -10,9 +10,17 @@ from typing import Protocol
 import torch
 
 from ..codegen import Source
-from ..ops.base import Entry
 
 _CTYPES = {"ptr": ctypes.c_void_p, "i64": ctypes.c_int64, "f32": ctypes.c_float}
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A C entry point: its symbol, argument kinds ('ptr', 'i64', 'f32') and result kind."""
+
+    symbol: str
+    args: tuple[str, ...]
+    result: str | None = None
 
 
 @dataclass

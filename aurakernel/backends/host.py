@@ -21,9 +21,8 @@ import torch  # noqa: F401  (loads torch's libgomp first so kernels share it)
 
 from ..codegen import Source
 from ..errors import BuildError
-from ..ops.base import Entry
 from ..paths import cache_dir
-from .base import Kernel
+from .base import Entry, Kernel
 
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno",
           "-fno-trapping-math")  # no FP traps: lets floorf, selects and clamps vectorise

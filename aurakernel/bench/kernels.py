@@ -107,17 +107,17 @@ def train_step_compare(config: str = "trainer/configs/tiny.yaml", plan=None, ste
     None) swapped in and, with `with_compiled`, torch.compile of each of the two."""
     from trainer.config import load_config
     from trainer.data import TokenBatches
-    from trainer.metrics import flops_per_token, mfu
     from trainer.model import build_model
-    from trainer.train import make_run, train_step
+    from trainer.train import make_run, train_step, workload
 
     from .. import apply
+    from ..flops import flops_per_token, mfu
 
     cfg = load_config(config)
     if plan is None:
         from ..agent import autotune
         log("autotune of the training config")
-        plan = autotune(cfg).plan
+        plan = autotune(workload(cfg)).plan
     base = build_model(cfg.model, cfg.train.seed)
     runs = {"eager": make_run("eager", copy.deepcopy(base), cfg)}
     if with_compiled:

@@ -20,6 +20,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from ..errors import BuildError
 from ..hardware import HardwareProfile
 from ..paths import cache_dir
@@ -146,3 +148,13 @@ def run(exe: Path, block_dim: int, buffers: list[bytearray], timeout_s: float = 
                                          blk["gm_written"], blk["ub_used"], [tuple(x) for x in blk["buffers"]],
                                          blk["error"]))
     return report
+
+
+# --- tensors as GM buffers -------------------------------------------------------------------------
+
+def to_bytes(t: torch.Tensor) -> bytearray:
+    return bytearray(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+
+
+def from_bytes(buf: bytearray, like: torch.Tensor) -> torch.Tensor:
+    return torch.frombuffer(buf, dtype=torch.uint8).view(like.dtype).reshape(like.shape).clone()

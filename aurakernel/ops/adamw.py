@@ -111,7 +111,8 @@ class AdamWSpec(OpSpec):
         import numpy as np
 
         from .. import emulator
-        from ..backends.ascendc import from_bytes, row_split, to_bytes
+        from ..emulator import from_bytes, to_bytes
+        from ..planner.ascend import row_split
         (n,) = inputs["p"].shape
         block_rows, block_dim = row_split(math.ceil(n / ELEMS_PER_ROW), knobs["block_dim"])
         beta1, beta2 = HYPER["betas"]

@@ -156,7 +156,7 @@ class AttnSoftmaxSpec(OpSpec):
     ascend_compute_waits_scalar = {"forward": True, "backward": True}
 
     def ascend_phases(self, problem: Problem):
-        from ..backends.ascendc import ub_pitch
+        from ..planner.ascend import ub_pitch
         from ..planner.ascend import AscendRowPhase
         batch, heads, seq, keys = problem.shape
         cast = 0 if problem.dtype is DType.fp32 else 1
@@ -198,7 +198,7 @@ class AttnSoftmaxSpec(OpSpec):
         """Forward and backward kernels in the emulator: (outputs, grads, {phase: RunReport}). The
         saved row max and sum are indexed in the kernel's (b, s, h) row order."""
         from .. import emulator
-        from ..backends.ascendc import from_bytes, to_bytes
+        from ..emulator import from_bytes, to_bytes
         s = inputs["scores"].contiguous()
         batch, heads, seq, keys = s.shape
         mask, msb, mss = _mask_rows(inputs["mask"], s)
@@ -228,7 +228,7 @@ def ascend_tiling(shape, has_mask: bool, msb: int, mss: int, knobs: dict[str, in
     computes the same fields."""
     import struct
 
-    from ..backends.ascendc import row_split
+    from ..planner.ascend import row_split
     batch, heads, seq, keys = shape
     pitch = -(-(keys + 1) // 16) * 16          # UB row pitch: 32 B in T and in fp32
     block_rows, block_dim = row_split(batch * heads * seq, knobs["block_dim"])

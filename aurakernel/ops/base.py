@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from ..dtypes import DType, parse_shape, shape_text
+from ..backends.base import Entry  # noqa: F401 - the ops' C entry points are declared with it
 from ..errors import UserError
 from ..patch.install import install
 
@@ -56,15 +57,6 @@ class Work:
 class Tolerance:
     atol: float
     rtol: float
-
-
-@dataclass(frozen=True)
-class Entry:
-    """A C entry point: its symbol, argument kinds ('ptr', 'i64', 'f32') and result kind."""
-
-    symbol: str
-    args: tuple[str, ...]
-    result: str | None = None
 
 
 @dataclass(frozen=True)

@@ -289,7 +289,7 @@ class CompressorSpec(OpSpec):
     def ascend_run(self, problem: Problem, knobs: dict[str, int], inputs: Tensors, grad_out: Tensors, emu):
         """Forward and backward kernels in the emulator: (outputs, grads, {phase: RunReport})."""
         from .. import emulator
-        from ..backends.ascendc import from_bytes, to_bytes
+        from ..emulator import from_bytes, to_bytes
         kv, gate = inputs["kv"], inputs["gate"]
         ratio, d = inputs["position_bias"].shape[0], inputs["weight"].shape[0]
         batch, windows = kv.shape[0], kv.shape[1] // ratio

@@ -125,7 +125,8 @@ class CrossEntropySpec(OpSpec):
         import struct
 
         from .. import emulator
-        from ..backends.ascendc import from_bytes, row_split, to_bytes
+        from ..emulator import from_bytes, to_bytes
+        from ..planner.ascend import row_split
         logits, labels = inputs["logits"], inputs["labels"].to(torch.int64)
         rows, vocab = logits.shape
         block_rows, block_dim = row_split(rows, knobs["block_dim"])

@@ -206,7 +206,8 @@ class IndexerScoreSpec(OpSpec):
         import struct
 
         from .. import emulator
-        from ..backends.ascendc import from_bytes, row_split, to_bytes
+        from ..emulator import from_bytes, to_bytes
+        from ..planner.ascend import row_split
         q, k = inputs["q"].contiguous(), inputs["k"].contiguous()
         hidden, proj = inputs["hidden"], inputs["proj"]
         batch, seq, heads, dim = q.shape

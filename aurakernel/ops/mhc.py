@@ -250,7 +250,8 @@ class MhcSpec(OpSpec):
         import struct
 
         from .. import emulator
-        from ..backends.ascendc import from_bytes, row_split, to_bytes
+        from ..emulator import from_bytes, to_bytes
+        from ..planner.ascend import row_split
         x = inputs["x"]
         rows, hc, d = x.shape
         n, w = self.nout(hc), hc * d

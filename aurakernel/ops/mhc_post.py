@@ -140,7 +140,8 @@ class MhcPostSpec(OpSpec):
         import struct
 
         from .. import emulator
-        from ..backends.ascendc import from_bytes, row_split, to_bytes, ub_pitch
+        from ..emulator import from_bytes, to_bytes
+        from ..planner.ascend import row_split, ub_pitch
         h = inputs["h"]
         rows, hc, d = h.shape
         block_rows, block_dim = row_split(rows, knobs["block_dim"])

@@ -156,7 +156,8 @@ class RmsNormSpec(OpSpec):
         import struct
 
         from .. import emulator
-        from ..backends.ascendc import from_bytes, row_split, to_bytes, ub_pitch
+        from ..emulator import from_bytes, to_bytes
+        from ..planner.ascend import row_split, ub_pitch
         x = inputs["x"]
         rows, cols = x.shape
         weighted = problem.variant == "weighted"

@@ -168,7 +168,7 @@ class RopeSpec(OpSpec):
     def ascend_run(self, problem: Problem, knobs: dict[str, int], inputs: Tensors, grad_out: Tensors, emu):
         """Forward and backward kernels in the emulator: (outputs, grads, {phase: RunReport})."""
         from .. import emulator
-        from ..backends.ascendc import from_bytes, to_bytes
+        from ..emulator import from_bytes, to_bytes
         x, cos, sin = inputs["x"], inputs["cos"], inputs["sin"]
         b, h, s, d = x.shape
         half = cos.shape[-1]
@@ -199,7 +199,7 @@ def ascend_tiling(shape, x_strides, cs_strides, rope_dim: int, itemsize: int,
     host tiling function (host.cpp.j2) computes the same fields."""
     import struct
 
-    from ..backends.ascendc import row_split, ub_pitch
+    from ..planner.ascend import row_split, ub_pitch
     b, h, s, d = shape
     rope_pitch = -(-rope_dim // 16) * 16                 # UB row pitch of the rope slice: 32 B in T and in fp32
     cos_pitch = rope_pitch // 2

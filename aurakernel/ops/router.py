@@ -221,7 +221,8 @@ class RouterSpec(OpSpec):
         import struct
 
         from .. import emulator
-        from ..backends.ascendc import from_bytes, row_split, to_bytes, ub_pitch
+        from ..emulator import from_bytes, to_bytes
+        from ..planner.ascend import row_split, ub_pitch
         logits = inputs["logits"]
         rows, experts = logits.shape
         top_k = problem.shape[2]

@@ -113,7 +113,8 @@ class SwigluSpec(OpSpec):
         import struct
 
         from .. import emulator
-        from ..backends.ascendc import from_bytes, row_split, to_bytes, ub_pitch
+        from ..emulator import from_bytes, to_bytes
+        from ..planner.ascend import row_split, ub_pitch
         gate_up = inputs["gate_up"]
         rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
         block_rows, block_dim = row_split(rows, knobs["block_dim"])

@@ -71,6 +71,17 @@ def _pow2_upto(limit: int, start: int = 1) -> list[int]:
     return out
 
 
+def row_split(rows: int, block_dim: int) -> tuple[int, int]:
+    """(rows per core, cores used) when `rows` are split evenly over at most `block_dim` cores."""
+    block_rows = -(-rows // min(rows, block_dim))
+    return block_rows, -(-rows // block_rows)
+
+
+def ub_pitch(cols: int, itemsize: int) -> int:
+    """Elements per UB row: `cols` rounded up to 32 B (DataCopyPad pads each row to it)."""
+    return -(-cols * itemsize // 32) * 32 // itemsize
+
+
 def align32(b: float) -> int:
     """Bytes rounded up to the 32 B a UB buffer (and a DataCopy) must span."""
     return int(math.ceil(b / 32) * 32)
