@@ -16,4 +16,11 @@ def apply(model, plan, **kwargs):
     return _apply(model, plan, **kwargs)
 
 
-__all__ = ["__version__", "apply"]
+def register(spec):
+    """Add a third-party operator (an OpSpec) to the library; see aurakernel/ops/__init__.py."""
+    from .ops import register as _register
+
+    return _register(spec)
+
+
+__all__ = ["__version__", "apply", "register"]

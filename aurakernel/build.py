@@ -16,7 +16,7 @@ _BUILT: dict[str, Kernel] = {}
 
 def build_kernel(spec: OpSpec, problem: Problem, knobs: dict[str, int], target_kind: str = "host") -> Kernel:
     params = spec.render_params(problem, knobs)
-    source = render(spec.template(target_kind), params)
+    source = render(spec.template(target_kind), params, spec.template_dirs)
     kernel = _BUILT.get(source.hash)
     if kernel is None:
         kernel = backend_for(target_kind).build(source, spec.entries)

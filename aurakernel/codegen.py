@@ -29,10 +29,12 @@ class Source:
         object.__setattr__(self, "hash", hashlib.sha256(self.text.encode()).hexdigest()[:20])
 
 
-@lru_cache(maxsize=1)
-def environment() -> jinja2.Environment:
+@lru_cache(maxsize=16)
+def environment(search: tuple[str, ...] = ()) -> jinja2.Environment:
+    """Templates from templates/, then from `search` (an operator's own template folders: a
+    third-party operator's kernel can include AuraKernel's common headers)."""
     return jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(TEMPLATES_DIR)),
+        loader=jinja2.FileSystemLoader([str(TEMPLATES_DIR), *search]),
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
         autoescape=False,
@@ -58,8 +60,8 @@ def _check_value(name: str, value: Any) -> None:
                     f"enum members and sequences of them may reach generated source")
 
 
-def render(template: str, params: dict[str, Any]) -> Source:
+def render(template: str, params: dict[str, Any], search=()) -> Source:
     for name, value in params.items():
         _check_value(name, value)
-    text = environment().get_template(template).render(**params)
+    text = environment(tuple(str(p) for p in search)).get_template(template).render(**params)
     return Source(template, text)

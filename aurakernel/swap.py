@@ -34,7 +34,7 @@ from .build import build_kernel
 from .dtypes import DType, parse_shape
 from .errors import BuildError
 from .hardware import load_profile
-from .ops import get_op
+from .ops import OPS, get_op
 from .ops.base import Problem
 from .planfile import KernelPlan, PlanEntry
 from .verify import verify
@@ -74,9 +74,11 @@ class ApplyReport:
 
 
 def deepseek_v4_sites(model: torch.nn.Module) -> list[Site]:
-    """Every module of a DeepSeek-V4 model the operator library covers."""
-    cfg = model.config
-    sites = []
+    """Every module of a DeepSeek-V4 model the operator library covers, and those registered
+    operators (OpSpec.sites) say they patch, in any model."""
+    cfg = getattr(model, "config", None)
+    sites = [Site(name, module, spec.name, variant, tuple(key) if key is not None else None)
+             for spec in OPS.values() for name, module, variant, key in spec.sites(model)]
     for name, module in model.named_modules():
         if isinstance(module, DeepseekV4RMSNorm):
             sites.append(Site(name, module, "rms_norm", "weighted", (module.weight.shape[0],)))

@@ -1,6 +1,16 @@
-"""The operator library: one OpSpec per operator, registered by name."""
+"""The operator library: one OpSpec per operator, registered by name.
+
+Operators from outside AuraKernel join it without an edit here: a package declares its OpSpec in
+the `aurakernel.ops` entry-point group (`toy = my_package:SPEC` under `[project.entry-points."aurakernel.ops"]`),
+loaded when this module is imported, or calls `aurakernel.register(spec)`. Its spec names its
+template folders (OpSpec.template_dirs) and the modules it patches (OpSpec.sites); `aurakernel ops`
+lists it and `tune` tunes it like a built-in one.
+"""
 
 from __future__ import annotations
+
+import warnings
+from importlib.metadata import entry_points
 
 from ..errors import UserError
 from .base import OpSpec, Problem
@@ -21,6 +31,36 @@ OPS: dict[str, OpSpec] = {spec.name: spec for spec in (RMS_NORM, MHC_PRE, MHC_PO
                                                         COMPRESSOR, INDEXER_SCORE, CROSS_ENTROPY, ADAMW)}
 
 
+ENTRY_POINT_GROUP = "aurakernel.ops"
+
+
+def register(spec: OpSpec) -> OpSpec:
+    """Add an operator to the library (idempotent for the same spec); returns it."""
+    if not isinstance(spec, OpSpec):
+        raise UserError(f"register takes an OpSpec, got {type(spec).__name__}")
+    have = OPS.get(spec.name)
+    if have is not None and have is not spec:
+        raise UserError(f"operator {spec.name!r} is already registered (by {type(have).__module__}): "
+                        "choose another name")
+    OPS[spec.name] = spec
+    return spec
+
+
+def load_entry_points() -> list[str]:
+    """Register the OpSpecs that installed packages declare in the entry-point group; one that does
+    not load is a warning naming it, not a failure of the library. Returns the names registered."""
+    names = []
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            spec = ep.load()
+            register(spec() if callable(spec) and not isinstance(spec, OpSpec) else spec)
+            names.append(ep.name)
+        except Exception as exc:  # noqa: BLE001 - a broken plugin must not break the built-in operators
+            warnings.warn(f"aurakernel.ops entry point {ep.name!r} ({ep.value}) was not loaded: "
+                          f"{type(exc).__name__}: {exc}", stacklevel=2)
+    return names
+
+
 def get_op(name: str) -> OpSpec:
     spec = OPS.get(name)
     if spec is None:
@@ -28,4 +68,6 @@ def get_op(name: str) -> OpSpec:
     return spec
 
 
-__all__ = ["OPS", "OpSpec", "Problem", "get_op"]
+load_entry_points()
+
+__all__ = ["ENTRY_POINT_GROUP", "OPS", "OpSpec", "Problem", "get_op", "load_entry_points", "register"]

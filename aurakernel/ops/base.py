@@ -182,6 +182,15 @@ class OpSpec(ABC):
         """The visible outputs a gradient flows back through (not, e.g., integer indices)."""
         return self.visible_outputs()
 
+    # folders searched for this operator's templates after templates/ (a third-party operator's own)
+    template_dirs: ClassVar[tuple] = ()
+
+    def sites(self, model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str, tuple[int, ...] | None]]:
+        """(name, module, variant, kernel_key or None: per call) of each module of `model` this operator
+        patches, beyond the DeepSeek-V4 table in swap.py (which covers the built-in operators): how a
+        third-party operator says where it goes."""
+        return []
+
     # --- AscendC (backends/ascendc.py; templates/ascendc/<op>/): ops that ship a kernel there
     # implement ascend_phases (the planner's per-phase UB and pipe work), ascend_params (typed
     # template values) and ascend_run (forward and backward in the emulator). -------------------
