@@ -32,10 +32,11 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
 
 from .build import build_kernel
 from .dtypes import DType, parse_shape
-from .errors import BuildError
+from .errors import BuildError, UserError
 from .hardware import load_profile
 from .ops import OPS, get_op
 from .ops.base import Problem
+from .patch.install import Refused
 from .planfile import KernelPlan, PlanEntry
 from .verify import verify
 
@@ -116,8 +117,22 @@ def deepseek_v4_sites(model: torch.nn.Module) -> list[Site]:
     return sites
 
 
+_ADMISSIONS: dict[tuple, tuple[str | None, str | None]] = {}
+
+
 def _admit(entry: PlanEntry, simd_elems: int) -> tuple[str | None, str | None]:
-    """Rebuild and re-verify one plan entry; (source hash, None) or (None, reason)."""
+    """Rebuild and re-verify one plan entry; (source hash, None) or (None, reason). Done once per
+    process for an entry (rebuilding and re-verifying costs about a second per model otherwise), on
+    the CPU whatever the default device (a model built under `torch.device("meta")` included)."""
+    key = (entry.op, entry.variant, tuple(entry.kernel_key), entry.dtype, entry.shape,
+           tuple(sorted(entry.knobs.items())), entry.source_hash, simd_elems)
+    if key not in _ADMISSIONS:
+        with torch.device("cpu"):
+            _ADMISSIONS[key] = _rebuild_and_verify(entry, simd_elems)
+    return _ADMISSIONS[key]
+
+
+def _rebuild_and_verify(entry: PlanEntry, simd_elems: int) -> tuple[str | None, str | None]:
     try:
         spec = get_op(entry.op)
         dtype = DType.parse(entry.dtype, spec.dtypes)
@@ -141,9 +156,16 @@ def _admit(entry: PlanEntry, simd_elems: int) -> tuple[str | None, str | None]:
     return kernel.source_hash, None
 
 
-def apply(model: torch.nn.Module, plan: KernelPlan | str | Path, target: str = "host") -> ApplyReport:
-    if not isinstance(plan, KernelPlan):
+def apply(model: torch.nn.Module, plan: KernelPlan | dict | str | Path, target: str = "host") -> ApplyReport:
+    """Patch `model` with the verified kernels of `plan`: a KernelPlan, its dict (as json.load gives
+    it) or a plan file's path."""
+    if isinstance(plan, dict):
+        plan = KernelPlan.from_dict(plan)
+    elif isinstance(plan, str | Path):
         plan = KernelPlan.load(plan)
+    elif not isinstance(plan, KernelPlan):
+        raise UserError(f"apply takes a kernel plan (a KernelPlan, its dict or a plan file path), "
+                        f"got {type(plan).__name__}")
     report = ApplyReport()
     hw = load_profile(target)
     simd_elems = max(hw.simd_bytes // 4, 1)
@@ -180,7 +202,11 @@ def apply(model: torch.nn.Module, plan: KernelPlan | str | Path, target: str = "
         def lookup(key, dtype, keyed=keyed):
             return keyed.get(tuple(key), {}).get(dtype)
 
-        get_op(site.op).patch(site.module, lookup)
+        try:
+            get_op(site.op).patch(site.module, lookup)
+        except Refused as exc:   # a precondition of the kernel's math does not hold for this module
+            report.reference.append({"module": site.name, "op": site.op, "reason": str(exc)})
+            continue
         dtypes = sorted({str(d).removeprefix("torch.") for k, v in keyed.items()
                          if site.kernel_key in (None, k) for d in v})
         report.swapped.append({"module": site.name, "op": site.op, "variant": site.variant,

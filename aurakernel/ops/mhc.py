@@ -16,7 +16,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Hyper
 
 from ..dtypes import DType
 from ..planner.costmodel import RowwisePhase, rowwise_model
-from ..patch.install import install
+from ..patch.install import install, require
 from ..patch.torch_op import torch_op
 from .base import Entry, OpSpec, Problem, Tensors, Tolerance, Work
 from .layout import like_layout, rows_layout
@@ -301,6 +301,11 @@ class MhcSpec(OpSpec):
         return Problem(self.name, "default", (x.numel() // (hc * d), hc, d), DType.from_torch(x.dtype))
 
     def patch(self, module: torch.nn.Module, lookup) -> None:
+        hc_eps = module.eps if isinstance(module, DeepseekV4HyperHead) else module.hc_eps
+        iters = getattr(module, "hc_sinkhorn_iters", ITERS)
+        require(iters == ITERS and hc_eps == EPS and module.input_norm.eps == EPS,
+                f"hc_sinkhorn_iters {iters}, hc_eps {hc_eps}, rms_norm_eps {module.input_norm.eps}: the mhc kernel "
+                f"computes {ITERS} Sinkhorn iterations with both epsilons {EPS}")
         if "_ak_reference_forward" not in module.__dict__:
             module._ak_reference_forward = module.forward
         module._ak_lookup = lookup

@@ -26,6 +26,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HashR
 
 from ..dtypes import DType
 from ..planner.costmodel import RowwisePhase, rowwise_model
+from ..patch.install import require
 from ..patch.torch_op import torch_op
 from .base import Entry, OpSpec, Problem, Tensors, Tolerance, Work, bind
 
@@ -278,6 +279,9 @@ class RouterSpec(OpSpec):
                        DType.from_torch(logits_dtype))
 
     def patch(self, module: torch.nn.Module, lookup) -> None:
+        score_fn = getattr(module, "score_fn", None)
+        require(type(score_fn) is type(ACT2FN["sqrtsoftplus"]),
+                f"scoring_func is {type(score_fn).__name__}: the router kernel scores with sqrtsoftplus")
         bind(module, lookup, self.name, [(DeepseekV4HashRouter, "forward", _hash_forward),
                                          (DeepseekV4TopKRouter, "forward", _topk_forward),
                                          (RouterAfterLogits, "forward", _after_logits_forward)])

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import torch
 from transformers import DeepseekV4Config
+from transformers.activations import SiLUActivation
 from transformers.integrations.moe import _grouped_linear
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Experts, DeepseekV4MLP
 
 from ..dtypes import DType
 from ..planner.costmodel import RowwisePhase, rowwise_model
-from ..patch.install import install
+from ..patch.install import install, require
 from ..patch.torch_op import torch_op
 from .base import Entry, OpSpec, Problem, Tensors, Tolerance, Work, bind
 
@@ -160,6 +161,9 @@ class SwigluSpec(OpSpec):
         return Problem(self.name, "default", (rows, inter), DType.from_torch(x.dtype))
 
     def patch(self, module: torch.nn.Module, lookup) -> None:
+        act = module.experts.act_fn if isinstance(module, SwigluReference) else getattr(module, "act_fn", None)
+        require(isinstance(act, SiLUActivation | torch.nn.SiLU),
+                f"hidden_act is {type(act).__name__}: the swiglu kernel computes SiLU")
         bind(module, lookup, self.name, [(DeepseekV4Experts, "_apply_gate", _experts_gate),
                                          (DeepseekV4MLP, "forward", _mlp_forward),
                                          (SwigluReference, "forward", _reference_forward)])

@@ -6,16 +6,31 @@ makes the module's own code call `fn` where it calls the module-level function `
 `apply_rotary_pos_emb`, `eager_attention_forward`): the installed methods (or the class's forward)
 run with a copy of their globals holding the replacement. Only that module instance sees it: another
 model in the process keeps the reference, and there is no context to enter, so activation-checkpoint
-recompute and torch.compile see the same code as the forward.
+recompute and torch.compile see the same code as the forward. A patch checks the preconditions
+of the math it replaces with `require`: a module it does not cover stays on the reference
+(`Refused`, reported by apply).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 import types
 
 import torch
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+
+class Refused(Exception):
+    """A module whose configuration the kernel's math does not cover (another activation, iteration
+    count, epsilon...): its patch leaves it on the reference, and apply's report says why."""
+
+
+def require(condition: bool, reason: str) -> None:
+    """A precondition of the math a patch replaces; Refused(reason) when it does not hold."""
+    if not condition:
+        raise Refused(reason)
 
 
 _NAMESPACES: dict[tuple, types.ModuleType] = {}
@@ -47,11 +62,29 @@ def _with_globals(fn, replacements: dict):
     return new
 
 
+def _keeping_checkpointing(module: torch.nn.Module, fn):
+    """transformers' GradientCheckpointingLayer checkpoints its class's forward (the wrapper its
+    __init_subclass__ puts there), which a forward set on the instance would bypass: the instance's
+    forward gets the same condition and the layer's own checkpoint function."""
+    if not isinstance(module, GradientCheckpointingLayer):
+        return fn
+
+    @functools.wraps(fn)
+    def checkpointed(self, *args, **kwargs):
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            return self._gradient_checkpointing_func(functools.partial(fn, self, **kwargs), *args)
+        return fn(self, *args, **kwargs)
+    return checkpointed
+
+
 def install(module: torch.nn.Module, attribute: str, fn) -> None:
-    """module.<attribute> = fn bound to module, running with the module's swapped globals."""
+    """module.<attribute> = fn bound to module, running with the module's swapped globals (and, for
+    a forward of a checkpointing layer, still checkpointed when the model enables it)."""
     module.__dict__.setdefault("_ak_installed", {})[attribute] = fn
-    swaps = module.__dict__.get("_ak_globals", {})
-    setattr(module, attribute, types.MethodType(_with_globals(fn, swaps), module))
+    method = _with_globals(fn, module.__dict__.get("_ak_globals", {}))
+    if attribute == "forward":
+        method = _keeping_checkpointing(module, method)
+    setattr(module, attribute, types.MethodType(method, module))
 
 
 def swap_globals(module: torch.nn.Module, **functions) -> None:

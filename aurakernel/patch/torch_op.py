@@ -27,13 +27,6 @@ import torch
 NAMESPACE = "aurakernel"
 
 
-def _empty_like_contiguous(t: torch.Tensor | None, like_input: torch.Tensor | None = None) -> torch.Tensor:
-    if t is None:
-        ref = like_input
-        return ref.new_empty(0) if ref is not None else torch.empty(0)
-    return t.new_empty(t.shape)
-
-
 class TorchOp:
     """One kernel's forward and backward as custom ops, with autograd; call it like its forward and
     get the outputs (residuals stay inside)."""
@@ -57,7 +50,7 @@ class TorchOp:
             self.bwd = torch.library.custom_op(f"{NAMESPACE}::{name}_bwd", backward, mutates_args=())
             self.bwd.register_fake(fake_backward or self._default_fake_backward)
             self.fwd.register_autograd(self._custom_backward, setup_context=self._setup_context)
-        self._function = self._autograd_function()
+            self._function = self._autograd_function()
 
     # --- the autograd formula, shared by both paths ---------------------------------------------
     def backward_args(self, args: tuple, output, grad_outputs: tuple) -> tuple:
@@ -86,13 +79,13 @@ class TorchOp:
         return self._place(grads if isinstance(grads, tuple) else (grads,), ctx.none_inputs)
 
     def _default_fake_backward(self, *args):
-        saved_positions = {i: k for k, i in enumerate(self._saved)}
-        missing = [i for i in self._grads if i not in saved_positions]
-        if missing:
-            raise TypeError(f"{self.name}: give a fake_backward (gradient inputs {missing} are not saved)")
-        saved = args[self.outputs: self.outputs + len(self._saved)]
-        out = tuple(_empty_like_contiguous(saved[saved_positions[i]], args[0]) for i in self._grads)
-        return out if len(out) != 1 else out[0]
+        """Each gradient shaped and typed like its (saved) input; an empty tensor for a None input."""
+        saved = dict(zip(self._saved, args[self.outputs: self.outputs + len(self._saved)]))
+        if any(i not in saved for i in self._grads):
+            raise TypeError(f"{self.name}: give a fake_backward (a gradient input is not saved)")
+        grads = tuple(saved[i].new_empty(saved[i].shape) if saved[i] is not None else args[0].new_empty(0)
+                      for i in self._grads)
+        return grads if len(grads) != 1 else grads[0]
 
     def _autograd_function(self):
         op = self

@@ -1,0 +1,116 @@
+"""A patched model keeps the promises the unpatched one makes: a module whose configuration a
+kernel's math does not cover stays on the reference (and the report says why), and activation
+checkpointing still recomputes every layer, through the kernels, with the same loss and gradients."""
+
+import collections
+import copy
+import json
+
+import pytest
+import torch
+
+from aurakernel import apply
+from aurakernel.backends.base import Kernel
+from aurakernel.errors import UserError
+from trainer import train as tt
+from trainer.config import load_config
+from trainer.data import TokenBatches
+from trainer.model import build_model
+
+from conftest import TINY
+from test_swap import plan_for
+
+
+def _cfg():
+    cfg = load_config(TINY)
+    cfg.data.seq_len, cfg.data.batch_size = 160, 2   # one HCA window (128): every kernel runs
+    return cfg
+
+
+@pytest.mark.parametrize("override,op,fragment", [
+    ({"hidden_act": "gelu"}, "swiglu", "hidden_act is GELUActivation"),
+    ({"scoring_func": "sigmoid"}, "router", "scoring_func is Sigmoid"),
+    ({"hc_sinkhorn_iters": 7}, "mhc_pre", "hc_sinkhorn_iters 7"),
+])
+def test_a_config_the_kernel_does_not_compute_stays_on_the_reference(override, op, fragment):
+    cfg = _cfg()
+    plan = plan_for(build_model(cfg.model, 0))   # kernels for the tiny config's widths
+    model = build_model({**cfg.model, **override}, 0)
+    reference = copy.deepcopy(model)
+    report = apply(model, plan)
+    refused = [r for r in report.reference if r["op"] == op]
+    assert refused and all(fragment in r["reason"] for r in refused), report.reference
+    assert {s["op"] for s in report.swapped} >= {"rms_norm", "rope", "attn_softmax"}   # the rest still swapped
+    ids = torch.randint(0, cfg.model["vocab_size"], (2, 160), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("how", ["transformers", "torch.utils.checkpoint"])
+def test_activation_checkpointing_recomputes_patched_layers_through_the_kernels(how, monkeypatch):
+    cfg = _cfg()
+    input_ids, labels = next(TokenBatches.from_config(cfg.data, cfg.model["vocab_size"], seed=0))
+    plan = plan_for(build_model(cfg.model, 0))
+    calls = collections.Counter()
+    call = Kernel.call
+
+    def counting(kernel, name, *args):
+        calls[(kernel.source.template, name)] += 1
+        return call(kernel, name, *args)
+
+    monkeypatch.setattr(Kernel, "call", counting)
+    results = []
+    for checkpointed in (False, True):
+        model = build_model(cfg.model, 0).train()
+        report = apply(model, plan)
+        assert not report.reference and not report.rejected
+        if checkpointed:
+            if how != "transformers":
+                model.supports_gradient_checkpointing = False   # the trainer's fallback for models without the switch
+            tt.enable_activation_checkpointing(model)
+        calls.clear()
+        layer_calls = []
+        model.model.layers[0].mlp.register_forward_hook(lambda *_: layer_calls.append(1))
+        loss = tt.loss_fn(model, input_ids, labels)
+        loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        results.append((float(loss.detach()), grads, len(layer_calls), dict(calls)))
+    (plain_loss, plain_grads, plain_layer, plain_calls), (ckpt_loss, ckpt_grads, ckpt_layer, ckpt_calls) = results
+    assert (plain_layer, ckpt_layer) == (1, 2)   # the patched layer was recomputed in backward
+    # the recompute ran the layers' kernels again (mhc_post is the decoder layer's own forward; rope and
+    # the attention softmax are module-level functions the patched attention calls), none fell back
+    for template in ("host/mhc_post.c.j2", "host/rope.c.j2", "host/attn_softmax.c.j2", "host/swiglu.c.j2"):
+        assert ckpt_calls[(template, "fwd")] == 2 * plain_calls[(template, "fwd")], template
+        assert ckpt_calls[(template, "bwd")] == plain_calls[(template, "bwd")], template
+    assert ckpt_loss == pytest.approx(plain_loss, rel=1e-6)
+    assert plain_grads.keys() == ckpt_grads.keys()
+    for name, g in plain_grads.items():
+        torch.testing.assert_close(ckpt_grads[name], g, rtol=1e-5, atol=1e-6)
+
+
+def test_apply_takes_a_plan_dict_and_refuses_anything_else():
+    cfg = _cfg()
+    plan = plan_for(build_model(cfg.model, 0))
+    report = apply(build_model(cfg.model, 0), json.loads(json.dumps(plan.to_dict())))   # as json.load gives it
+    assert report.swapped and not report.rejected and not report.reference
+    with pytest.raises(UserError, match="a KernelPlan, its dict or a plan file path"):
+        apply(build_model(cfg.model, 0), 42)
+
+
+def test_apply_to_a_model_initialised_on_the_meta_device_and_admissions_are_cached(monkeypatch):
+    from transformers import DeepseekV4ForCausalLM
+
+    from aurakernel import swap
+    from trainer.model import model_config
+
+    cfg = _cfg()
+    plan = plan_for(build_model(cfg.model, 0))
+    monkeypatch.setattr(swap, "_ADMISSIONS", {})   # re-verify here, with meta as the default device
+    with torch.device("meta"):
+        model = DeepseekV4ForCausalLM(model_config(cfg.model))
+        report = apply(model, plan)   # re-verification runs its kernels on CPU tensors
+    assert report.swapped and not report.rejected and not report.reference
+    assert next(model.parameters()).device.type == "meta"
+    verified = []
+    monkeypatch.setattr(swap, "verify", lambda *a, **k: verified.append(a))
+    again = apply(build_model(cfg.model, 0), plan)   # another model, same plan: nothing rebuilt or re-verified
+    assert not verified and len(again.swapped) == len(report.swapped)
