@@ -139,14 +139,33 @@ def host_cores() -> int:
         return os.cpu_count() or 1
 
 
+# AURAKERNEL_HOST_ISA: the instruction set host kernels are built for and planned against.
+# "native" (the default): this CPU's own (-march=native; the AVX-512 and AMX paths where it has
+# them). "avx2": the portable path an AVX2-only machine takes (x86-64-v3: AVX2 + FMA, no AVX-512, no
+# AMX), so that path is built and tested on a machine that has more.
+HOST_ISAS = {"native": "native", "avx2": "x86-64-v3"}
+
+
+def host_isa() -> str:
+    isa = os.environ.get("AURAKERNEL_HOST_ISA", "native")
+    if isa not in HOST_ISAS:
+        raise UserError(f"AURAKERNEL_HOST_ISA={isa!r}: accepted are {', '.join(HOST_ISAS)}")
+    return isa
+
+
 def _cpu_flags() -> set[str]:
+    """The CPU's feature flags, less those the forced portable ISA leaves out."""
+    flags: set[str] = set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
-                return set(line.split(":", 1)[1].split())
+                flags = set(line.split(":", 1)[1].split())
+                break
     except OSError:
         pass
-    return set()
+    if host_isa() == "avx2":
+        flags = {f for f in flags if not f.startswith(("avx512", "amx"))}
+    return flags
 
 
 def _cpu_model() -> str:

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-_CACHE = tempfile.mkdtemp(prefix="aurakernel-tests-")
+# a test that runs the suite again in a subprocess (test_portable.py) names the cache it reads back
+_CACHE = os.environ.get("AURAKERNEL_TEST_CACHE_DIR") or tempfile.mkdtemp(prefix="aurakernel-tests-")
 os.environ["AURAKERNEL_CACHE_DIR"] = _CACHE
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 

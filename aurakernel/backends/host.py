@@ -1,4 +1,5 @@
-"""Host CPU backend: system C compiler (-O3 -march=native -fopenmp) -> shared library -> ctypes.
+"""Host CPU backend: system C compiler (-O3 -march=native -fopenmp; AURAKERNEL_HOST_ISA=avx2 builds the
+portable AVX2 path instead) -> shared library -> ctypes.
 
 Builds are cached in the user's cache dir, keyed by the source hash and the compiler command, and
 written atomically (compile to a temp name, then rename), so concurrent processes and killed
@@ -21,11 +22,17 @@ import torch  # noqa: F401  (loads torch's libgomp first so kernels share it)
 
 from ..codegen import Source
 from ..errors import BuildError
+from ..hardware import HOST_ISAS, host_isa
 from ..paths import cache_dir
 from .base import Entry, Kernel
 
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno",
+CFLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno",
           "-fno-trapping-math")  # no FP traps: lets floorf, selects and clamps vectorise
+
+
+def cflags() -> tuple[str, ...]:
+    """The compiler flags: CFLAGS and the -march of AURAKERNEL_HOST_ISA (native by default)."""
+    return (f"-march={HOST_ISAS[host_isa()]}", *CFLAGS)
 
 _loaded: dict[str, ctypes.CDLL] = {}
 
@@ -49,7 +56,8 @@ class HostBackend:
         cc = compiler()
         if cc is None:
             raise BuildError("no C compiler found (set CC or install gcc)")
-        key = hashlib.sha256((source.hash + cc + " ".join(CFLAGS)).encode()).hexdigest()[:24]
+        flags = cflags()
+        key = hashlib.sha256((source.hash + cc + " ".join(flags)).encode()).hexdigest()[:24]
         out_dir = cache_dir() / "host"
         out_dir.mkdir(parents=True, exist_ok=True)
         artifact = out_dir / f"{key}.so"
@@ -59,7 +67,7 @@ class HostBackend:
                 src = Path(tmp) / "kernel.c"
                 src.write_text(source.text)
                 tmp_so = Path(tmp) / "kernel.so"
-                proc = subprocess.run([cc, *CFLAGS, "-o", str(tmp_so), str(src), "-lm"],
+                proc = subprocess.run([cc, *flags, "-o", str(tmp_so), str(src), "-lm"],
                                       capture_output=True, text=True)
                 if proc.returncode != 0:
                     raise BuildError(f"{source.template}: compiler failed:\n{proc.stderr[-4000:]}")

@@ -17,18 +17,21 @@ def markdown(result: dict) -> str:
 
     def num(v, fmt):
         return format(v, fmt) if v is not None else "-"
+
+    def ratio(v):
+        return f"{v:.2f}x" if v is not None else "-"
     for k in result["kernels"]:
         lines.append(f"| {k['op']}[{k['variant']}] | {k['shape']} | {k['dtype']} | {num(k['aurakernel_us'], ',.0f')} | "
                      f"{num(k['eager_us'], ',.0f')} | {num(k['compiled_us'], ',.0f')} | "
                      f"{num(k.get('aurakernel_compiled_us'), ',.0f')} | "
-                     f"{num(k['speedup_vs_eager'], '.2f')}x | {num(k['speedup_vs_compiled'], '.2f')}x | "
-                     f"{num(k.get('compiled_speedup_vs_compiled'), '.2f')}x | "
+                     f"{ratio(k['speedup_vs_eager'])} | {ratio(k['speedup_vs_compiled'])} | "
+                     f"{ratio(k.get('compiled_speedup_vs_compiled'))} | "
                      f"{num(k['roofline_pct'], '.0f')}% | {'yes' if k['verified'] else 'NO'} |")
     s = result["summary"]
     lines.append("")
-    lines.append(f"Geomean speedup: {num(s['geomean_vs_eager'], '.2f')}x vs eager, "
-                 f"{num(s['geomean_vs_compiled'], '.2f')}x vs torch.compile; AuraKernel inside torch.compile "
-                 f"{num(s.get('geomean_compiled_vs_compiled'), '.2f')}x vs torch.compile.")
+    lines.append(f"Geomean speedup: {ratio(s['geomean_vs_eager'])} vs eager, "
+                 f"{ratio(s['geomean_vs_compiled'])} vs torch.compile; AuraKernel inside torch.compile "
+                 f"{ratio(s.get('geomean_compiled_vs_compiled'))} vs torch.compile.")
     t = result.get("train_step")
     if t:
         ms = t["median_step_ms"]

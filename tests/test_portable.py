@@ -1,0 +1,46 @@
+"""The portable kernel paths: machines that run this project are AVX2-only (no AVX-512, no AMX).
+With AURAKERNEL_HOST_ISA=avx2 every operator's kernel is built for x86-64-v3 and planned for 32-byte
+vectors, and the operator tests (tests/test_ops.py: forward and backward against the reference,
+tails, every dtype) must pass on that path too; the built libraries are checked to hold no AVX-512
+or AMX instruction, so the test cannot pass on the native path by accident."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from aurakernel.errors import UserError
+from aurakernel.hardware import _cpu_flags, host_isa, host_profile
+
+from conftest import REPO
+
+
+def _disassembly(lib) -> str:
+    return subprocess.run(["objdump", "-d", str(lib)], capture_output=True, text=True, check=True).stdout
+
+
+def test_every_kernel_passes_on_the_portable_avx2_path(tmp_path):
+    cache = tmp_path / "cache"
+    env = {**os.environ, "AURAKERNEL_HOST_ISA": "avx2", "AURAKERNEL_TEST_CACHE_DIR": str(cache)}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/test_ops.py"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    libs = sorted((cache / "host").glob("*.so"))
+    assert len(libs) >= 12   # at least one library per operator
+    for lib in libs:
+        code = _disassembly(lib)
+        assert "%zmm" not in code and "tdpbf16ps" not in code and "ldtilecfg" not in code, lib.name
+
+
+def test_the_forced_isa_is_what_the_planner_sees(monkeypatch):
+    native_avx512 = "avx512f" in _cpu_flags()
+    monkeypatch.setenv("AURAKERNEL_HOST_ISA", "avx2")
+    assert host_isa() == "avx2"
+    assert not any(f.startswith(("avx512", "amx")) for f in _cpu_flags())
+    assert host_profile(calibrated=False).simd_bytes == 32
+    monkeypatch.setenv("AURAKERNEL_HOST_ISA", "native")
+    assert host_profile(calibrated=False).simd_bytes == (64 if native_avx512 else 32)
+    monkeypatch.setenv("AURAKERNEL_HOST_ISA", "sse2")
+    with pytest.raises(UserError, match="accepted are native, avx2"):
+        host_isa()
