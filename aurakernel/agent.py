@@ -84,7 +84,7 @@ def measure_problem(spec: OpSpec, problem: Problem, kernel_hash: str, *, with_co
     return {name: t.us for name, t in timings.items()}, notes
 
 
-def tune(op: str, shape: str | None, dtype: str, *, variant: str | None = None, target: str = "host",
+def tune(op: str, shape: str | None, dtype: str | None = None, *, variant: str | None = None, target: str = "host",
          solver: str = "highs", db_path=None, with_compiled: bool = True,
          hw: HardwareProfile | None = None, out_dir=None) -> TuneResult | AscendTuneResult:
     """Tune one operator from CLI-style arguments (validated here)."""

@@ -56,7 +56,8 @@ def _ensure_calibrated(target: str) -> None:
 def tune(
     op: Annotated[str, typer.Argument(help="operator name (see `aurakernel ops`)")],
     shape: Annotated[str | None, typer.Option(help="e.g. 4096x4096; default: the operator's default shape")] = None,
-    dtype: Annotated[str, typer.Option(help="fp32/float32, bf16/bfloat16, fp16/float16")] = "bf16",
+    dtype: Annotated[str | None, typer.Option(help="fp32/float32, bf16/bfloat16, fp16/float16; default: bf16 "
+                                                   "where the operator takes it, else its first dtype")] = None,
     variant: Annotated[str | None, typer.Option(help="operator variant, e.g. weighted/unweighted")] = None,
     target: Annotated[str, typer.Option(help="hardware target")] = "host",
     solver: Annotated[str, typer.Option(help="highs, cpsat or scip")] = "highs",

@@ -22,6 +22,8 @@ def run(*args, timeout=600):
     (["tune", "rms_norm", "--shape", "0x4096"], "non-positive"),
     (["tune", "rms_norm", "--shape", "4096x4096;ls"], "malformed shape"),
     (["tune", "rms_norm", "--shape", "4096"], "takes 2"),
+    (["tune", "rms_norm", "--shape", ""], "malformed shape ''"),   # empty is not the default shape
+    (["tune", "adamw", "--dtype", "bf16"], "unknown dtype 'bf16'"),
     (["tune", "rms_norm", "--dtype", "int8"], "unknown dtype 'int8'"),
     (["tune", "rms_norm", "--solver", "gurobi"], "unknown solver"),
     (["tune", "rms_norm", "--variant", "layer"], "unknown variant"),
@@ -134,3 +136,11 @@ def test_a_command_failing_with_exit_1_exits_1():
     finally:
         app.registered_commands[:] = [c for c in app.registered_commands if c.name != "failing-gate"]
     assert main(["ops", "--json"]) == 0
+
+
+def test_tune_defaults_to_the_operators_own_dtype(db_path):
+    """adamw takes fp32 only: without --dtype it tunes fp32 (bf16 is the default only where it is accepted)."""
+    proc = run("tune", "adamw", "--shape", "4096", "--no-compiled", "--json", "--db", db_path)
+    assert proc.returncode == 0, proc.stderr
+    d = json.loads(proc.stdout)
+    assert d["dtype"] == "fp32" and d["verified"] is True

@@ -52,9 +52,8 @@ def bench_problems(quick: bool, ops: list[str] | None = None) -> list[Problem]:
     for name, spec in OPS.items():
         if (quick and name not in QUICK_OPS) or (ops is not None and name not in ops):
             continue
-        dtype = "bf16" if any(d.value == "bf16" for d in spec.dtypes) else spec.dtypes[0].value
         for variant in spec.variants[:1] if quick else spec.variants:
-            out.append(spec.problem(None, dtype, variant))
+            out.append(spec.problem(None, None, variant))
     return out
 
 

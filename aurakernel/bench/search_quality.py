@@ -87,8 +87,7 @@ def problems(ops: list[str] | None = None, shapes_per_op: int = SHAPES_PER_OP) -
         if ops is not None and name not in ops:
             continue
         variant = spec.variants[0]
-        dtype = "bf16" if any(d.value == "bf16" for d in spec.dtypes) else spec.dtypes[0].value
-        out.extend(spec.problem(shape_text(s), dtype, variant) for s in shapes(spec, variant)[:shapes_per_op])
+        out.extend(spec.problem(shape_text(s), None, variant) for s in shapes(spec, variant)[:shapes_per_op])
     return out
 
 

@@ -100,13 +100,20 @@ class OpSpec(ABC):
     entries: dict[str, Entry] = field(default_factory=dict)
 
     # --- problems -----------------------------------------------------------------------------
-    def problem(self, shape_text_: str | None, dtype_text: str, variant: str | None = None) -> Problem:
-        dtype = DType.parse(dtype_text, self.dtypes)
+    @property
+    def default_dtype(self) -> DType:
+        """bf16 where the operator takes it (V4 trains in it), else its first dtype."""
+        return DType.bf16 if DType.bf16 in self.dtypes else self.dtypes[0]
+
+    def problem(self, shape_text_: str | None, dtype_text: str | None = None, variant: str | None = None) -> Problem:
+        """The problem of CLI-style arguments; None: the operator's default shape / dtype / variant
+        (an empty shape is malformed, not the default)."""
+        dtype = DType.parse(dtype_text, self.dtypes) if dtype_text is not None else self.default_dtype
         variant = variant or self.variants[0]
         if variant not in self.variants:
             raise UserError(f"unknown variant {variant!r} of {self.name}: accepted are {', '.join(self.variants)}")
         shape = (parse_shape(shape_text_, self.shape_rank, self.shape_meaning)
-                 if shape_text_ else self.default_shape_for(variant))
+                 if shape_text_ is not None else self.default_shape_for(variant))
         self.check_shape(shape)
         return Problem(self.name, variant, tuple(shape), dtype)
 

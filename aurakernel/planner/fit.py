@@ -420,8 +420,7 @@ def calibration_problem(spec, hw: HardwareProfile):
     shape = list(spec.default_shape_for(spec.variants[0]))
     rest = math.prod(shape[1:])
     shape[0] = max(1, min(shape[0], ASCEND_MAX_ELEMS // max(rest, 1)))
-    dtype = "bf16" if any(d.value == "bf16" for d in spec.dtypes) else spec.dtypes[0].value
-    return spec.problem(shape_text(tuple(shape)), dtype, spec.variants[0])
+    return spec.problem(shape_text(tuple(shape)), None, spec.variants[0])
 
 
 def feasible_choices(model: ChoiceModel) -> list[dict[str, int]]:
