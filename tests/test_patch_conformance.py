@@ -114,3 +114,40 @@ def test_apply_to_a_model_initialised_on_the_meta_device_and_admissions_are_cach
     monkeypatch.setattr(swap, "verify", lambda *a, **k: verified.append(a))
     again = apply(build_model(cfg.model, 0), plan)   # another model, same plan: nothing rebuilt or re-verified
     assert not verified and len(again.swapped) == len(report.swapped)
+
+
+@pytest.mark.parametrize("implementation", ["eager", "batched_mm", "a user's grouped_mm"])
+def test_the_models_experts_implementation_is_kept(implementation, monkeypatch):
+    """The swiglu patch replaces the gate inside whatever experts implementation the model uses
+    (transformers' eager / batched_mm, or a grouped_mm a user registered), never the implementation."""
+    from transformers.integrations import moe
+
+    cfg = _cfg()
+    plan = plan_for(build_model(cfg.model, 0))
+    model = build_model(cfg.model, 0)
+    used = []
+    if implementation == "a user's grouped_mm":
+        def users_grouped_mm(self, *args, **kwargs):
+            used.append(implementation)
+            return moe.grouped_mm_experts_forward(self, *args, **kwargs)
+        monkeypatch.setitem(moe.ExpertsInterface._global_mapping, "grouped_mm", users_grouped_mm)
+    else:
+        model.set_experts_implementation(implementation)
+        original = moe.ExpertsInterface._global_mapping.get(implementation)
+        if original is not None:   # eager is the class's own forward, not in the mapping
+            monkeypatch.setitem(moe.ExpertsInterface._global_mapping, implementation,
+                                lambda self, *a, **k: used.append(implementation) or original(self, *a, **k))
+    reference = copy.deepcopy(model)
+    report = apply(model, plan)
+    assert any(s["op"] == "swiglu" for s in report.swapped)
+    gates = []
+    experts = next(m for m in model.modules() if type(m).__name__ == "DeepseekV4Experts")
+    gate = experts._apply_gate
+    experts._apply_gate = lambda gate_up: gates.append(1) or gate(gate_up)   # the kernel's gate, spied on
+    ids = torch.randint(0, cfg.model["vocab_size"], (2, 160), generator=torch.Generator().manual_seed(0))
+    used.clear()
+    out = model(input_ids=ids).logits
+    assert gates, "the swiglu kernel ran inside the experts"
+    if implementation != "eager":
+        assert used, f"{implementation} was bypassed"
+    torch.testing.assert_close(out, reference(input_ids=ids).logits, rtol=1e-4, atol=1e-5)

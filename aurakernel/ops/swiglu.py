@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from transformers import DeepseekV4Config
 from transformers.activations import SiLUActivation
-from transformers.integrations.moe import _grouped_linear
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, _grouped_linear, grouped_mm_experts_forward
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Experts, DeepseekV4MLP
 
 from ..dtypes import DType
@@ -276,8 +276,11 @@ def _experts_forward(self: DeepseekV4Experts, hidden_states, top_k_index, top_k_
     index_select instead of advanced indexing: the same values, but their backward is an
     index_add_ instead of an index_put_ with accumulation, which sorts its indices and took about
     8% of the tiny model's training step. The gate in between runs the swiglu kernel (_apply_gate).
-    Other experts implementations and expert parallelism keep transformers' forward."""
-    if self.config._experts_implementation != "grouped_mm" or self._is_expert_parallel or self.has_bias:
+    Any other experts implementation (eager, batched_mm, a grouped_mm a user registered in place of
+    transformers' own) and expert parallelism keep transformers' dispatching forward."""
+    impl = self.config._experts_implementation
+    if (impl != "grouped_mm" or ALL_EXPERTS_FUNCTIONS[impl] is not grouped_mm_experts_forward
+            or self._is_expert_parallel or self.has_bias):
         return DeepseekV4Experts.forward(self, hidden_states, top_k_index, top_k_weights)
     num_top_k, num_tokens, hidden_dim = top_k_index.size(-1), hidden_states.size(0), hidden_states.size(-1)
     expert_ids_g, perm = torch.sort(top_k_index.reshape(-1))
