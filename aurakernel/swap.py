@@ -120,19 +120,36 @@ def deepseek_v4_sites(model: torch.nn.Module) -> list[Site]:
 _ADMISSIONS: dict[tuple, tuple[str | None, str | None]] = {}
 
 
-def _admit(entry: PlanEntry, simd_elems: int) -> tuple[str | None, str | None]:
+def _admit(entry: PlanEntry, hw) -> tuple[str | None, str | None]:
     """Rebuild and re-verify one plan entry; (source hash, None) or (None, reason). Done once per
     process for an entry (rebuilding and re-verifying costs about a second per model otherwise), on
     the CPU whatever the default device (a model built under `torch.device("meta")` included)."""
     key = (entry.op, entry.variant, tuple(entry.kernel_key), entry.dtype, entry.shape,
-           tuple(sorted(entry.knobs.items())), entry.source_hash, simd_elems)
+           tuple(sorted(entry.knobs.items())), entry.source_hash, hw.fingerprint())
     if key not in _ADMISSIONS:
         with torch.device("cpu"):
-            _ADMISSIONS[key] = _rebuild_and_verify(entry, simd_elems)
+            _ADMISSIONS[key] = _rebuild_and_verify(entry, hw)
     return _ADMISSIONS[key]
 
 
-def _rebuild_and_verify(entry: PlanEntry, simd_elems: int) -> tuple[str | None, str | None]:
+def _knobs_refused(spec, problem: Problem, knobs: dict, hw) -> str | None:
+    """Why a plan entry's knobs cannot be built here, or None. A plan file is untrusted input: every
+    knob must be one of the operator's tiling model on this machine (its domain, its capacity rules)
+    before anything is rendered, built or run (a thread count of 0 would otherwise crash the process)."""
+    model = spec.tiling_problem(problem, hw)
+    if set(knobs) != set(model.domains):
+        return f"knobs {sorted(knobs)} are not {spec.name}'s {sorted(model.domains)}"
+    for name, value in knobs.items():
+        domain = model.domains[name]
+        if value not in domain:
+            return (f"knob {name}={value} is outside {spec.name}'s domain on this machine "
+                    f"({len(domain)} values in {min(domain)}..{max(domain)})")
+    if not model.feasible(knobs):
+        return f"knobs {knobs} break a capacity rule of {spec.name} on this machine"
+    return None
+
+
+def _rebuild_and_verify(entry: PlanEntry, hw) -> tuple[str | None, str | None]:
     try:
         spec = get_op(entry.op)
         dtype = DType.parse(entry.dtype, spec.dtypes)
@@ -140,6 +157,9 @@ def _rebuild_and_verify(entry: PlanEntry, simd_elems: int) -> tuple[str | None, 
         spec.check_shape(problem.shape)
         if tuple(spec.kernel_key(problem)) != tuple(entry.kernel_key):
             return None, f"shape {entry.shape} does not have the entry's extents {entry.kernel_key}"
+        refused = _knobs_refused(spec, problem, entry.knobs, hw)
+        if refused is not None:
+            return None, refused
         kernel = build_kernel(spec, problem, entry.knobs)
     except BuildError as exc:
         return None, f"build failed: {str(exc).splitlines()[0]}"
@@ -149,6 +169,7 @@ def _rebuild_and_verify(entry: PlanEntry, simd_elems: int) -> tuple[str | None, 
         return None, (f"source hash {kernel.source_hash} differs from the verified {entry.source_hash} "
                       f"(templates changed since tuning): re-run autotune")
     # quick re-verification on this machine, on the tail shapes only (cheap)
+    simd_elems = max(hw.simd_bytes // 4, 1)
     cases = [(p, build_kernel(spec, p, entry.knobs)) for p in spec.verification_problems(problem, entry.knobs, simd_elems)[1:]]
     result = verify(spec, cases, seeds=(7,))
     if not result.passed:
@@ -168,12 +189,11 @@ def apply(model: torch.nn.Module, plan: KernelPlan | dict | str | Path, target: 
                         f"got {type(plan).__name__}")
     report = ApplyReport()
     hw = load_profile(target)
-    simd_elems = max(hw.simd_bytes // 4, 1)
 
     # (op, variant, kernel_key) -> {torch dtype: source hash}
     table: dict[tuple, dict[torch.dtype, str]] = defaultdict(dict)
     for entry in plan.kernels:
-        source_hash, reason = _admit(entry, simd_elems)
+        source_hash, reason = _admit(entry, hw)
         if reason is not None:
             report.rejected.append({"op": entry.op, "variant": entry.variant, "kernel_key": entry.kernel_key,
                                     "dtype": entry.dtype, "reason": reason})

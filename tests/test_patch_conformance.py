@@ -151,3 +151,24 @@ def test_the_models_experts_implementation_is_kept(implementation, monkeypatch):
     if implementation != "eager":
         assert used, f"{implementation} was bypassed"
     torch.testing.assert_close(out, reference(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("knob,value", [("threads", 0), ("col_chunk", 0), ("tile_rows", 10**9)])
+def test_a_plan_with_a_knob_outside_its_domain_is_refused_before_anything_is_built(knob, value):
+    """A plan file is untrusted input: an edited knob with its source hash recomputed to match is
+    refused with a line naming the knob, and nothing is built or run with it."""
+    from aurakernel.codegen import render
+    from aurakernel.dtypes import DType, parse_shape
+    from aurakernel.ops import get_op
+    from aurakernel.ops.base import Problem
+
+    cfg = _cfg()
+    plan = plan_for(build_model(cfg.model, 0), ops={"rms_norm"})
+    entry = plan.kernels[0]
+    spec = get_op(entry.op)
+    entry.knobs[knob] = value
+    problem = Problem(entry.op, entry.variant, parse_shape(entry.shape), DType.parse(entry.dtype))
+    entry.source_hash = render(spec.template("host"), spec.render_params(problem, entry.knobs)).hash
+    report = apply(build_model(cfg.model, 0), plan)
+    rejected = [r for r in report.rejected if r["kernel_key"] == entry.kernel_key]
+    assert len(rejected) == 1 and f"knob {knob}={value} is outside rms_norm's domain" in rejected[0]["reason"]
