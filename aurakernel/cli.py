@@ -72,10 +72,15 @@ def tune(
     from .ops import get_op
     from .planner.model import SOLVERS
 
+    from .hardware import load_profile
+
     spec = get_op(op)
     spec.problem(shape, dtype, variant)  # validate everything before any slow step
     if solver not in SOLVERS:
         raise UserError(f"unknown solver {solver!r}: accepted are {', '.join(SOLVERS)}")
+    if out_dir is not None and load_profile(target).kind != "ascend":
+        raise UserError(f"--out writes an AscendC op project: target {target!r} has none to write "
+                        "(host kernels are built into the cache; `aurakernel show` lists them)")
     _ensure_calibrated(target)
     with err.status(f"tuning {op}..."):
         result = run_tune(op, shape, dtype, variant=variant, target=target, solver=solver, db_path=db,
@@ -377,7 +382,15 @@ def show(
     from .db import TuningDB
     from .paths import default_db_path
 
-    path = db or default_db_path()
+    path = Path(db) if db else default_db_path()
+    if not path.exists():   # a reading command creates nothing: a typo is not an empty DB
+        if db:
+            raise UserError(f"--db {db}: no such tuning DB (tune and autotune create one)")
+        if as_json:
+            print("[]")
+        else:
+            out.print(f"no tuning DB yet at {path}: tune or autotune records into it")
+        return
     frame = TuningDB(path).frame()
     if as_json:
         print(frame.to_json(orient="records"))

@@ -33,6 +33,7 @@ def run(*args, timeout=600):
     (["train", "--config", "nope.yaml"], "no such file"),
     (["train", "--kernels", "missing.json", "--steps", "1"], "no such file"),
     (["train", "--compare"], "--compare needs --kernels"),
+    (["tune", "rms_norm", "--out", "somewhere"], "--out writes an AscendC op project: target 'host' has none"),
 ])
 def test_bad_input_is_one_line_exit_2(args, fragment, capsys):
     code = main(args)
@@ -144,3 +145,11 @@ def test_tune_defaults_to_the_operators_own_dtype(db_path):
     assert proc.returncode == 0, proc.stderr
     d = json.loads(proc.stdout)
     assert d["dtype"] == "fp32" and d["verified"] is True
+
+
+def test_show_creates_nothing(tmp_path, capsys):
+    """A reading command: a --db that does not exist is an error, not a new empty DB."""
+    typo = tmp_path / "sub" / "typo.db"
+    assert main(["show", "--db", str(typo)]) == 2
+    assert "no such tuning DB" in capsys.readouterr().err
+    assert not typo.exists() and not typo.parent.exists()
