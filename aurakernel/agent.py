@@ -15,7 +15,7 @@ from .build import build_kernel
 from .db import Record, TuningDB
 from .dtypes import DType
 from .errors import BuildError, PlanInfeasible, UserError
-from .hardware import HardwareProfile, load_profile
+from .hardware import HardwareProfile, free_memory_bytes, load_profile
 from .measure import compare
 from .ops import OPS, get_op
 from .ops.base import OpSpec, Problem
@@ -84,12 +84,24 @@ def measure_problem(spec: OpSpec, problem: Problem, kernel_hash: str, *, with_co
     return {name: t.us for name, t in timings.items()}, notes
 
 
+def check_fits_in_memory(spec: OpSpec, problem: Problem) -> None:
+    """Refuse a problem whose tensors cannot all be in this machine's memory before anything runs:
+    its forward + backward traffic (the work model's bytes, which touch every tensor once) must fit,
+    or tuning would grow until the OOM killer ends it."""
+    need = sum(spec.work(problem, backward=b).bytes_moved for b in (False, True))
+    free = free_memory_bytes()
+    if need > free:
+        raise UserError(f"{problem.describe()}: its tensors need about {need / 2**30:,.1f} GiB (forward + backward), "
+                        f"this machine has {free / 2**30:,.1f} GiB free: choose a smaller --shape")
+
+
 def tune(op: str, shape: str | None, dtype: str | None = None, *, variant: str | None = None, target: str = "host",
          solver: str = "highs", db_path=None, with_compiled: bool = True,
          hw: HardwareProfile | None = None, out_dir=None) -> TuneResult | AscendTuneResult:
     """Tune one operator from CLI-style arguments (validated here)."""
     spec = get_op(op)
     problem = spec.problem(shape, dtype, variant)
+    check_fits_in_memory(spec, problem)
     hw = hw or load_profile(target)
     if hw.kind == "ascend":   # AscendC: verified and estimated in the emulator, nothing to time here
         from .backends import ascendc

@@ -68,6 +68,7 @@ def tune(
 ):
     """Solve the tiling model, build, verify, measure and record one kernel (AscendC targets:
     render the op project, verify it in the emulator and estimate its cycles)."""
+    from .agent import check_fits_in_memory
     from .agent import tune as run_tune
     from .ops import get_op
     from .planner.model import SOLVERS
@@ -75,7 +76,7 @@ def tune(
     from .hardware import load_profile
 
     spec = get_op(op)
-    spec.problem(shape, dtype, variant)  # validate everything before any slow step
+    check_fits_in_memory(spec, spec.problem(shape, dtype, variant))   # validate everything before any slow step
     if solver not in SOLVERS:
         raise UserError(f"unknown solver {solver!r}: accepted are {', '.join(SOLVERS)}")
     if out_dir is not None and load_profile(target).kind != "ascend":

@@ -168,6 +168,11 @@ def _cpu_flags() -> set[str]:
     return flags
 
 
+def free_memory_bytes() -> int:
+    """Memory this machine has free now (physical pages available)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

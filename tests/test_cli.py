@@ -34,6 +34,7 @@ def run(*args, timeout=600):
     (["train", "--kernels", "missing.json", "--steps", "1"], "no such file"),
     (["train", "--compare"], "--compare needs --kernels"),
     (["tune", "rms_norm", "--out", "somewhere"], "--out writes an AscendC op project: target 'host' has none"),
+    (["tune", "rms_norm", "--shape", "2147483647x64"], "GiB (forward + backward), this machine has"),
 ])
 def test_bad_input_is_one_line_exit_2(args, fragment, capsys):
     code = main(args)

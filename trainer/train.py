@@ -235,11 +235,11 @@ def shard(model: torch.nn.Module) -> None:
 def _check_fits_in_memory(cfg: TrainConfig) -> None:
     """Every process builds the whole fp32 model before sharding it: refuse a model whose weights
     alone exceed this machine's free memory (V4-Flash is 284B parameters) instead of swapping to death."""
-    import os
+    from aurakernel.hardware import free_memory_bytes
 
     from .dryrun import build_meta_model
     params = sum(p.numel() for p in build_meta_model(cfg.model).parameters())
-    free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    free = free_memory_bytes()
     if params * 4 > free:
         raise UserError(f"config {cfg.path or cfg.train.model_dir}: the model has {params / 1e9:.1f}B parameters, "
                         f"{params * 4 / 2**30:.0f} GiB in fp32, and this machine has {free / 2**30:.0f} GiB free: "
