@@ -58,10 +58,22 @@ def read_yaml_mapping(path: str | Path, what: str) -> dict:
 
 
 def cache_dir() -> Path:
-    """Root of every cache; AURAKERNEL_CACHE_DIR overrides (tests point it at a temp dir)."""
-    root = os.environ.get("AURAKERNEL_CACHE_DIR") or platformdirs.user_cache_dir("aurakernel")
-    path = Path(root)
-    path.mkdir(parents=True, exist_ok=True)
+    """Root of every cache; AURAKERNEL_CACHE_DIR overrides (tests point it at a temp dir). One that
+    cannot be a writable directory is a one-line error naming it."""
+    from .errors import UserError
+
+    override = os.environ.get("AURAKERNEL_CACHE_DIR")
+    path = Path(override or platformdirs.user_cache_dir("aurakernel"))
+    where = "AURAKERNEL_CACHE_DIR" if override else "the cache dir (XDG_CACHE_HOME)"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise UserError(f"{where} {path}: not a directory (set AURAKERNEL_CACHE_DIR to a writable directory)") from None
+    except OSError as exc:
+        raise UserError(f"{where} {path}: cannot be created ({exc.strerror}); set AURAKERNEL_CACHE_DIR to a "
+                        "writable directory") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UserError(f"{where} {path}: not writable (set AURAKERNEL_CACHE_DIR to a writable directory)")
     return path
 
 

@@ -154,3 +154,13 @@ def test_show_creates_nothing(tmp_path, capsys):
     assert main(["show", "--db", str(typo)]) == 2
     assert "no such tuning DB" in capsys.readouterr().err
     assert not typo.exists() and not typo.parent.exists()
+
+
+def test_a_cache_dir_that_is_a_file_is_one_line(tmp_path):
+    bad = tmp_path / "cache"
+    bad.write_text("not a directory")
+    env = {**os.environ, "AURAKERNEL_CACHE_DIR": str(bad)}
+    proc = subprocess.run([*AURAKERNEL, "tune", "rms_norm", "--shape", "64x256", "--dtype", "fp32"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and f"AURAKERNEL_CACHE_DIR {bad}: not a directory" in proc.stderr
