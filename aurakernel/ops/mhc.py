@@ -19,7 +19,7 @@ from ..planner.costmodel import RowwisePhase, rowwise_model
 from ..patch.install import install, require
 from ..patch.torch_op import torch_op
 from .base import Entry, OpSpec, Problem, Tensors, Tolerance, Work
-from .layout import like_layout, rows_layout
+from .layout import rows_layout
 
 EPS = 1e-6
 ITERS = 20
