@@ -320,6 +320,7 @@ def test_activation_checkpointing_recomputes_with_the_same_loss_and_grads(tmp_pa
     ("max_bad_steps", 0, "train.max_bad_steps must be an integer >= 1"),
     ("activation_checkpointing", "yes", "train.activation_checkpointing must be true or false"),
     ("checkpoint_dir", 3, "train.checkpoint_dir must be a directory path or null"),
+    ("log", 5, "train.log must be a file path or null"),
     ("indexer_kl_weight", -1.0, "train.indexer_kl_weight must be >= 0"),
     ("model_dir", "/nonexistent", "model dir /nonexistent: no config.json"),
 ])
@@ -333,8 +334,14 @@ def test_bad_loop_keys_are_one_line_errors(tmp_path, key, value, fragment):
     (["--resume"], "--resume needs train.checkpoint_dir"),
     (["--model-dir", "/nonexistent"], "model dir /nonexistent: no config.json"),
     (["--compare"], "--compare needs --kernels"),
+    (["--log", "{tmp}"], "is a directory (expected a file path)"),
+    (["--log", "{tmp}/cfg.yaml/x.jsonl"], "is not a writable directory"),
+    (["--checkpoint-dir", "{tmp}/cfg.yaml"], "checkpoint dir {tmp}/cfg.yaml: exists and is not a directory"),
 ])
 def test_cli_train_bad_input_exits_2(tmp_path, capsys, args, fragment):
+    """Found before training starts: a bad output path costs no training step."""
+    args = [a.format(tmp=tmp_path) for a in args]
+    fragment = fragment.format(tmp=tmp_path)
     path = write_config(tmp_path / "cfg.yaml")
     assert main(["train", "--config", str(path), *args]) == 2
     err = capsys.readouterr().err.strip()

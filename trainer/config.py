@@ -121,6 +121,8 @@ def _check_train(t: TrainSettings, source: str) -> None:
         value = getattr(t, name)
         if value is not None and not (isinstance(value, str) and value):
             raise UserError(f"{source}: train.{name} must be a directory path or null, got {value!r}")
+    if t.log is not None and not (isinstance(t.log, str) and t.log):
+        raise UserError(f"{source}: train.log must be a file path or null, got {t.log!r}")
     if t.indexer_kl_weight < 0:
         raise UserError(f"{source}: train.indexer_kl_weight must be >= 0, got {t.indexer_kl_weight!r}")
 

@@ -476,7 +476,28 @@ def _status(run: Run) -> str:
             f"mem {r['peak_mem_gib']:.1f} GiB" + (f" skipped {run.skipped_steps}" if run.skipped_steps else ""))
 
 
-def _check_options(cfg: TrainConfig, world: Dist, kernels, compare: bool, resume: bool | None, export_dir) -> None:
+def _check_writable(path: str, what: str, directory: bool) -> None:
+    """An output path the run will write (a file, or a directory it fills), checked before training
+    starts: not the other kind of thing, and under a writable directory."""
+    p = Path(path)
+    if directory and p.exists() and not p.is_dir():
+        raise UserError(f"{what} {p}: exists and is not a directory")
+    if not directory and p.is_dir():
+        raise UserError(f"{what} {p}: is a directory (expected a file path)")
+    existing = p if directory and p.exists() else p.parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"{what} {p}: cannot be written ({existing} is not a writable directory)")
+
+
+def _check_options(cfg: TrainConfig, world: Dist, kernels, compare: bool, resume: bool | None, export_dir,
+                   log_path: str | None = None) -> None:
+    log = log_path or cfg.train.log
+    if log:
+        _check_writable(log, "log", directory=False)
+    if cfg.train.checkpoint_dir:
+        _check_writable(cfg.train.checkpoint_dir, "checkpoint dir", directory=True)
     if compare and (world.world_size > 1 or cfg.train.checkpoint_dir or export_dir):
         raise UserError("--compare is a single-process A/B measurement: it runs without torchrun, "
                         "train.checkpoint_dir and --export")
@@ -509,7 +530,7 @@ def train(cfg: TrainConfig, *, kernels=None, steps: int | None = None, compare: 
 
 def _train(cfg, world, kernels, steps, compare, log_path, show_progress, console, resume, export_dir) -> dict:
     t = cfg.train
-    _check_options(cfg, world, kernels, compare, resume, export_dir)
+    _check_options(cfg, world, kernels, compare, resume, export_dir, log_path)
     torch.manual_seed(t.seed)
     random.seed(t.seed)
     base_model = initial_model(cfg)
