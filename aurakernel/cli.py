@@ -82,6 +82,8 @@ def tune(
     if out_dir is not None and load_profile(target).kind != "ascend":
         raise UserError(f"--out writes an AscendC op project: target {target!r} has none to write "
                         "(host kernels are built into the cache; `aurakernel show` lists them)")
+    if out_dir is not None and Path(out_dir).exists() and not Path(out_dir).is_dir():
+        raise UserError(f"--out {out_dir}: exists and is not a directory (the op project is a directory)")
     _ensure_calibrated(target)
     with err.status(f"tuning {op}..."):
         result = run_tune(op, shape, dtype, variant=variant, target=target, solver=solver, db_path=db,

@@ -164,3 +164,12 @@ def test_a_cache_dir_that_is_a_file_is_one_line(tmp_path):
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().count("\n") == 0 and f"AURAKERNEL_CACHE_DIR {bad}: not a directory" in proc.stderr
+
+
+def test_tune_out_that_is_a_file_is_one_line(tmp_path, capsys):
+    taken = tmp_path / "project"
+    taken.write_text("a file")
+    assert main(["tune", "rms_norm", "--target", "ascend910b2", "--out", str(taken)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"--out {taken}: exists and is not a directory" in err
+    assert taken.read_text() == "a file"
