@@ -49,34 +49,43 @@ class TorchOp:
         if backward is not None:
             self.bwd = torch.library.custom_op(f"{NAMESPACE}::{name}_bwd", backward, mutates_args=())
             self.bwd.register_fake(fake_backward or self._default_fake_backward)
-            self.fwd.register_autograd(self._custom_backward, setup_context=self._setup_context)
+            self.fwd.register_autograd(self._custom_backward, setup_context=self._save)
             self._function = self._autograd_function()
 
     # --- the autograd formula, shared by both paths ---------------------------------------------
+    def _split(self, output) -> tuple[tuple, tuple]:
+        """A forward's result as (visible outputs, residuals)."""
+        output = output if isinstance(output, tuple) else (output,)
+        return output[: self.outputs], output[self.outputs:]
+
+    @staticmethod
+    def _result(outs: tuple):
+        return outs if len(outs) != 1 else outs[0]
+
     def backward_args(self, args: tuple, output, grad_outputs: tuple) -> tuple:
         """The backward op's arguments for one forward call (args -> output) and its output
         gradients: what the autograd formula passes (for opcheck and tests)."""
-        residuals = output[self.outputs:] if isinstance(output, tuple) else ()
-        return (*grad_outputs, *(args[i] for i in self._saved), *residuals, *(args[i] for i in self._consts))
+        return (*grad_outputs, *(args[i] for i in self._saved), *self._split(output)[1],
+                *(args[i] for i in self._consts))
 
-    def _save(self, ctx, args, output) -> None:
-        residuals = output[self.outputs:] if isinstance(output, tuple) else ()
-        ctx.save_for_backward(*(args[i] for i in self._saved), *residuals)
-        ctx.consts = tuple(args[i] for i in self._consts)
-        ctx.none_inputs = tuple(args[i] is None for i in self._grads)   # their gradient is None
+    def _save(self, ctx, inputs, output) -> None:
+        """The autograd context of one forward call (also the custom op's setup_context, which torch
+        calls with these keyword names)."""
+        ctx.save_for_backward(*(inputs[i] for i in self._saved), *self._split(output)[1])
+        ctx.consts = tuple(inputs[i] for i in self._consts)
+        ctx.none_inputs = tuple(inputs[i] is None for i in self._grads)   # their gradient is None
 
     def _place(self, grads, none_inputs) -> tuple:
+        """The backward's gradients at their inputs' positions (None for non-gradient inputs)."""
+        grads = grads if isinstance(grads, tuple) else (grads,)
         out = [None] * self._n_args
         for i, g, none in zip(self._grads, grads, none_inputs):
             out[i] = None if none else g
         return tuple(out)
 
-    def _setup_context(self, ctx, inputs, output) -> None:
-        self._save(ctx, inputs, output)
-
     def _custom_backward(self, ctx, *grad_outputs):
         grads = self.bwd(*grad_outputs[: self.outputs], *ctx.saved_tensors, *ctx.consts)
-        return self._place(grads if isinstance(grads, tuple) else (grads,), ctx.none_inputs)
+        return self._place(grads, ctx.none_inputs)
 
     def _default_fake_backward(self, *args):
         """Each gradient shaped and typed like its (saved) input; an empty tensor for a None input."""
@@ -95,14 +104,14 @@ class TorchOp:
             def forward(ctx, *args):
                 output = op._forward_impl(*args)
                 op._save(ctx, args, output)
-                outs = output[: op.outputs] if isinstance(output, tuple) else (output,)
+                outs = op._split(output)[0]
                 ctx.mark_non_differentiable(*(o for o in outs if not o.is_floating_point()))
-                return outs if len(outs) != 1 else outs[0]
+                return op._result(outs)
 
             @staticmethod
             def backward(ctx, *grad_outputs):
                 grads = op._backward_impl(*grad_outputs, *ctx.saved_tensors, *ctx.consts)
-                return op._place(grads if isinstance(grads, tuple) else (grads,), ctx.none_inputs)
+                return op._place(grads, ctx.none_inputs)
 
         _Eager.__name__ = f"{self.name}_kernel"
         return _Eager
@@ -110,14 +119,8 @@ class TorchOp:
     def __call__(self, *args):
         """The visible outputs: through the custom op while compiling, else the eager Function."""
         if torch.compiler.is_compiling() or self.bwd is None:
-            output = self.fwd(*args)
-            outs = output[: self.outputs] if isinstance(output, tuple) else (output,)
-            return outs if len(outs) != 1 else outs[0]
+            return self._result(self._split(self.fwd(*args))[0])
         return self._function.apply(*args)
-
-    def custom_ops(self) -> list:
-        """The registered custom ops (for torch.library.opcheck and graph counting)."""
-        return [self.fwd] + ([self.bwd] if self.bwd is not None else [])
 
 
 REGISTRY: dict[str, TorchOp] = {}
