@@ -26,7 +26,7 @@ from .profiler import ProfileReport, Workload, profile_training
 from .verify import Verification, verify
 
 if TYPE_CHECKING:
-    from .backends.ascendc import AscendTuneResult
+    from .targets.ascend import AscendTuneResult
 
 
 @dataclass
@@ -104,8 +104,8 @@ def tune(op: str, shape: str | None, dtype: str | None = None, *, variant: str |
     check_fits_in_memory(spec, problem)
     hw = hw or load_profile(target)
     if hw.kind == "ascend":   # AscendC: verified and estimated in the emulator, nothing to time here
-        from .backends import ascendc
-        return ascendc.tune(spec, problem, hw, target=target, solver=solver, out_dir=out_dir)
+        from .targets import ascend
+        return ascend.tune(spec, problem, hw, target=target, solver=solver, out_dir=out_dir)
     if hw.kind != "host":
         raise UserError(f"target {target!r} is an {hw.kind} profile; kernels can be built for: host, ascend targets")
     return tune_problem(spec, problem, hw, target=target, solver=solver,
@@ -229,7 +229,7 @@ def autotune_ascend(workload: Workload, *, target: str, out_dir, solver: str = "
     each verified in the emulator; summary.json lists them and what was skipped, and why."""
     from pathlib import Path
 
-    from .backends import ascendc
+    from .targets import ascend
     hw = load_profile(target)
     if hw.kind != "ascend":
         raise UserError(f"target {target!r} is a {hw.kind} profile: autotune --target takes an Ascend profile here")
@@ -241,13 +241,13 @@ def autotune_ascend(workload: Workload, *, target: str, out_dir, solver: str = "
     for problem in problems_from_profile(report):
         spec = OPS[problem.op]
         where = {"op": problem.op, "variant": problem.variant, "shape": problem.shape_text, "dtype": problem.dtype.value}
-        if not ascendc.supported(spec):
+        if not ascend.supported(spec):
             skipped.append(where | {"reason": "no AscendC kernel for this operator yet"})
             continue
         if progress:
             progress(f"planning and emulating {problem.describe()}")
         try:
-            projects.append(ascendc.tune(spec, problem, hw, target=target, solver=solver,
+            projects.append(ascend.tune(spec, problem, hw, target=target, solver=solver,
                                          out_dir=out / f"{problem.op}_{problem.variant}_{problem.shape_text}_{problem.dtype.value}"))
         except PlanInfeasible as exc:
             skipped.append(where | {"reason": str(exc)})

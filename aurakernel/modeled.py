@@ -287,12 +287,12 @@ class _Tracer(TorchDispatchMode):
 def _planned_problem_us(problem, hw: HardwareProfile, bw: float) -> tuple[float, str]:
     """A problem's kernel time on the target, forward + backward: the planner's prediction where
     the target has a kernel for it, else the roofline of the operator's minimum traffic."""
-    from .backends import ascendc
+    from .targets import ascend
     from .planner import solve_tiling
     spec = OPS[problem.op]
     try:
-        if hw.kind == "ascend" and ascendc.supported(spec):
-            return ascendc.plan(spec, problem, hw, target=hw.name, solver="highs").predicted_us, "planned"
+        if hw.kind == "ascend" and ascend.supported(spec):
+            return ascend.plan(spec, problem, hw, target=hw.name, solver="highs").predicted_us, "planned"
         if hw.kind == "host":
             plan = solve_tiling(spec.tiling_problem(problem, hw), op=problem.op, variant=problem.variant,
                                 shape=problem.shape, dtype=problem.dtype.value, target=hw.name)

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from aurakernel.backends import ascendc
+from aurakernel.targets import ascend
 from aurakernel.hardware import load_profile
 from aurakernel.ops import OPS
 from aurakernel.planner.ascend import roofline_us
@@ -59,8 +59,8 @@ def naive_knobs(model: ChoiceModel) -> dict[str, int]:
 def estimate(spec, problem, knobs, hw) -> dict[str, float]:
     """Emulated fwd and bwd time (us) and their roofline bound for one set of knobs."""
     with tempfile.TemporaryDirectory() as tmp:
-        emu = ascendc.Emulated(ascendc.render_project(spec, problem, knobs, Path(tmp)), hw, knobs["block_dim"])
-        reports = ascendc.emulate(spec, problem, knobs, emu)
+        emu = ascend.Emulated(ascend.render_project(spec, problem, knobs, Path(tmp)), hw, knobs["block_dim"])
+        reports = ascend.emulate(spec, problem, knobs, emu)
     errors = [e for r in reports.values() for e in r.errors]
     if errors:
         raise RuntimeError(errors[0])
@@ -82,11 +82,11 @@ def main(argv=None) -> int:
         spec = OPS[op]
         problem = spec.problem(shape.format(rows=args.rows), dtype, variant)
         console.log(problem.describe())
-        plan = ascendc.plan(spec, problem, hw, target=args.target, solver="highs")
-        naive = naive_knobs(ascendc.model(spec, problem, hw))
+        plan = ascend.plan(spec, problem, hw, target=args.target, solver="highs")
+        naive = naive_knobs(ascend.model(spec, problem, hw))
         picked, base = estimate(spec, problem, plan.knobs, hw), estimate(spec, problem, naive, hw)
         rows.append({"op": f"{op}[{variant}]", "shape": problem.shape_text, "dtype": dtype, "plan": plan.knobs,
-                     "cols": spec.ascend_rows_cols(problem)[1],
+                     "cols": ascend.kernel_of(spec).rows_cols(problem)[1],
                      "naive": naive, "plan_est_us": picked["est_us"], "naive_est_us": base["est_us"],
                      "roofline_us": picked["roofline_us"], "plan_vs_roofline": picked["ratio"],
                      "naive_vs_roofline": base["ratio"], "plan_speedup_vs_naive": base["est_us"] / picked["est_us"]})

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from aurakernel import emulator
-from aurakernel.backends import ascendc
+from aurakernel.targets import ascend
 from aurakernel.hardware import load_profile
 from aurakernel.ops import OPS
 
@@ -54,7 +54,7 @@ SPREAD_TESTS = True   # no shared fixtures: xdist spreads these long emulator ca
 def test_kernel_matches_reference_in_emulator(op, variant, shape, dtype, tmp_path):
     spec = OPS[op]
     problem = spec.problem(shape, dtype, variant)
-    result = ascendc.tune(spec, problem, HW, target="ascend910b2", solver="highs", out_dir=tmp_path)
+    result = ascend.tune(spec, problem, HW, target="ascend910b2", solver="highs", out_dir=tmp_path)
     assert result.verified, result.verification.summary
     shapes = {c.shape for c in result.verification.checks}
     assert any(s[0] % HW.cores and s[1:] == problem.shape[1:] for s in shapes)   # a tail core
@@ -64,14 +64,14 @@ def test_kernel_matches_reference_in_emulator(op, variant, shape, dtype, tmp_pat
     d = result.to_json()
     assert 0 < d["ub_bytes"] <= HW.memory["UB"].capacity - 8192
     assert d["est_cycles"] > 0 and d["roofline_ratio"] > 0.5
-    for name in ascendc.PROJECT_FILES.values():
+    for name in ascend.PROJECT_FILES.values():
         assert (tmp_path / name.format(op=op)).is_file()
 
 
 def test_adamw_update_matches_torch_in_emulator(tmp_path):
     spec = OPS["adamw"]
     problem = spec.problem("8388608", "fp32", None)        # one 2048 x 4096 expert weight of V4-Flash
-    result = ascendc.tune(spec, problem, HW, target="ascend910b2", solver="highs", out_dir=tmp_path)
+    result = ascend.tune(spec, problem, HW, target="ascend910b2", solver="highs", out_dir=tmp_path)
     assert result.verified, result.verification.summary
     sizes = {c.shape[0] for c in result.verification.checks}
     assert any(n % 1024 for n in sizes) and min(sizes) < 1024      # a short last row; less than one row
@@ -85,7 +85,7 @@ def test_plan_that_cannot_fit_ub_names_the_constraint():
     from aurakernel.errors import PlanInfeasible
     spec = OPS["rms_norm"]
     with pytest.raises(PlanInfeasible, match="UB capacity"):
-        ascendc.plan(spec, spec.problem("64x65536", "fp32", "weighted"), HW, target="ascend910b2", solver="highs")
+        ascend.plan(spec, spec.problem("64x65536", "fp32", "weighted"), HW, target="ascend910b2", solver="highs")
 
 
 KERNEL_HEAD = """#include "kernel_operator.h"
@@ -187,8 +187,8 @@ def test_cli_tune_ascend_json(tmp_path):
 def test_project_builds_with_cann(tmp_path):
     spec = OPS["rms_norm"]
     problem = spec.problem("64x4096", "bf16", "weighted")
-    the_plan = ascendc.plan(spec, problem, HW, target="ascend910b2", solver="highs")
-    ascendc.render_project(spec, problem, the_plan.knobs, tmp_path)
+    the_plan = ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs")
+    ascend.render_project(spec, problem, the_plan.knobs, tmp_path)
     subprocess.run(["cmake", "-S", str(tmp_path), "-B", str(tmp_path / "build")], check=True)
     subprocess.run(["cmake", "--build", str(tmp_path / "build")], check=True)
 

@@ -77,10 +77,10 @@ def test_solved_order_is_the_best_order_by_exhaustive_replay():
 
 
 def test_cross_entropy_plan_carries_the_schedule():
-    from aurakernel.backends import ascendc
+    from aurakernel.targets import ascend
     spec = OPS["cross_entropy"]
     problem = spec.problem("1024x129280", "bf16", "default")
-    plan = ascendc.plan(spec, problem, ASCEND, target="ascend910b2", solver="highs")
+    plan = ascend.plan(spec, problem, ASCEND, target="ascend910b2", solver="highs")
     fwd = plan.schedule["forward"]
     assert plan.knobs["forward_prefetch"] == 1 and plan.knobs["forward_in_buffers"] == 2
     assert fwd["body"] == ["copy_in(i+1)", "compute(i)"] and fwd["status"] == "optimal"
@@ -108,10 +108,10 @@ def test_solved_schedule_beats_the_plain_order_in_the_emulator():
     CopyIn / Compute / CopyOut order at the same tiling, both checked against the reference. (The
     backward's solved order is the plain one here; the solved kernels' forward and backward are
     verified by tests/test_ascendc.py, whose tune uses the scheduled plan.)"""
-    from aurakernel.backends import ascendc
+    from aurakernel.targets import ascend
     spec = OPS["cross_entropy"]
     problem = spec.problem("8x129280", "bf16", "default")
-    plan = ascendc.plan(spec, problem, ASCEND, target="ascend910b2", solver="highs")
+    plan = ascend.plan(spec, problem, ASCEND, target="ascend910b2", solver="highs")
     solved = plan.knobs
     plain = {k: v for k, v in solved.items() if not k.endswith(("_prefetch", "_buffers"))}
     assert solved["forward_prefetch"] == 1 and solved["backward_prefetch"] == 0
@@ -119,7 +119,7 @@ def test_solved_schedule_beats_the_plain_order_in_the_emulator():
     tail = spec.make_inputs(spec.problem("11x1000", "bf16", "default"), 1)   # a tail core, a short last tile
     cycles = {}
     with tempfile.TemporaryDirectory() as tmp:
-        emus = {name: ascendc.Emulated(ascendc.render_project(spec, problem, knobs, Path(tmp) / name), ASCEND,
+        emus = {name: ascend.Emulated(ascend.render_project(spec, problem, knobs, Path(tmp) / name), ASCEND,
                                        knobs["block_dim"]) for name, knobs in (("plain", plain), ("solved", solved))}
         assert "FWD_PREFETCH = 1;" in (Path(tmp) / "solved" / "cross_entropy_kernel.cpp").read_text()
         assert "FWD_PREFETCH = 0;" in (Path(tmp) / "plain" / "cross_entropy_kernel.cpp").read_text()
@@ -165,10 +165,10 @@ def test_mhc_pre_solved_schedule_beats_the_plain_order_in_the_emulator():
     of the solved forward (x tiles prefetched: fn's column tiles share MTE2's in-order queue with
     them) against the plain CopyIn / Compute order at the same tiling, both checked against the
     reference (transformers' DeepseekV4HyperConnection)."""
-    from aurakernel.backends import ascendc
+    from aurakernel.targets import ascend
     spec = OPS["mhc_pre"]
     problem = spec.problem("384x4x4096", "bf16", "default")
-    plan = ascendc.plan(spec, problem, ASCEND, target="ascend910b2", solver="highs")
+    plan = ascend.plan(spec, problem, ASCEND, target="ascend910b2", solver="highs")
     solved = plan.knobs
     plain = {k: v for k, v in solved.items() if not k.endswith(("_prefetch", "_buffers"))}
     assert solved["forward_prefetch"] >= 1
@@ -176,7 +176,7 @@ def test_mhc_pre_solved_schedule_beats_the_plain_order_in_the_emulator():
     ref = spec.reference(problem, inputs)
     cycles = {}
     with tempfile.TemporaryDirectory() as tmp:
-        emus = {name: ascendc.Emulated(ascendc.render_project(spec, problem, knobs, Path(tmp) / name), ASCEND,
+        emus = {name: ascend.Emulated(ascend.render_project(spec, problem, knobs, Path(tmp) / name), ASCEND,
                                        knobs["block_dim"]) for name, knobs in (("plain", plain), ("solved", solved))}
         assert "FWD_PREFETCH = 0;" in (Path(tmp) / "plain" / "mhc_pre_kernel.cpp").read_text()
         with ThreadPoolExecutor(2) as pool:   # the two g++ builds side by side
@@ -277,10 +277,10 @@ def test_three_solvers_agree_on_the_planner_models(host):
     spec = get_op("rms_norm")
     models = [spec.tiling_problem(spec.problem(s, d, v), host) for s, d, v in
               (("4096x4096", "bf16", "weighted"), ("1024x16384", "fp32", "unweighted"), ("7x7168", "bf16", "weighted"))]
-    from aurakernel.backends import ascendc
+    from aurakernel.targets import ascend
     for op, shape, variant in (("cross_entropy", "1024x129280", "default"), ("rms_norm", "8192x4096", "weighted")):
         s = OPS[op]
-        models.append(ascendc.model(s, s.problem(shape, "bf16", variant), ASCEND))
+        models.append(ascend.model(s, s.problem(shape, "bf16", variant), ASCEND))
     assert SOLVERS == ("highs", "cpsat", "scip")
     for model in models:
         sols = {name: solve(model, name) for name in SOLVERS}

@@ -125,7 +125,7 @@ def test_too_few_records_says_how_many_and_how_to_get_them(tmp_path, host):
 def synthetic_ascend_samples(hw, scales, per_op=3, seed=0) -> list[fit.AscendSample]:
     """Emulator-like samples from the planner's own model at `scales`: per-pipe busy cycles and a
     cycle estimate per phase (the planner's time less the launch the emulator does not model)."""
-    from aurakernel.backends import ascendc
+    from aurakernel.targets import ascend
 
     rng = random.Random(seed)
     truth = dataclasses.replace(hw, costmodel={**hw.costmodel, **scales})
@@ -134,7 +134,7 @@ def synthetic_ascend_samples(hw, scales, per_op=3, seed=0) -> list[fit.AscendSam
     for name in ("rms_norm", "swiglu", "cross_entropy", "adamw"):
         spec = OPS[name]
         problem = fit.calibration_problem(spec, hw)
-        model = ascendc.model(spec, problem, truth)
+        model = ascend.model(spec, problem, truth)
         for choice in rng.sample(fit.feasible_choices(model), per_op):
             phases = {}
             for phase, pipes in model.evaluate(choice)[1].items():
@@ -150,7 +150,7 @@ def synthetic_ascend_samples(hw, scales, per_op=3, seed=0) -> list[fit.AscendSam
 
 def test_ascend_fit_recovers_scales_and_the_overlay_reaches_the_planner_only(tmp_path, monkeypatch):
     from aurakernel import emulator
-    from aurakernel.backends import ascendc
+    from aurakernel.targets import ascend
     from aurakernel.hardware import load_profile
 
     monkeypatch.setenv("AURAKERNEL_CACHE_DIR", str(tmp_path / "cache"))
@@ -169,8 +169,8 @@ def test_ascend_fit_recovers_scales_and_the_overlay_reaches_the_planner_only(tmp
     problem = fit.calibration_problem(spec, hw)
     choice = samples[0].knobs
     truth = dataclasses.replace(hw, costmodel={**hw.costmodel, **scales})
-    assert ascendc.model(spec, problem, fitted).evaluate(choice)[0] == pytest.approx(
-        ascendc.model(spec, problem, truth).evaluate(choice)[0], rel=0.01)
+    assert ascend.model(spec, problem, fitted).evaluate(choice)[0] == pytest.approx(
+        ascend.model(spec, problem, truth).evaluate(choice)[0], rel=0.01)
     with pytest.raises(UserError, match="at least 10 emulator samples"):
         fit.fit_ascend("ascend910b2", samples[:4], write=False)
 

@@ -10,7 +10,6 @@ OpSpec and its templates.
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -197,33 +196,6 @@ class OpSpec(ABC):
         patches, beyond the DeepSeek-V4 table in swap.py (which covers the built-in operators): how a
         third-party operator says where it goes."""
         return []
-
-    # --- AscendC (backends/ascendc.py; templates/ascendc/<op>/): ops that ship a kernel there
-    # implement ascend_phases (the planner's per-phase UB and pipe work), ascend_params (typed
-    # template values) and ascend_run (forward and backward in the emulator). -------------------
-    ascend_split_cols = False   # the AscendC kernel streams a row in column tiles (rows wider than the UB)
-    ascend_template_dir: ClassVar[str | None] = None   # another op's template folder this one renders (mhc_head: mhc_pre)
-    # {phase: whether its compute step ends in scalar waits} for a template that renders the solved
-    # pipeline schedule (planner/schedule.py); None: the plain CopyIn / Compute / CopyOut order
-    ascend_compute_waits_scalar: ClassVar[dict[str, bool] | None] = None
-
-    def ascend_col_tiles(self, problem: Problem) -> list[int] | None:
-        """The column tiles the kernel accepts; None: the planner's own (the whole row, or powers of two)."""
-        return None
-
-    def ascend_rows_cols(self, problem: Problem) -> tuple[int, int]:
-        """The kernel's work as rows x cols for the Ascend planner: by default every dimension but the
-        last are rows."""
-        return math.prod(problem.shape[:-1]), problem.shape[-1]
-
-    def ascend_verification_problems(self, problem: Problem, knobs: dict[str, int]) -> list[Problem]:
-        """For a (rows, cols) row-wise kernel: the plan's width with rows that leave a tail core and a
-        tail tile, and a width that is not a multiple of 16 elements (the kernel takes any width)."""
-        rows, cols = problem.shape
-        tail_rows = min(rows, 2 * knobs["block_dim"] + 3)
-        odd = cols + 3 if cols % 16 == 0 else cols
-        return [Problem(problem.op, problem.variant, (tail_rows, cols), problem.dtype),
-                Problem(problem.op, problem.variant, (min(rows, knobs["block_dim"] + 5), odd), problem.dtype)]
 
     # --- modules: timing and swapping use the same nn.Module path the trainer runs ------------
     @abstractmethod

@@ -92,60 +92,6 @@ class CrossEntropySpec(OpSpec):
         scale = float(grad_outputs["loss"]) / max(int((labels != IGNORE).sum()), 1)
         kernel.call("bwd", logits, labels, outputs["lse"], grads["logits"], logits.shape[0], scale)
 
-    # --- AscendC (templates/ascendc/cross_entropy/): a row streams through the UB in column tiles --
-    ascend_split_cols = True
-    # planner/schedule.py: the forward reads its running max and sum back on the scalar unit every
-    # chunk (a copy issued after that compute step cannot run under it), the backward only at the label
-    ascend_compute_waits_scalar = {"forward": True, "backward": False}
-
-    def ascend_phases(self, problem: Problem):
-        from ..planner.ascend import AscendRowPhase
-        cast = 0 if problem.dtype is DType.fp32 else 1
-        return [
-            # label in, loss and lse out per row; cast, ReduceMax, Adds, ReduceSum; Exp
-            AscendRowPhase("forward", 1, 0, 8, 8, 0, 1, fast_ops_per_elem=3 + cast, slow_ops_per_elem=1,
-                           instrs_per_chunk=8 + cast),
-            # label and lse in per row; cast, Adds, Muls, cast; Exp
-            AscendRowPhase("backward", 1, 1, 12, 0, 0, 1, fast_ops_per_elem=2 + 2 * cast, slow_ops_per_elem=1,
-                           instrs_per_chunk=4 + 2 * cast),
-        ]
-
-    def ascend_params(self, problem: Problem, knobs: dict[str, int]) -> dict:
-        from ..planner.schedule import phase_schedule
-        fwd = phase_schedule(knobs, "forward", ("in",))
-        bwd = phase_schedule(knobs, "backward", ("in", "out"))
-        return {"dtype": problem.dtype, "vocab": int(problem.shape[1]), "col_tile": int(knobs["col_tile"]),
-                "chunk": int(knobs["chunk"]), "block_dim": int(knobs["block_dim"]),
-                "fwd_prefetch": fwd["prefetch"], "fwd_in_buffers": fwd["in_buffers"],
-                "bwd_prefetch": bwd["prefetch"], "bwd_in_buffers": bwd["in_buffers"],
-                "bwd_out_buffers": bwd["out_buffers"]}
-
-    def ascend_run(self, problem: Problem, knobs: dict[str, int], inputs: Tensors, grad_out: Tensors, emu):
-        """Forward and backward kernels in the emulator: (outputs, grads, {phase: RunReport})."""
-        import struct
-
-        from .. import emulator
-        from ..emulator import from_bytes, to_bytes
-        from ..planner.ascend import row_split
-        logits, labels = inputs["logits"], inputs["labels"].to(torch.int64)
-        rows, vocab = logits.shape
-        block_rows, block_dim = row_split(rows, knobs["block_dim"])
-        valid = max(int((labels != IGNORE).sum()), 1)
-        scale = float(grad_out["loss"]) / valid
-
-        def tiling(scale: float) -> bytearray:
-            return bytearray(struct.pack("<5Iif", rows, vocab, block_rows, knobs["col_tile"], knobs["chunk"], IGNORE, scale))
-
-        loss_rows, lse = torch.full((rows,), float("nan")), torch.full((rows,), float("nan"))
-        fwd_bufs = [to_bytes(logits), to_bytes(labels), to_bytes(loss_rows), to_bytes(lse), bytearray(32), tiling(1.0)]
-        fwd = emulator.run(emu.exe("ak_cross_entropy_fwd", 6), block_dim, fwd_bufs)
-        loss_rows, lse = from_bytes(fwd_bufs[2], loss_rows), from_bytes(fwd_bufs[3], lse)
-        dlogits = torch.full_like(logits, float("nan"))
-        bwd_bufs = [to_bytes(logits), to_bytes(labels), to_bytes(lse), to_bytes(dlogits), bytearray(32), tiling(scale)]
-        bwd = emulator.run(emu.exe("ak_cross_entropy_bwd", 6), block_dim, bwd_bufs)
-        return ({"loss": loss_rows.sum() / valid, "loss_rows": loss_rows, "lse": lse},
-                {"logits": from_bytes(bwd_bufs[3], dlogits)}, {"forward": fwd, "backward": bwd})
-
     def call_problem(self, module, args):
         return None   # the trainer's loss is not a module: the profiler records it from the config
 

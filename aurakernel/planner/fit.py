@@ -431,7 +431,7 @@ def feasible_choices(model: ChoiceModel) -> list[dict[str, int]]:
 def ascend_samples(target: str, n: int, seed: int = 0, progress=None) -> tuple[list[AscendSample], Counter]:
     """`n` emulator runs: feasible tilings drawn uniformly (seeded) per operator with an AscendC
     kernel, round robin over the operators, each run forward and backward at its calibration shape."""
-    from ..backends import ascendc
+    from ..targets import ascend
     from ..errors import BuildError
     from ..hardware import load_profile
     from ..ops import OPS
@@ -442,9 +442,9 @@ def ascend_samples(target: str, n: int, seed: int = 0, progress=None) -> tuple[l
     rng = random.Random(seed)
     pools = []
     for spec in OPS.values():
-        if ascendc.supported(spec):
+        if ascend.supported(spec):
             problem = calibration_problem(spec, hw)
-            choices = feasible_choices(ascendc.model(spec, problem, hw))
+            choices = feasible_choices(ascend.model(spec, problem, hw))
             rng.shuffle(choices)
             pools.append((spec, problem, choices))
     samples, failed = [], Counter()
@@ -457,8 +457,8 @@ def ascend_samples(target: str, n: int, seed: int = 0, progress=None) -> tuple[l
             progress(f"{i + 1}/{n} {problem.describe()} {knobs}")
         try:
             with tempfile.TemporaryDirectory(prefix=f"ak-fit-{spec.name}-") as tmp:
-                project = ascendc.render_project(spec, problem, knobs, Path(tmp))
-                reports = ascendc.emulate(spec, problem, knobs, ascendc.Emulated(project, hw, knobs["block_dim"]))
+                project = ascend.render_project(spec, problem, knobs, Path(tmp))
+                reports = ascend.emulate(spec, problem, knobs, ascend.Emulated(project, hw, knobs["block_dim"]))
         except BuildError:
             failed["emulator build failed"] += 1
             continue
@@ -473,7 +473,7 @@ def ascend_samples(target: str, n: int, seed: int = 0, progress=None) -> tuple[l
 def ascend_observations(samples: list[AscendSample], hw: HardwareProfile) -> list[Observation]:
     """Per sample: the run (planner time vs the emulator's estimate + launch) and, per phase, each
     pipe the planner models against the emulator's busy cycles of it."""
-    from ..backends import ascendc
+    from ..targets import ascend
     from ..ops import OPS
 
     names = list(ASCEND_COEFFICIENTS)
@@ -484,7 +484,7 @@ def ascend_observations(samples: list[AscendSample], hw: HardwareProfile) -> lis
     for s in samples:
         spec = OPS[s.op]
         problem = spec.problem(s.shape, s.dtype, s.variant)
-        models = basis_models(lambda cm, spec=spec, problem=problem: ascendc.model(
+        models = basis_models(lambda cm, spec=spec, problem=problem: ascend.model(
             spec, problem, dataclasses.replace(hw, costmodel={**hw.costmodel, **cm})), names, current)
         choice = in_domain(models[0], s.knobs)
         if choice is None:

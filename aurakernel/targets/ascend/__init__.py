@@ -1,18 +1,13 @@
-"""AscendC backend: plan -> render an op project -> build it against the emulator -> verify and
-estimate, for Ascend targets (profiles with kind: ascend).
+"""The Ascend target: plan -> render an op project -> build it against the emulator -> verify and
+estimate, for Ascend profiles (kind: ascend).
 
 Without CANN there is no NPU to run on: the rendered kernel is compiled with g++ against
 aurakernel/emulator (the documented AscendC API with the hardware's rules enforced) and run on the
 CPU, which proves the numerics and yields per-pipe cycle estimates. With CANN (ASCEND_HOME_PATH)
 the same project builds for real with its CMakeLists (see the project's README).
 
-An operator takes part by implementing the OpSpec hooks `ascend_phases`, `ascend_params` and
-`ascend_run` and by shipping templates/ascendc/<op>/. One whose template renders a solved pipeline
-schedule (planner/schedule.py: prefetch distance and buffer counts per phase) also declares
-`ascend_compute_waits_scalar` ({phase: whether its compute step ends in scalar waits}); the plan then
-carries <phase>_prefetch and <phase>_<queue>_buffers knobs, and the plain order is the fallback.
-Optional: `ascend_template_dir` (specs sharing one template folder: mhc_head renders mhc_pre's) and
-`ascend_col_tiles(problem)` (the column tiles the kernel accepts, instead of the planner's powers of two).
+An operator takes part with an AscendKernel (kernel.py) in targets/ascend/ops/<op>.py and its
+templates under templates/ascendc/<op>/.
 """
 
 from __future__ import annotations
@@ -23,17 +18,19 @@ from pathlib import Path
 
 import torch
 
-from .. import emulator
-from ..codegen import render
-from ..errors import PlanInfeasible, UserError
-from ..hardware import HardwareProfile
-from ..paths import TEMPLATES_DIR, write_text_atomic
-from ..ops.base import OpSpec, Problem
-from ..planner import Plan, solve_tiling
-from ..planner.ascend import ascend_rowwise_model, roofline_us
-from ..planner.model import ChoiceModel
-from ..planner.schedule import Pipeline, Schedule, ascend_row_pipeline, schedule_knobs, simulate, solve_schedule
-from ..verify import Check, Verification, check_case
+from ... import emulator
+from ...codegen import render
+from ...errors import PlanInfeasible, UserError
+from ...hardware import HardwareProfile
+from ...paths import write_text_atomic
+from ...ops.base import OpSpec, Problem
+from ...planner import Plan, solve_tiling
+from ...planner.ascend import ascend_rowwise_model, roofline_us
+from ...planner.model import ChoiceModel
+from ...planner.schedule import Pipeline, Schedule, ascend_row_pipeline, schedule_knobs, simulate, solve_schedule
+from ...verify import Check, Verification, check_case
+from .kernel import AscendKernel
+from .ops import KERNELS
 
 PROJECT_FILES = {   # template -> file written into the op project
     "kernel.cpp.j2": "{op}_kernel.cpp",
@@ -46,40 +43,37 @@ PROJECT_FILES = {   # template -> file written into the op project
 SEEDS = (0, 1, 2)
 
 
-def template_dir(spec: OpSpec) -> str:
-    """The op's template folder under templates/ascendc/ (specs that share a kernel, e.g. mhc_head
-    with mhc_pre, name it with `ascend_template_dir`)."""
-    return spec.ascend_template_dir or spec.name
+def kernel_of(spec: OpSpec) -> AscendKernel:
+    """The operator's AscendC kernel; a one-line error naming those that have one."""
+    kernel = KERNELS.get(spec.name)
+    if kernel is None:
+        raise UserError(f"operator {spec.name!r} has no AscendC kernel yet: available for {', '.join(sorted(KERNELS))}")
+    return kernel
 
 
 def supported(spec: OpSpec) -> bool:
-    return (TEMPLATES_DIR / "ascendc" / template_dir(spec) / "kernel.cpp.j2").is_file()
-
-
-def require_supported(spec: OpSpec) -> None:
-    if not supported(spec):
-        from ..ops import OPS
-        have = ", ".join(sorted(n for n, s in OPS.items() if supported(s)))
-        raise UserError(f"operator {spec.name!r} has no AscendC kernel yet: available for {have}")
+    return spec.name in KERNELS
 
 
 def model(spec: OpSpec, problem: Problem, hw: HardwareProfile) -> ChoiceModel:
     """The op's UB-partition / pipe model: its kernel as rows x cols, its phases."""
-    rows, cols = spec.ascend_rows_cols(problem)
-    return ascend_rowwise_model(rows, cols, problem.dtype.itemsize, spec.ascend_phases(problem), hw,
-                                split_cols=spec.ascend_split_cols, col_tiles=spec.ascend_col_tiles(problem))
+    kernel = kernel_of(spec)
+    rows, cols = kernel.rows_cols(problem)
+    return ascend_rowwise_model(rows, cols, problem.dtype.itemsize, kernel.phases(problem), hw,
+                                split_cols=kernel.split_cols, col_tiles=kernel.col_tiles(problem))
 
 
 def pipelines(spec: OpSpec, problem: Problem, hw: HardwareProfile, knobs: dict[str, int]) -> dict[str, Pipeline]:
     """The op's phases at the tiling's knobs as copy-in -> compute -> copy-out pipelines ({} when its
     template does not render a schedule)."""
-    waits = spec.ascend_compute_waits_scalar
+    kernel = kernel_of(spec)
+    waits = kernel.compute_waits_scalar
     if not waits:
         return {}
-    rows, cols = spec.ascend_rows_cols(problem)
+    rows, cols = kernel.rows_cols(problem)
     return {ph.name: ascend_row_pipeline(ph, rows, cols, problem.dtype.itemsize, knobs, hw,
-                                         split_cols=spec.ascend_split_cols, compute_waits_scalar=waits[ph.name])
-            for ph in spec.ascend_phases(problem)}
+                                         split_cols=kernel.split_cols, compute_waits_scalar=waits[ph.name])
+            for ph in kernel.phases(problem)}
 
 
 def schedule(spec: OpSpec, problem: Problem, hw: HardwareProfile, knobs: dict[str, int],
@@ -111,11 +105,12 @@ def plan(spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, so
 
 def render_project(spec: OpSpec, problem: Problem, knobs: dict[str, int], out_dir: Path) -> dict[str, Path]:
     """Write the op project (kernel, tiling, host, binding, CMake, README) into out_dir."""
-    params = spec.ascend_params(problem, knobs)
+    kernel = kernel_of(spec)
+    params = kernel.params(problem, knobs)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = {}
     for template, name in PROJECT_FILES.items():
-        text = render(f"ascendc/{template_dir(spec)}/{template}", params).text
+        text = render(f"ascendc/{kernel.folder}/{template}", params, spec.template_dirs).text
         written[template] = write_text_atomic(out_dir / name.format(op=spec.name), text)
     return written
 
@@ -140,10 +135,11 @@ def verify(spec: OpSpec, problems: list[Problem], knobs: dict[str, int], emu: Em
     """Forward and backward in the emulator against the PyTorch reference (verify.check_case);
     a broken hardware rule fails the case with the emulator's message."""
     result = Verification(passed=True)
+    kernel = kernel_of(spec)
     for problem in problems:
         for seed in seeds:
             def run(inputs, grad_out, problem=problem):
-                outputs, grads, reports = spec.ascend_run(problem, knobs, inputs, grad_out, emu)
+                outputs, grads, reports = kernel.run(problem, knobs, inputs, grad_out, emu)
                 errors = [e for r in reports.values() for e in r.errors]
                 return outputs, grads, errors[0] if errors else None
             result.checks.extend(check_case(spec, problem, seed, run))
@@ -200,22 +196,23 @@ class AscendTuneResult:
 def emulate(spec: OpSpec, problem: Problem, knobs: dict[str, int], emu: Emulated) -> dict[str, emulator.RunReport]:
     """Forward and backward once at `problem`'s full shape: the emulator's reports (the estimate)."""
     inputs = spec.make_inputs(problem, 0)
-    likes = spec.empty_outputs(problem, inputs)
+    with torch.no_grad():
+        likes = spec.reference(problem, inputs)
     grad_out = {k: torch.randn(likes[k].shape).to(likes[k].dtype) for k in spec.grad_outputs()}
-    return spec.ascend_run(problem, knobs, inputs, grad_out, emu)[2]
+    return kernel_of(spec).run(problem, knobs, inputs, grad_out, emu)[2]
 
 
 def tune(spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, solver: str,
          out_dir: Path | None) -> AscendTuneResult:
     """Plan, render the op project, verify it in the emulator at tail shapes (3 seeds) and estimate
     its cycles at the full shape."""
-    require_supported(spec)
+    kernel = kernel_of(spec)
     the_plan = plan(spec, problem, hw, target=target, solver=solver)
     knobs = the_plan.knobs
     with tempfile.TemporaryDirectory(prefix=f"ak-{spec.name}-") as scratch:
         project = render_project(spec, problem, knobs, Path(out_dir) if out_dir is not None else Path(scratch))
         emu = Emulated(project, hw, knobs["block_dim"])
-        verification = verify(spec, spec.ascend_verification_problems(problem, knobs), knobs, emu)
+        verification = verify(spec, kernel.verification_problems(problem, knobs), knobs, emu)
         estimate = emulate(spec, problem, knobs, emu)
     errors = [e for r in estimate.values() for e in r.errors]
     if errors:

@@ -1,0 +1,63 @@
+"""AscendKernel: what one operator's AscendC kernel tells the Ascend target.
+
+The target (targets/ascend/__init__.py) plans the kernel's UB partition from its `phases` (per-phase
+UB and pipe work of the kernel as rows x cols), renders templates/ascendc/<template_dir>/ with its
+`params`, and runs it in the emulator with `run`. A kernel whose template renders the solved
+pipeline schedule (planner/schedule.py) declares `compute_waits_scalar`; the plan then carries
+<phase>_prefetch and <phase>_<queue>_buffers knobs, and the plain CopyIn / Compute / CopyOut order
+is the fallback.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+from ...ops.base import OpSpec, Problem, Tensors
+
+
+class AscendKernel(ABC):
+    split_cols: ClassVar[bool] = False   # the kernel streams a row in column tiles (rows wider than the UB)
+    # {phase: whether its compute step ends in scalar waits} for a template that renders the solved
+    # pipeline schedule; None: the plain CopyIn / Compute / CopyOut order
+    compute_waits_scalar: ClassVar[dict[str, bool] | None] = None
+    # another operator's folder under templates/ascendc/ this kernel renders (mhc_head: mhc_pre's)
+    template_dir: ClassVar[str | None] = None
+
+    def __init__(self, spec: OpSpec):
+        self.spec = spec
+
+    @property
+    def folder(self) -> str:
+        """The kernel's folder under templates/ascendc/."""
+        return self.template_dir or self.spec.name
+
+    @abstractmethod
+    def phases(self, problem: Problem) -> list:
+        """The planner's per-phase UB and pipe work (planner.ascend.AscendRowPhase)."""
+
+    @abstractmethod
+    def params(self, problem: Problem, knobs: dict[str, int]) -> dict:
+        """Typed values (int, float, bool, DType) handed to the templates."""
+
+    @abstractmethod
+    def run(self, problem: Problem, knobs: dict[str, int], inputs: Tensors, grad_out: Tensors, emu):
+        """Forward and backward kernels in the emulator: (outputs, grads, {phase: RunReport})."""
+
+    def col_tiles(self, problem: Problem) -> list[int] | None:
+        """The column tiles the kernel accepts; None: the planner's own (the whole row, or powers of two)."""
+        return None
+
+    def rows_cols(self, problem: Problem) -> tuple[int, int]:
+        """The kernel's work as rows x cols for the planner: by default every dimension but the last are rows."""
+        return math.prod(problem.shape[:-1]), problem.shape[-1]
+
+    def verification_problems(self, problem: Problem, knobs: dict[str, int]) -> list[Problem]:
+        """For a (rows, cols) row-wise kernel: the plan's width with rows that leave a tail core and a
+        tail tile, and a width that is not a multiple of 16 elements (the kernel takes any width)."""
+        rows, cols = problem.shape
+        tail_rows = min(rows, 2 * knobs["block_dim"] + 3)
+        odd = cols + 3 if cols % 16 == 0 else cols
+        return [Problem(problem.op, problem.variant, (tail_rows, cols), problem.dtype),
+                Problem(problem.op, problem.variant, (min(rows, knobs["block_dim"] + 5), odd), problem.dtype)]

@@ -1,0 +1,103 @@
+"""The AscendC kernel of attn_softmax (templates/ascendc/): its planner phases, template values and emulator run."""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+
+from .... import emulator
+from ....dtypes import DType
+from ....emulator import from_bytes, to_bytes
+from ....ops.attn_softmax import AIV_MAX, SCALING, SPEC, _mask_rows
+from ....ops.base import Problem, Tensors
+from ....planner.ascend import AscendRowPhase, row_split, ub_pitch
+from ....planner.schedule import phase_schedule
+from ..kernel import AscendKernel
+
+
+def ascend_tiling(shape, has_mask: bool, msb: int, mss: int, knobs: dict[str, int], scaling: float) -> tuple[bytearray, int]:
+    """AkAttnSoftmaxTiling (templates/ascendc/attn_softmax/tiling.h.j2) for scores [B, H, S, K] and
+    mask rows at b * msb + s * mss (fp32); and the cores it runs on. The host tiling function
+    computes the same fields."""
+
+    batch, heads, seq, keys = shape
+    pitch = -(-(keys + 1) // 16) * 16          # UB row pitch: 32 B in T and in fp32
+    block_rows, block_dim = row_split(batch * heads * seq, knobs["block_dim"])
+    fields = [batch, heads, seq, keys, pitch, block_rows, knobs["tile_rows"], int(has_mask), msb, mss,
+              -(-heads // 8) * 8, block_dim]
+    if any(not 0 <= int(f) < 2 ** 32 for f in fields):
+        raise ValueError(f"attn_softmax tiling field out of uint32 range: {fields}")
+    return bytearray(struct.pack(f"<{len(fields)}If", *map(int, fields), scaling)), block_dim
+
+
+class AttnSoftmaxAscend(AscendKernel):
+    # --- AscendC (templates/ascendc/attn_softmax/): rows over the vector cores in (b, s, h) order -
+    # a tile is up to tile_rows heads of one query position, so they share its mask row (one copy
+    # per tile); every row is softmaxed whole in fp32 (the tile-wide fp32 buffers are f32_tiles),
+    # with the row reductions of a tile read back on the scalar unit twice per tile.
+    compute_waits_scalar = {"forward": True, "backward": True}
+
+    def phases(self, problem: Problem):
+        batch, heads, seq, keys = problem.shape
+        cast = 0 if problem.dtype is DType.fp32 else 1
+        hp = -(-heads // 8) * 8
+        mask = -(-keys * 4 // 32) * 32                             # the mask row a tile's rows share
+        red = 64 * 32 + 2 * 32 * 4 + -(-(keys * 4 + 255) // 256) * 4   # row results, sink exps, reduce scratch
+        return [
+            # casts in (3) and out, Muls scale, Exp (tile-wide); per row Add mask, ReduceMax, Adds, ReduceSum, Muls
+            AscendRowPhase("forward", 1, 1, 0, 8, hp * 4 + red, 0, fast_ops_per_elem=3 + 5 + 3 * cast,
+                           slow_ops_per_elem=1, instrs_per_chunk=9, f32_tiles=1, tile_in_bytes=mask,
+                           instrs_per_tile=7 + 4),   # tile-wide casts, scale and Exp; two V_S drains
+            # recompute z (as forward) and p (Adds, Exp, Muls), cast dp, Mul + ReduceSum (the dot), Adds,
+            # Mul, Muls scale, cast out; resident besides: the sinks, the d sinks accumulator, every
+            # core's partials (core 0 reduces them) and one fp32 row
+            AscendRowPhase("backward", 2, 1, 8, 0, 2 * hp * 4 + AIV_MAX * hp * 4 + ub_pitch(keys + 1, 4) * 4 + red, 0,
+                           fast_ops_per_elem=3 + 8 + 5 * cast, slow_ops_per_elem=1, instrs_per_chunk=9, f32_tiles=2,
+                           tile_in_bytes=mask, extra_copies_in=1,   # row max and row sum: two copies
+                           instrs_per_tile=9 + 6),   # tile-wide casts, scale and Exp; MTE2_S and V_S/S_V drains
+        ]
+
+    def params(self, problem: Problem, knobs: dict[str, int]) -> dict:
+        fwd = phase_schedule(knobs, "forward", ("in", "out"))
+        bwd = phase_schedule(knobs, "backward", ("in", "out"))
+        return {"dtype": problem.dtype, "heads": int(problem.shape[1]), "keys": int(problem.shape[3]),
+                "scaling": float(SCALING), "tile_rows": int(knobs["tile_rows"]), "block_dim": int(knobs["block_dim"]),
+                "fwd_prefetch": fwd["prefetch"], "fwd_in_buffers": fwd["in_buffers"], "fwd_out_buffers": fwd["out_buffers"],
+                "bwd_prefetch": bwd["prefetch"], "bwd_in_buffers": bwd["in_buffers"], "bwd_out_buffers": bwd["out_buffers"]}
+
+    def verification_problems(self, problem: Problem, knobs: dict[str, int]) -> list[Problem]:
+        """One batch whose rows leave a tail core and (b, s) runs of heads longer than a tile; then
+        two batches of two query positions (strided tiles), one more head and a key width that is not
+        a multiple of 16."""
+        batch, heads, seq, keys = problem.shape
+        return [Problem(problem.op, problem.variant, (1, heads, min(seq, 5), keys), problem.dtype),
+                Problem(problem.op, problem.variant, (2, heads + 1, 2, keys + 5), problem.dtype)]
+
+    def run(self, problem: Problem, knobs: dict[str, int], inputs: Tensors, grad_out: Tensors, emu):
+        """Forward and backward kernels in the emulator: (outputs, grads, {phase: RunReport}). The
+        saved row max and sum are indexed in the kernel's (b, s, h) row order."""
+        s = inputs["scores"].contiguous()
+        batch, heads, seq, keys = s.shape
+        mask, msb, mss = _mask_rows(inputs["mask"], s)
+        mask_bytes = to_bytes(mask) if mask is not None else bytearray(32)
+        sinks = inputs["sinks"].float().contiguous()
+        tiling, block_dim = ascend_tiling(s.shape, mask is not None, msb, mss, knobs, float(inputs.get("scaling", SCALING)))
+        rows = batch * heads * seq
+        probs = torch.full_like(s, float("nan"))
+        stats = torch.full((rows,), float("nan"))
+        fwd_bufs = [to_bytes(s), mask_bytes, to_bytes(sinks), to_bytes(probs), to_bytes(stats), to_bytes(stats),
+                    bytearray(32), tiling]
+        fwd = emulator.run(emu.exe("ak_attn_softmax_fwd", 8), block_dim, fwd_bufs)
+        hp = -(-heads // 8) * 8
+        dscores, dsinks = torch.full_like(s, float("nan")), torch.full((heads,), float("nan"))
+        bwd_bufs = [to_bytes(s), bytearray(mask_bytes), to_bytes(sinks), fwd_bufs[4], fwd_bufs[5],
+                    to_bytes(grad_out["probs"].to(s.dtype)), to_bytes(dscores), to_bytes(dsinks),
+                    bytearray(4 * hp * block_dim), bytearray(tiling)]
+        bwd = emulator.run(emu.exe("ak_attn_softmax_bwd", 10), block_dim, bwd_bufs)
+        return ({"probs": from_bytes(fwd_bufs[3], probs)},
+                {"scores": from_bytes(bwd_bufs[6], dscores), "sinks": from_bytes(bwd_bufs[7], dsinks)},
+                {"forward": fwd, "backward": bwd})
+
+
+KERNELS = (AttnSoftmaxAscend(SPEC),)

@@ -1,0 +1,75 @@
+"""The AscendC kernel of mhc_post (templates/ascendc/): its planner phases, template values and emulator run."""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+
+from .... import emulator
+from ....emulator import from_bytes, to_bytes
+from ....ops.base import Problem, Tensors
+from ....ops.mhc_post import SPEC
+from ....planner.ascend import AscendRowPhase, row_split, ub_pitch
+from ..kernel import AscendKernel
+
+
+class MhcPostAscend(AscendKernel):
+    # --- AscendC (templates/ascendc/mhc_post/): a token's streams go through in column tiles ----
+    split_cols = True
+
+    def rows_cols(self, problem: Problem) -> tuple[int, int]:
+        return problem.shape[0], problem.shape[2]
+
+    def phases(self, problem: Problem):
+        hc = problem.shape[1]
+        mix = 4 * (-(-hc // 8) * 8 + -(-hc * hc // 8) * 8)     # post and comb blocks, bytes
+        return [
+            # out + HC streams in, HC out; HC + 1 casts in, HC out, HC x (1 + 2 HC) multiply-adds
+            AscendRowPhase("forward", 1 + hc, hc, mix, 0, 0, hc + 3, fast_ops_per_elem=2 * hc + 1 + hc * (1 + 2 * hc),
+                           slow_ops_per_elem=0, instrs_per_chunk=2 * hc + 1 + hc * (1 + 2 * hc)),
+            # out, HC streams, HC gradients in; d out and HC d streams out; (1 + HC) sums of HC
+            # products; HC + HC^2 dot products (Mul + ReduceSum); resident: the gradient block and
+            # the dot products' result slots
+            AscendRowPhase("backward", 1 + 2 * hc, 1 + hc, mix, 0, mix + 32 * (hc + hc * hc), 2 * hc + 3,
+                           fast_ops_per_elem=(2 * hc + 1) + (hc + 1) * (2 * hc) + 2 * (hc + hc * hc),
+                           slow_ops_per_elem=0, instrs_per_chunk=(2 * hc + 1) + (hc + 1) * (2 * hc) + 2 * (hc + hc * hc)),
+        ]
+
+    def params(self, problem: Problem, knobs: dict[str, int]) -> dict:
+        _, hc, d = problem.shape
+        return {"dtype": problem.dtype, "hc": int(hc), "d": int(d), "col_tile": int(knobs["col_tile"]),
+                "buffers": int(knobs["buffers"]), "chunk": int(knobs["chunk"]), "block_dim": int(knobs["block_dim"])}
+
+    def verification_problems(self, problem: Problem, knobs: dict[str, int]) -> list[Problem]:
+        """Tokens that leave a tail core, and a width with a short last column tile that is not a
+        multiple of 16 elements."""
+        rows, hc, d = problem.shape
+        return [Problem(problem.op, problem.variant, (min(rows, 2 * knobs["block_dim"] + 3), hc, d), problem.dtype),
+                Problem(problem.op, problem.variant, (min(rows, knobs["block_dim"] + 5), hc, d + 3), problem.dtype)]
+
+    def run(self, problem: Problem, knobs: dict[str, int], inputs: Tensors, grad_out: Tensors, emu):
+        """Forward and backward kernels in the emulator: (outputs, grads, {phase: RunReport})."""
+
+        h = inputs["h"]
+        rows, hc, d = h.shape
+        block_rows, block_dim = row_split(rows, knobs["block_dim"])
+        col_tile = min(knobs["col_tile"], d)
+        tiling = bytearray(struct.pack("<6I", rows, d, ub_pitch(col_tile, h.element_size()), block_rows, col_tile,
+                                       knobs["chunk"]))
+        post, comb = inputs["post"].float().contiguous(), inputs["comb"].float().contiguous()
+        y = torch.full_like(h, float("nan"))
+        fwd_bufs = [to_bytes(post), to_bytes(comb), to_bytes(inputs["out"]), to_bytes(h), to_bytes(y), bytearray(32),
+                    tiling]
+        fwd = emulator.run(emu.exe("ak_mhc_post_fwd", 7), block_dim, fwd_bufs)
+        grads = {"post": torch.full_like(post, float("nan")), "comb": torch.full_like(comb, float("nan")),
+                 "out": torch.full_like(inputs["out"], float("nan")), "h": torch.full_like(h, float("nan"))}
+        bwd_bufs = [to_bytes(post), to_bytes(comb), to_bytes(inputs["out"]), to_bytes(h),
+                    to_bytes(grad_out["y"].to(h.dtype))] + [to_bytes(grads[k]) for k in ("post", "comb", "out", "h")]
+        bwd_bufs += [bytearray(32), bytearray(tiling)]
+        bwd = emulator.run(emu.exe("ak_mhc_post_bwd", 11), block_dim, bwd_bufs)
+        grads = {k: from_bytes(bwd_bufs[5 + i], grads[k]) for i, k in enumerate(("post", "comb", "out", "h"))}
+        return {"y": from_bytes(fwd_bufs[4], y)}, grads, {"forward": fwd, "backward": bwd}
+
+
+KERNELS = (MhcPostAscend(SPEC),)

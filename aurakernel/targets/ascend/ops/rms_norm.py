@@ -1,0 +1,78 @@
+"""The AscendC kernel of rms_norm (templates/ascendc/): its planner phases, template values and emulator run."""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+
+from .... import emulator
+from ....dtypes import DType
+from ....emulator import from_bytes, to_bytes
+from ....ops.base import Problem, Tensors
+from ....ops.rms_norm import EPS, SPEC
+from ....planner.ascend import AscendRowPhase, row_split, ub_pitch
+from ....planner.schedule import phase_schedule
+from ..kernel import AscendKernel
+
+
+class RmsNormAscend(AscendKernel):
+    # templates/ascendc/rms_norm/
+    # planner/schedule.py: both passes read row sums back on the scalar unit, so a copy issued after
+    # a tile's compute step cannot run under it
+    compute_waits_scalar = {"forward": True, "backward": True}
+
+    def phases(self, problem: Problem):
+        cols = problem.shape[1]
+        weighted = problem.variant == "weighted"
+        cast = 0 if problem.dtype is DType.fp32 else 1
+        return [
+            # pass 1: cast, x^2, ReduceSum; pass 2: cast, Muls rstd, (Mul gamma), cast
+            AscendRowPhase("forward", 1, 1, 0, 4, cols * 4 if weighted else 0, 2,
+                           fast_ops_per_elem=3 + 3 * cast + weighted, slow_ops_per_elem=0,
+                           instrs_per_chunk=4 + 3 * cast + weighted),
+            # pass 1: 2 casts, Muls, Mul gamma, Mul, ReduceSum (+ cast, Mul, Add for dgamma);
+            # pass 2: 2 casts, Muls, Mul gamma, Muls, Sub, Muls, cast
+            AscendRowPhase("backward", 2, 1, 4, 0, cols * 8 if weighted else 0, 3,
+                           fast_ops_per_elem=9 + 5 * cast + 3 * weighted, slow_ops_per_elem=0,
+                           instrs_per_chunk=9 + 5 * cast + 3 * weighted),
+        ]
+
+    def params(self, problem: Problem, knobs: dict[str, int]) -> dict:
+        fwd = phase_schedule(knobs, "forward", ("in", "out"))
+        bwd = phase_schedule(knobs, "backward", ("in", "out"))
+        return {"dtype": problem.dtype, "cols": int(problem.shape[1]), "weighted": problem.variant == "weighted",
+                "tile_rows": int(knobs["tile_rows"]), "chunk": int(knobs["chunk"]),
+                "block_dim": int(knobs["block_dim"]), "eps": float(EPS),
+                "fwd_prefetch": fwd["prefetch"], "fwd_in_buffers": fwd["in_buffers"], "fwd_out_buffers": fwd["out_buffers"],
+                "bwd_prefetch": bwd["prefetch"], "bwd_in_buffers": bwd["in_buffers"], "bwd_out_buffers": bwd["out_buffers"]}
+
+    def run(self, problem: Problem, knobs: dict[str, int], inputs: Tensors, grad_out: Tensors, emu):
+        """Forward and backward kernels in the emulator: (outputs, grads, {phase: RunReport})."""
+
+        x = inputs["x"]
+        rows, cols = x.shape
+        weighted = problem.variant == "weighted"
+        gamma = (inputs["weight"] if weighted else torch.ones(cols)).float()
+        block_rows, block_dim = row_split(rows, knobs["block_dim"])
+        tiling = bytearray(struct.pack("<6I2f", rows, cols, ub_pitch(cols, x.element_size()), block_rows,
+                                       knobs["tile_rows"], knobs["chunk"],
+                                       EPS, 1.0 / cols))
+        y = torch.full_like(x, float("nan"))
+        rstd = torch.full((rows,), float("nan"))
+        fwd_bufs = [to_bytes(x), to_bytes(gamma), to_bytes(y), to_bytes(rstd), bytearray(32), tiling]
+        fwd = emulator.run(emu.exe("ak_rms_norm_fwd", 6), block_dim, fwd_bufs)
+        y, rstd = from_bytes(fwd_bufs[2], y), from_bytes(fwd_bufs[3], rstd)
+        dy = grad_out["y"].to(x.dtype)
+        dx = torch.full_like(x, float("nan"))
+        dgamma = torch.full((block_dim, cols), float("nan"))
+        bwd_bufs = [to_bytes(dy), to_bytes(x), to_bytes(gamma), to_bytes(rstd), to_bytes(dx), to_bytes(dgamma),
+                    bytearray(32), bytearray(tiling)]
+        bwd = emulator.run(emu.exe("ak_rms_norm_bwd", 8), block_dim, bwd_bufs)
+        grads = {"x": from_bytes(bwd_bufs[4], dx)}
+        if weighted:
+            grads["weight"] = from_bytes(bwd_bufs[5], dgamma).sum(0)   # the cores' partials
+        return {"y": y, "rstd": rstd}, grads, {"forward": fwd, "backward": bwd}
+
+
+KERNELS = (RmsNormAscend(SPEC),)
