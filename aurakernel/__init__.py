@@ -16,11 +16,11 @@ def apply(model, plan, **kwargs):
     return _apply(model, plan, **kwargs)
 
 
-def register(spec):
-    """Add a third-party operator (an OpSpec) to the library; see aurakernel/ops/__init__.py."""
+def register(*parts):
+    """Add a third-party operator (its OpSpec and its kernels) to the library; see aurakernel/ops/__init__.py."""
     from .ops import register as _register
 
-    return _register(spec)
+    return _register(*parts)
 
 
 __all__ = ["__version__", "apply", "register"]

@@ -11,7 +11,6 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .build import build_kernel
 from .db import Record, TuningDB
 from .dtypes import DType
 from .errors import BuildError, PlanInfeasible, UserError
@@ -23,7 +22,10 @@ from .paths import default_db_path, write_text_atomic
 from .planfile import KernelPlan, PlanEntry
 from .planner import Plan, solve_tiling
 from .profiler import ProfileReport, Workload, profile_training
-from .verify import Verification, verify
+from .targets.host.build import build_kernel
+from .targets.host.ops import kernel_of as host_kernel
+from .targets.host.target import verify
+from .verify import Verification
 
 if TYPE_CHECKING:
     from .targets.ascend import AscendTuneResult
@@ -114,14 +116,14 @@ def tune(op: str, shape: str | None, dtype: str | None = None, *, variant: str |
 
 def tune_problem(spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, solver: str,
                  db: TuningDB, with_compiled: bool, with_compiled_kernel: bool = False) -> TuneResult:
-    plan = solve_tiling(spec.tiling_problem(problem, hw), op=problem.op, variant=problem.variant,
+    plan = solve_tiling(host_kernel(spec).tiling_problem(problem, hw), op=problem.op, variant=problem.variant,
                         shape=problem.shape, dtype=problem.dtype.value, target=target, solver=solver)
     result = TuneResult(problem, target, plan, None, None)
     try:
-        kernel = build_kernel(spec, problem, plan.knobs, hw.kind)
+        kernel = build_kernel(spec, problem, plan.knobs)
         result.source_hash = kernel.source_hash
-        cases = [(p, build_kernel(spec, p, plan.knobs, hw.kind))
-                 for p in spec.verification_problems(problem, plan.knobs, max(hw.simd_bytes // 4, 1))]
+        cases = [(p, build_kernel(spec, p, plan.knobs))
+                 for p in host_kernel(spec).verification_problems(problem, plan.knobs, max(hw.simd_bytes // 4, 1))]
     except BuildError as exc:
         result.status, result.reasons = "build_failed", [str(exc).splitlines()[0]]
         _record(db, result, hw, detail={"error": str(exc)[-2000:]})

@@ -12,10 +12,9 @@ import time
 
 import torch
 
-from .backends.host import HostBackend
 from .codegen import render
 from .hardware import host_cores, load_calibration, save_calibration
-from .ops.base import Entry
+from .targets.host.library import Entry, compile_source
 
 _ENTRIES = {
     "noop": Entry("ak_noop", ()),
@@ -25,7 +24,7 @@ _ENTRIES = {
 
 
 def _probe(threads: int):
-    return HostBackend().build(render("host/calibrate.c.j2", {"threads": threads}), _ENTRIES)
+    return compile_source(render("host/calibrate.c.j2", {"threads": threads}), _ENTRIES)
 
 
 def stream_gbps(threads: int, mbytes: int = 256) -> float:

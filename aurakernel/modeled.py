@@ -46,6 +46,7 @@ from .errors import UserError
 from .hardware import HardwareProfile
 from .ops import OPS
 from .profiler import FUSABLE, _Hooks, save_group_chart
+from .targets.host.ops import kernel_of as host_kernel
 
 MATMUL_ATEN = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "_grouped_mm", "matmul", "linear"}
 EXPERT_PARAMS = ".mlp.experts."
@@ -294,7 +295,7 @@ def _planned_problem_us(problem, hw: HardwareProfile, bw: float) -> tuple[float,
         if hw.kind == "ascend" and ascend.supported(spec):
             return ascend.plan(spec, problem, hw, target=hw.name, solver="highs").predicted_us, "planned"
         if hw.kind == "host":
-            plan = solve_tiling(spec.tiling_problem(problem, hw), op=problem.op, variant=problem.variant,
+            plan = solve_tiling(host_kernel(spec).tiling_problem(problem, hw), op=problem.op, variant=problem.variant,
                                 shape=problem.shape, dtype=problem.dtype.value, target=hw.name)
             return plan.predicted_us, "planned"
     except UserError:

@@ -29,6 +29,7 @@ from .dtypes import DType
 from .hardware import HardwareProfile
 from .ops import OPS
 from .ops.base import Problem
+from .targets.host.ops import kernel_of as host_kernel
 
 GROUP_OF_MODULE: list[tuple[type, str]] = [
     (v4.DeepseekV4RMSNorm, "rms_norm"),
@@ -292,7 +293,7 @@ def _planned_us(problem, hw: HardwareProfile) -> float | None:
 
     spec = OPS[problem.op]
     try:
-        plan = solve_tiling(spec.tiling_problem(problem, hw), op=problem.op, variant=problem.variant,
+        plan = solve_tiling(host_kernel(spec).tiling_problem(problem, hw), op=problem.op, variant=problem.variant,
                             shape=problem.shape, dtype=problem.dtype.value, target=hw.name)
     except UserError:
         return None

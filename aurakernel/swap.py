@@ -30,7 +30,6 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
     DeepseekV4UnweightedRMSNorm,
 )
 
-from .build import build_kernel
 from .dtypes import DType, parse_shape
 from .errors import BuildError, UserError
 from .hardware import load_profile
@@ -38,7 +37,9 @@ from .ops import OPS, get_op
 from .ops.base import Problem
 from .patch.install import Refused
 from .planfile import KernelPlan, PlanEntry
-from .verify import verify
+from .targets.host.build import build_kernel
+from .targets.host.ops import kernel_of as host_kernel
+from .targets.host.target import verify
 
 
 @dataclass
@@ -136,7 +137,7 @@ def _knobs_refused(spec, problem: Problem, knobs: dict, hw) -> str | None:
     """Why a plan entry's knobs cannot be built here, or None. A plan file is untrusted input: every
     knob must be one of the operator's tiling model on this machine (its domain, its capacity rules)
     before anything is rendered, built or run (a thread count of 0 would otherwise crash the process)."""
-    model = spec.tiling_problem(problem, hw)
+    model = host_kernel(spec).tiling_problem(problem, hw)
     if set(knobs) != set(model.domains):
         return f"knobs {sorted(knobs)} are not {spec.name}'s {sorted(model.domains)}"
     for name, value in knobs.items():
@@ -170,7 +171,7 @@ def _rebuild_and_verify(entry: PlanEntry, hw) -> tuple[str | None, str | None]:
                       f"(templates changed since tuning): re-run autotune")
     # quick re-verification on this machine, on the tail shapes only (cheap)
     simd_elems = max(hw.simd_bytes // 4, 1)
-    cases = [(p, build_kernel(spec, p, entry.knobs)) for p in spec.verification_problems(problem, entry.knobs, simd_elems)[1:]]
+    cases = [(p, build_kernel(spec, p, entry.knobs)) for p in host_kernel(spec).verification_problems(problem, entry.knobs, simd_elems)[1:]]
     result = verify(spec, cases, seeds=(7,))
     if not result.passed:
         return None, f"re-verification failed: {result.summary}"

@@ -20,12 +20,13 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from aurakernel.agent import measure_problem  # noqa: E402
-from aurakernel.build import build_kernel  # noqa: E402
+from aurakernel.targets.host.build import build_kernel  # noqa: E402
 from aurakernel.hardware import load_calibration, load_profile  # noqa: E402
 from aurakernel.measure import compare  # noqa: E402
 from aurakernel.ops import get_op  # noqa: E402
 from aurakernel.ops.rms_norm import rms_norm  # noqa: E402
 from aurakernel.planner import solve_tiling  # noqa: E402
+from aurakernel.targets.host.ops import kernel_of as host_kernel
 
 # V4-Flash hidden, V4-Pro hidden, the flattened mHC width of Flash; rows sized to run in seconds here
 SHAPES = [("4096x4096", "bf16"), ("2048x7168", "bf16"), ("1024x16384", "fp32"), ("4096x4096", "fp32")]
@@ -34,7 +35,7 @@ QUICK = [("4096x4096", "bf16")]
 
 def sweep(spec, problem, hw, plan_knobs):
     """Time the plan's pick against a grid of other knob values, side by side."""
-    model = spec.tiling_problem(problem, hw)
+    model = host_kernel(spec).tiling_problem(problem, hw)
     grid = {
         "tile_rows": [v for v in (1, 4, 16, 64) if v in model.domains["tile_rows"]],
         "col_chunk": [v for v in model.domains["col_chunk"] if v in (64, 256, 1024, 4096)],
@@ -76,7 +77,7 @@ def main(argv=None) -> int:
     for shape, dtype in (QUICK if args.quick else SHAPES):
         problem = spec.problem(shape, dtype, "weighted")
         console.log(f"{problem.describe()}: planning, building, measuring")
-        plan = solve_tiling(spec.tiling_problem(problem, hw), op="rms_norm", variant="weighted",
+        plan = solve_tiling(host_kernel(spec).tiling_problem(problem, hw), op="rms_norm", variant="weighted",
                             shape=problem.shape, dtype=dtype, target="host")
         kernel = build_kernel(spec, problem, plan.knobs)
         times, _ = measure_problem(spec, problem, kernel.source_hash, with_compiled=True, threads=hw.cores)

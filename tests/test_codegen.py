@@ -4,6 +4,7 @@ import pytest
 from aurakernel.codegen import render
 from aurakernel.dtypes import DType
 from aurakernel.ops import get_op
+from aurakernel.targets.host.ops import kernel_of as host_kernel
 
 
 def params(**over):
@@ -42,5 +43,5 @@ def test_missing_value_is_an_error_not_an_empty_string():
 def test_op_render_params_are_typed():
     spec = get_op("rms_norm")
     problem = spec.problem("64x100", "fp16", "unweighted")
-    p = spec.render_params(problem, {"tile_rows": 4, "col_chunk": 32, "threads": 1})
+    p = host_kernel(spec).render_params(problem, {"tile_rows": 4, "col_chunk": 32, "threads": 1})
     assert all(isinstance(v, int | bool | DType) for v in p.values())

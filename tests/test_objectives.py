@@ -11,7 +11,7 @@ from transformers.activations import ACT2FN
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HashRouter, DeepseekV4TopKRouter
 
 from aurakernel import apply
-from aurakernel.build import build_kernel
+from aurakernel.targets.host.build import build_kernel
 from aurakernel.dtypes import DType
 from aurakernel.hardware import host_profile
 from aurakernel.ops import get_op
@@ -24,6 +24,7 @@ from trainer.model import build_model
 from trainer.objectives import ExpertBalancer, IndexerAlignment, indexer_kl, params_without_grad, selection_mask
 
 from conftest import TINY
+from aurakernel.targets.host.ops import kernel_of as host_kernel
 
 SEQ, BATCH = 128, 1   # 128: one HCA window (ratio 128), so every parameter can get a gradient
 GAMMA = 1e-3
@@ -68,7 +69,7 @@ def plan_for(model, ops, only=lambda site: True):
         lead = {"compressor": (1, 16), "indexer_score": (1, 16), "attn_softmax": (1, 4, 16, 20)}.get(site.op, (64,))
         tail = (8,) if site.op == "indexer_score" else ()
         problem = Problem(site.op, site.variant, (*lead, *site.kernel_key, *tail), DType.fp32)
-        knobs = solve_tiling(spec.tiling_problem(problem, hw), op=site.op, variant=site.variant,
+        knobs = solve_tiling(host_kernel(spec).tiling_problem(problem, hw), op=site.op, variant=site.variant,
                              shape=problem.shape, dtype="fp32", target="host").knobs
         kernel = build_kernel(spec, problem, knobs)
         entries.append(PlanEntry(site.op, site.variant, list(site.kernel_key), "fp32", problem.shape_text,

@@ -4,10 +4,11 @@ several seeds, NaN-poisoned outputs. Knobs come from the planner, as in real use
 
 import pytest
 
-from aurakernel.build import build_kernel
+from aurakernel.targets.host.build import build_kernel
 from aurakernel.ops import OPS, get_op
 from aurakernel.planner import solve_tiling
-from aurakernel.verify import verify
+from aurakernel.targets.host.target import verify
+from aurakernel.targets.host.ops import kernel_of as host_kernel
 
 # small shapes per operator (rows x op extents) that still exercise tails
 CASES = {
@@ -36,10 +37,10 @@ def test_kernel_matches_reference(op, shape, dtype, host):
     spec = get_op(op)
     for variant in spec.variants:
         problem = spec.problem(shape, dtype, variant)
-        plan = solve_tiling(spec.tiling_problem(problem, host), op=op, variant=variant, shape=problem.shape,
+        plan = solve_tiling(host_kernel(spec).tiling_problem(problem, host), op=op, variant=variant, shape=problem.shape,
                             dtype=dtype, target="host")
         cases = [(p, build_kernel(spec, p, plan.knobs))
-                 for p in spec.verification_problems(problem, plan.knobs, host.simd_bytes // 4)]
+                 for p in host_kernel(spec).verification_problems(problem, plan.knobs, host.simd_bytes // 4)]
         result = verify(spec, cases, seeds=(0, 1, 2))
         assert result.passed, f"{variant}: {result.summary}"
         tensors = {c.tensor for c in result.checks}
@@ -56,7 +57,7 @@ def test_router_ties_go_exactly_as_torch_topk(dtype, host):
 
     spec = get_op("router")
     problem = spec.problem("64x256x6", dtype, "topk")
-    plan = solve_tiling(spec.tiling_problem(problem, host), op="router", variant="topk", shape=problem.shape,
+    plan = solve_tiling(host_kernel(spec).tiling_problem(problem, host), op="router", variant="topk", shape=problem.shape,
                         dtype=dtype, target="host")
     kernel = build_kernel(spec, problem, plan.knobs)
     inputs = spec.make_inputs(problem, seed=0)
@@ -64,8 +65,8 @@ def test_router_ties_go_exactly_as_torch_topk(dtype, host):
     inputs["logits"][1::4, 100:] = inputs["logits"][1::4, 100:101]   # many ties at the top in others
     inputs["bias"].zero_()
     ref = spec.reference(problem, inputs)
-    out = spec.empty_outputs(problem, inputs)
-    spec.run_forward(kernel, inputs, out)
+    out = kernel.empty_outputs(problem, inputs)
+    kernel.run_forward(inputs, out)
     assert torch.equal(out["indices"], ref["indices"])
     torch.testing.assert_close(out["weights"], ref["weights"])
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from aurakernel import apply
-from aurakernel.backends.base import Kernel
+from aurakernel.targets.host.library import Kernel
 from aurakernel.errors import UserError
 from trainer import train as tt
 from trainer.config import load_config
@@ -19,6 +19,7 @@ from trainer.model import build_model
 
 from conftest import TINY
 from test_swap import plan_for
+from aurakernel.targets.host.ops import kernel_of as host_kernel
 
 
 def _cfg():
@@ -168,7 +169,7 @@ def test_a_plan_with_a_knob_outside_its_domain_is_refused_before_anything_is_bui
     spec = get_op(entry.op)
     entry.knobs[knob] = value
     problem = Problem(entry.op, entry.variant, parse_shape(entry.shape), DType.parse(entry.dtype))
-    entry.source_hash = render(spec.template("host"), spec.render_params(problem, entry.knobs)).hash
+    entry.source_hash = render(host_kernel(spec).template(), host_kernel(spec).render_params(problem, entry.knobs)).hash
     report = apply(build_model(cfg.model, 0), plan)
     rejected = [r for r in report.rejected if r["kernel_key"] == entry.kernel_key]
     assert len(rejected) == 1 and f"knob {knob}={value} is outside rms_norm's domain" in rejected[0]["reason"]

@@ -10,6 +10,7 @@ from aurakernel.errors import PlanInfeasible
 from aurakernel.ops import get_op
 from aurakernel.planner import solve_tiling
 from aurakernel.planner.model import solve
+from aurakernel.targets.host.ops import kernel_of as host_kernel
 
 SPEC = get_op("rms_norm")
 
@@ -37,7 +38,7 @@ def shrink(hw, level, capacity):
 @pytest.mark.parametrize("solver", ["highs", "cpsat"])
 def test_milp_finds_the_exhaustive_optimum(host, shape, dtype, variant, solver):
     problem = SPEC.problem(shape, dtype, variant)
-    model = SPEC.tiling_problem(problem, host)
+    model = host_kernel(SPEC).tiling_problem(problem, host)
     sol = solve(model, solver)
     best_obj, _ = exhaustive(model)
     assert sol.status == "optimal"
@@ -47,7 +48,7 @@ def test_milp_finds_the_exhaustive_optimum(host, shape, dtype, variant, solver):
 
 def test_highs_and_cpsat_agree(host):
     problem = SPEC.problem("2048x7168", "bf16", "weighted")
-    plans = [solve_tiling(SPEC.tiling_problem(problem, host), op="rms_norm", variant="weighted", shape=problem.shape,
+    plans = [solve_tiling(host_kernel(SPEC).tiling_problem(problem, host), op="rms_norm", variant="weighted", shape=problem.shape,
                           dtype="bf16", target="host", solver=s) for s in ("highs", "cpsat")]
     assert plans[0].predicted_us == pytest.approx(plans[1].predicted_us, rel=1e-3)
 
@@ -56,7 +57,7 @@ def test_capacities_are_respected_and_bind(host):
     """With a small L2, big tiles no longer fit: the plan stays inside it and names it binding."""
     problem = SPEC.problem("4096x4096", "bf16", "weighted")
     small = shrink(host, "L2", 256 * 1024)      # 64 KiB usable at the 25 % cache fraction
-    model = SPEC.tiling_problem(problem, small)
+    model = host_kernel(SPEC).tiling_problem(problem, small)
     plan = solve_tiling(model, op="rms_norm", variant="weighted", shape=problem.shape, dtype="bf16",
                         target="host")
     l2 = next(c for c in model.constraints if c.name == "L2 capacity")
@@ -71,7 +72,7 @@ def test_l1_limits_the_column_chunk(host):
     problem = SPEC.problem("1024x16384", "fp32", "weighted")
     tiny_l1 = shrink(host, "L1", 8 * 1024)
     tiny_l1 = dataclasses.replace(tiny_l1, stream_gbps={t: v * 100 for t, v in host.stream_gbps.items()})
-    plan = solve_tiling(SPEC.tiling_problem(problem, tiny_l1), op="rms_norm", variant="weighted",
+    plan = solve_tiling(host_kernel(SPEC).tiling_problem(problem, tiny_l1), op="rms_norm", variant="weighted",
                         shape=problem.shape, dtype="fp32", target="host")
     per_col = 2 * 4 + 3 * 4                      # backward: weight + dw partial + x, dy, dx
     assert plan.knobs["col_chunk"] * per_col <= 8 * 1024 * host.costmodel["cache_fraction"]
@@ -81,7 +82,7 @@ def test_l1_limits_the_column_chunk(host):
 def test_infeasible_request_names_the_constraint(host):
     problem = SPEC.problem("64x2000000", "fp32", "weighted")   # one row is 8 MB: no tile fits in L2
     with pytest.raises(PlanInfeasible) as exc:
-        solve_tiling(SPEC.tiling_problem(problem, host), op="rms_norm", variant="weighted",
+        solve_tiling(host_kernel(SPEC).tiling_problem(problem, host), op="rms_norm", variant="weighted",
                      shape=problem.shape, dtype="fp32", target="host")
     assert exc.value.constraint == "L2 capacity"
     assert "L2 capacity" in str(exc.value) and "limit" in str(exc.value)
@@ -104,9 +105,9 @@ def test_infeasible_combination_is_traced_to_a_constraint(host):
 
 def test_threads_follow_the_work(host):
     """A tiny problem is not worth a fork; a large one uses every core."""
-    big = solve_tiling(SPEC.tiling_problem(SPEC.problem("8192x4096", "bf16", "weighted"), host), op="rms_norm",
+    big = solve_tiling(host_kernel(SPEC).tiling_problem(SPEC.problem("8192x4096", "bf16", "weighted"), host), op="rms_norm",
                        variant="weighted", shape=(8192, 4096), dtype="bf16", target="host")
-    small = solve_tiling(SPEC.tiling_problem(SPEC.problem("2x64", "fp32", "weighted"), host), op="rms_norm",
+    small = solve_tiling(host_kernel(SPEC).tiling_problem(SPEC.problem("2x64", "fp32", "weighted"), host), op="rms_norm",
                          variant="weighted", shape=(2, 64), dtype="fp32", target="host")
     assert big.knobs["threads"] == host.cores
     assert small.knobs["threads"] == 1
@@ -115,8 +116,8 @@ def test_threads_follow_the_work(host):
 def test_bandwidth_profile_changes_the_prediction(host):
     problem = SPEC.problem("4096x4096", "bf16", "weighted")
     slow = dataclasses.replace(host, stream_gbps={t: v / 2 for t, v in host.stream_gbps.items()})
-    fast_plan = solve_tiling(SPEC.tiling_problem(problem, host), op="rms_norm", variant="weighted",
+    fast_plan = solve_tiling(host_kernel(SPEC).tiling_problem(problem, host), op="rms_norm", variant="weighted",
                              shape=problem.shape, dtype="bf16", target="host")
-    slow_plan = solve_tiling(SPEC.tiling_problem(problem, slow), op="rms_norm", variant="weighted",
+    slow_plan = solve_tiling(host_kernel(SPEC).tiling_problem(problem, slow), op="rms_norm", variant="weighted",
                              shape=problem.shape, dtype="bf16", target="host")
     assert slow_plan.predicted_us > 1.5 * fast_plan.predicted_us

@@ -15,6 +15,7 @@ from aurakernel.errors import UserError
 from aurakernel.ops import OPS
 from aurakernel.planner import fit
 from conftest import AURAKERNEL, FIXED_CALIBRATION
+from aurakernel.targets.host.ops import kernel_of as host_kernel
 
 TRUE_HOST = {"dram_time_scale": 1.4, "l2_time_scale": 1.0, "vector_cycles_per_elem": 0.6,
              "chunk_overhead_cycles": 30.0, "tile_overhead_ns": 90.0, "phase_overhead_us": 25.0}
@@ -32,7 +33,7 @@ def synthetic_db(path, hw, coefficients, noise=0.02, per_problem=8, seed=0) -> T
     for n, (op, variant, shape, dtype) in enumerate(HOST_PROBLEMS):
         spec = OPS[op]
         problem = spec.problem(shape, dtype, variant)
-        model = spec.tiling_problem(problem, truth)
+        model = host_kernel(spec).tiling_problem(problem, truth)
         for i, choice in enumerate(rng.sample(fit.feasible_choices(model), per_problem)):
             t = model.evaluate(choice)[0] * (1 + rng.gauss(0, noise))
             db.add(Record(op, variant, problem.shape_text, dtype, "host", f"synthetic-{n}-{i}", "test",
@@ -86,9 +87,9 @@ def test_fitted_host_coefficients_reach_the_planner(tmp_path, monkeypatch, host)
     assert {k: fitted.costmodel[k] for k in TRUE_HOST} == report.after
     spec = OPS["rms_norm"]
     problem = spec.problem("32x128", "fp32", "weighted")
-    choice = fit.feasible_choices(spec.tiling_problem(problem, host))[0]
-    before = spec.tiling_problem(problem, host).evaluate(choice)[0]
-    after = spec.tiling_problem(problem, fitted).evaluate(choice)[0]
+    choice = fit.feasible_choices(host_kernel(spec).tiling_problem(problem, host))[0]
+    before = host_kernel(spec).tiling_problem(problem, host).evaluate(choice)[0]
+    after = host_kernel(spec).tiling_problem(problem, fitted).evaluate(choice)[0]
     # a tiny problem is all fixed costs: the fitted 25 us per phase shows in the prediction
     assert after - before == pytest.approx(2 * report.after["phase_overhead_us"] * 1e-6, rel=0.2)
 

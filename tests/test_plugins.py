@@ -21,10 +21,12 @@ from pathlib import Path
 import torch
 
 from aurakernel.dtypes import DType
-from aurakernel.ops.base import Entry, OpSpec, Problem, Tolerance, Work
+from aurakernel.ops.base import OpSpec, Problem, Tolerance, Work
 from aurakernel.patch.install import install
 from aurakernel.patch.torch_op import torch_op
 from aurakernel.planner.costmodel import RowwisePhase, rowwise_model
+from aurakernel.targets.host.kernel import HostKernel
+from aurakernel.targets.host.library import Entry, built_kernel
 
 
 class ToySiluSpec(OpSpec):
@@ -50,29 +52,6 @@ class ToySiluSpec(OpSpec):
         rows, cols = problem.shape
         return Work(rows * cols * problem.dtype.itemsize * (3 if backward else 2), rows * cols * (8 if backward else 4))
 
-    def tiling_problem(self, problem, hw):
-        rows, cols = problem.shape
-        e = problem.dtype.itemsize
-        return rowwise_model(rows, cols, [RowwisePhase("forward", 2 * cols * e, 4 * cols, 0, 0, 0, 0),
-                                          RowwisePhase("backward", 3 * cols * e, 8 * cols, 0, 0, 0, 0)],
-                             hw, fixed={"col_chunk": cols})
-
-    def template(self, target_kind):
-        return f"{target_kind}/toy_silu.c.j2"
-
-    def render_params(self, problem, knobs):
-        return {"dtype": problem.dtype, "cols": int(problem.shape[1]), "tile_rows": int(knobs["tile_rows"]),
-                "threads": int(knobs["threads"])}
-
-    def empty_outputs(self, problem, inputs):
-        return {"y": torch.empty_like(inputs["x"])}
-
-    def run_forward(self, kernel, inputs, outputs):
-        kernel.call("fwd", inputs["x"], outputs["y"], inputs["x"].shape[0])
-
-    def run_backward(self, kernel, inputs, outputs, grad_outputs, grads):
-        kernel.call("bwd", inputs["x"], grad_outputs["y"].contiguous(), grads["x"], inputs["x"].shape[0])
-
     def module_call(self, problem, inputs):
         return torch.nn.SiLU(), (inputs["x"],)
 
@@ -91,13 +70,38 @@ class ToySiluSpec(OpSpec):
 
 SPEC = ToySiluSpec(
     name="toy_silu", summary="SiLU over rows (a third-party example)", shape_meaning="ROWSxCOLS", shape_rank=2,
-    default_shape=(256, 512), dtypes=(DType.fp32, DType.bf16), variants=("default",),
-    knob_docs={"tile_rows": "rows per tile", "threads": "OpenMP threads"},
-    entries={"fwd": Entry("toy_silu_fwd", ("ptr", "ptr", "i64")), "bwd": Entry("toy_silu_bwd", ("ptr", "ptr", "ptr", "i64"))})
+    default_shape=(256, 512), dtypes=(DType.fp32, DType.bf16), variants=("default",))
+
+
+class ToySiluHost(HostKernel):   # its template: host/toy_silu.c.j2 under the spec's template_dirs
+    entries = {"fwd": Entry("toy_silu_fwd", ("ptr", "ptr", "i64")), "bwd": Entry("toy_silu_bwd", ("ptr", "ptr", "ptr", "i64"))}
+    knob_docs = {"tile_rows": "rows per tile", "threads": "OpenMP threads"}
+
+    def tiling_problem(self, problem, hw):
+        rows, cols = problem.shape
+        e = problem.dtype.itemsize
+        return rowwise_model(rows, cols, [RowwisePhase("forward", 2 * cols * e, 4 * cols, 0, 0, 0, 0),
+                                          RowwisePhase("backward", 3 * cols * e, 8 * cols, 0, 0, 0, 0)],
+                             hw, fixed={"col_chunk": cols})
+
+    def render_params(self, problem, knobs):
+        return {"dtype": problem.dtype, "cols": int(problem.shape[1]), "tile_rows": int(knobs["tile_rows"]),
+                "threads": int(knobs["threads"])}
+
+    def empty_outputs(self, problem, inputs):
+        return {"y": torch.empty_like(inputs["x"])}
+
+    def run_forward(self, kernel, inputs, outputs):
+        kernel.call("fwd", inputs["x"], outputs["y"], inputs["x"].shape[0])
+
+    def run_backward(self, kernel, inputs, outputs, grad_outputs, grads):
+        kernel.call("bwd", inputs["x"], grad_outputs["y"].contiguous(), grads["x"], inputs["x"].shape[0])
+
+
+PARTS = (SPEC, ToySiluHost(SPEC))
 
 
 def _forward(x: torch.Tensor, kernel: str) -> torch.Tensor:
-    from aurakernel.build import built_kernel
     x = x.contiguous()
     y = torch.empty_like(x)
     built_kernel(kernel).call("fwd", x, y, x.numel() // x.shape[-1])
@@ -105,7 +109,6 @@ def _forward(x: torch.Tensor, kernel: str) -> torch.Tensor:
 
 
 def _backward(dy: torch.Tensor, x: torch.Tensor, kernel: str) -> torch.Tensor:
-    from aurakernel.build import built_kernel
     x = x.contiguous()
     dx = torch.empty_like(x)
     built_kernel(kernel).call("bwd", x, dy.contiguous(), dx, x.numel() // x.shape[-1])
@@ -164,7 +167,7 @@ def plugin_dir(tmp_path_factory):
     info = root / "ak_toy_silu-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: ak-toy-silu\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[aurakernel.ops]\ntoy_silu = ak_toy_silu:SPEC\n")
+    (info / "entry_points.txt").write_text("[aurakernel.ops]\ntoy_silu = ak_toy_silu:PARTS\n")
     return root
 
 
@@ -190,18 +193,24 @@ def test_a_registered_operator_is_tuned_and_applied_to_a_model(plugin_dir, tmp_p
     from aurakernel.errors import UserError
     from aurakernel.ops import OPS
     from aurakernel.patch.torch_op import REGISTRY
+    from aurakernel.targets.host.kernel import KERNELS
     from aurakernel.planfile import KernelPlan, PlanEntry
 
     monkeypatch.syspath_prepend(str(plugin_dir))
     import ak_toy_silu
 
     # this process's operator library and torch ops are as before once the test is done
-    request.addfinalizer(lambda: (OPS.pop("toy_silu", None), REGISTRY.pop("toy_silu", None)))
-    assert "toy_silu" not in OPS
-    assert aurakernel.register(ak_toy_silu.SPEC) is ak_toy_silu.SPEC
-    assert aurakernel.register(ak_toy_silu.SPEC) is ak_toy_silu.SPEC   # the same spec again: a no-op
+    request.addfinalizer(lambda: (OPS.pop("toy_silu", None), REGISTRY.pop("toy_silu", None),
+                                  KERNELS.pop("toy_silu", None)))
+    assert "toy_silu" not in OPS and "toy_silu" not in KERNELS
+    assert aurakernel.register(*ak_toy_silu.PARTS) is ak_toy_silu.SPEC
+    assert aurakernel.register(*ak_toy_silu.PARTS) is ak_toy_silu.SPEC   # the same parts again: a no-op
     with pytest.raises(UserError, match="already registered"):
         aurakernel.register(copy.copy(ak_toy_silu.SPEC))   # another operator under the same name
+    with pytest.raises(UserError, match="already has a host kernel"):
+        aurakernel.register(ak_toy_silu.ToySiluHost(ak_toy_silu.SPEC))   # a second kernel for the same target
+    with pytest.raises(UserError, match="register takes an OpSpec"):
+        aurakernel.register("toy_silu")
     r = tune("toy_silu", "300x256", "fp32", with_compiled=False, db_path=tmp_path / "db.sqlite")
     assert r.verified, r.verification.summary
     plan = KernelPlan(target="host", kernels=[PlanEntry("toy_silu", "default", [256], "fp32", "300x256",

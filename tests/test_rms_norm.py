@@ -3,18 +3,19 @@
 import pytest
 import torch
 
-from aurakernel.build import build_kernel
+from aurakernel.targets.host.build import build_kernel
 from aurakernel.ops import get_op
 from aurakernel.ops.base import Problem
 from aurakernel.ops.rms_norm import rms_norm
-from aurakernel.verify import verify
+from aurakernel.targets.host.target import verify
+from aurakernel.targets.host.ops import kernel_of as host_kernel
 
 SPEC = get_op("rms_norm")
 
 
 def cases(shape, dtype, variant, knobs):
     problem = SPEC.problem(shape, dtype, variant)
-    return problem, [(p, build_kernel(SPEC, p, knobs)) for p in SPEC.verification_problems(problem, knobs, 16)]
+    return problem, [(p, build_kernel(SPEC, p, knobs)) for p in host_kernel(SPEC).verification_problems(problem, knobs, 16)]
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from aurakernel import apply
-from aurakernel.build import build_kernel
+from aurakernel.targets.host.build import build_kernel
 from aurakernel.dtypes import DType
 from aurakernel.ops import get_op
 from aurakernel.ops.base import Problem
@@ -19,6 +19,7 @@ from trainer.model import build_model
 from trainer.train import loss_fn, make_run, train_step
 
 from conftest import TINY
+from aurakernel.targets.host.ops import kernel_of as host_kernel
 
 def plan_for(model, dtypes=("fp32",), skip_cols=(), ops=None):
     """A plan with a buildable kernel for every site of the model (knobs from the planner, no timing)."""
@@ -46,7 +47,7 @@ def plan_for(model, dtypes=("fp32",), skip_cols=(), ops=None):
                     "attn_softmax": (1, 4, 16, 20)}.get(site.op, (64,))
             shape_tail = (8,) if site.op == "indexer_score" else ()
             problem = Problem(site.op, site.variant, (*lead, *kernel_key, *shape_tail), DType.parse(dt))
-            knobs = solve_tiling(spec.tiling_problem(problem, hw), op=site.op, variant=site.variant,
+            knobs = solve_tiling(host_kernel(spec).tiling_problem(problem, hw), op=site.op, variant=site.variant,
                                  shape=problem.shape, dtype=dt, target="host").knobs
             kernel = build_kernel(spec, problem, knobs)
             entries.append(PlanEntry(site.op, site.variant, list(kernel_key), dt, problem.shape_text,
@@ -207,7 +208,7 @@ def test_fused_adamw_matches_torch_adamw_over_steps(cfg, host):
 
     spec = get_op("adamw")
     problem = Problem("adamw", "default", (65536,), DType.fp32)
-    knobs = solve_tiling(spec.tiling_problem(problem, host), op="adamw", variant="default", shape=problem.shape,
+    knobs = solve_tiling(host_kernel(spec).tiling_problem(problem, host), op="adamw", variant="default", shape=problem.shape,
                          dtype="fp32", target="host").knobs
     kernel = build_kernel(spec, problem, knobs)
     ref_model = build_model(cfg.model, seed=0)

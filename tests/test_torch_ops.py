@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from aurakernel import apply
-from aurakernel.backends.base import Kernel
-from aurakernel.build import build_kernel
+from aurakernel.targets.host.library import Kernel
+from aurakernel.targets.host.build import build_kernel
 from aurakernel.dtypes import DType
 from aurakernel.ops import get_op
 from aurakernel.ops.base import Problem

@@ -40,9 +40,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-
 from .. import __version__
-from ..build import build_kernel
 from ..db import Record, TuningDB
 from ..dtypes import shape_text
 from ..errors import BuildError, UserError
@@ -51,7 +49,9 @@ from ..measure import compare
 from ..ops import OPS, OpSpec, Problem
 from ..planner import solve_tiling
 from ..planner.fit import feasible_choices
-from ..verify import verify
+from ..targets.host.build import build_kernel
+from ..targets.host.ops import kernel_of as host_kernel
+from ..targets.host.target import verify
 from .kernels import machine_info
 
 SCHEMA = 1
@@ -123,9 +123,9 @@ def _timing_steps(spec: OpSpec, problem: Problem, hashes: dict[str, str]) -> dic
 def _build_and_verify(spec: OpSpec, problem: Problem, cand: Candidate, hw: HardwareProfile) -> None:
     t0 = time.perf_counter()
     try:
-        kernel = build_kernel(spec, problem, cand.knobs, hw.kind)
-        cases = [(p, build_kernel(spec, p, cand.knobs, hw.kind))
-                 for p in spec.verification_problems(problem, cand.knobs, max(hw.simd_bytes // 4, 1))]
+        kernel = build_kernel(spec, problem, cand.knobs)
+        cases = [(p, build_kernel(spec, p, cand.knobs))
+                 for p in host_kernel(spec).verification_problems(problem, cand.knobs, max(hw.simd_bytes // 4, 1))]
     except BuildError as exc:
         cand.build_s, cand.failed = time.perf_counter() - t0, f"build failed: {str(exc).splitlines()[0]}"
         return
@@ -170,7 +170,7 @@ def problem_row(problem: Problem, hw: HardwareProfile, max_candidates: int = MAX
                 db: TuningDB | None = None, progress: Callable[[str], None] | None = None) -> dict:
     """Plan, enumerate, build, verify and time one problem's candidates: its row of the report."""
     spec = OPS[problem.op]
-    model = spec.tiling_problem(problem, hw)
+    model = host_kernel(spec).tiling_problem(problem, hw)
     t0 = time.perf_counter()
     plan = solve_tiling(model, op=problem.op, variant=problem.variant, shape=problem.shape,
                         dtype=problem.dtype.value, target="host", solver="highs")

@@ -1,10 +1,12 @@
 """The operator library: one OpSpec per operator, registered by name.
 
-Operators from outside AuraKernel join it without an edit here: a package declares its OpSpec in
-the `aurakernel.ops` entry-point group (`toy = my_package:SPEC` under `[project.entry-points."aurakernel.ops"]`),
-loaded when this module is imported, or calls `aurakernel.register(spec)`. Its spec names its
-template folders (OpSpec.template_dirs) and the modules it patches (OpSpec.sites); `aurakernel ops`
-lists it and `tune` tunes it like a built-in one.
+Operators from outside AuraKernel join it without an edit here: a package declares its parts (its
+OpSpec and a kernel per target it supports: targets/host/kernel.py HostKernel, targets/ascend/kernel.py
+AscendKernel) in the `aurakernel.ops` entry-point group (`toy = my_package:PARTS` under
+`[project.entry-points."aurakernel.ops"]`), loaded when this module is imported, or calls
+`aurakernel.register(spec, kernel, ...)`. Its spec names its template folders (OpSpec.template_dirs)
+and the modules it patches (OpSpec.sites); `aurakernel ops` lists it and `tune` tunes it like a
+built-in one.
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ import warnings
 from importlib.metadata import entry_points
 
 from ..errors import UserError
-from .base import OpSpec, Problem
 from .adamw import SPEC as ADAMW
 from .attn_softmax import SPEC as ATTN_SOFTMAX
+from .base import OpSpec, Problem
 from .compressor import SPEC as COMPRESSOR
 from .cross_entropy import SPEC as CROSS_ENTROPY
 from .indexer_score import SPEC as INDEXER_SCORE
@@ -34,16 +36,24 @@ OPS: dict[str, OpSpec] = {spec.name: spec for spec in (RMS_NORM, MHC_PRE, MHC_PO
 ENTRY_POINT_GROUP = "aurakernel.ops"
 
 
-def register(spec: OpSpec) -> OpSpec:
-    """Add an operator to the library (idempotent for the same spec); returns it."""
-    if not isinstance(spec, OpSpec):
-        raise UserError(f"register takes an OpSpec, got {type(spec).__name__}")
-    have = OPS.get(spec.name)
-    if have is not None and have is not spec:
-        raise UserError(f"operator {spec.name!r} is already registered (by {type(have).__module__}): "
-                        "choose another name")
-    OPS[spec.name] = spec
-    return spec
+def register(*parts):
+    """Add an operator to the library: its OpSpec and its kernels (any object with a `register()`
+    method: a HostKernel or AscendKernel), each idempotent for the same object. Returns the first."""
+    if not parts:
+        raise UserError("register takes an operator's OpSpec and its kernels, got nothing")
+    for part in parts:
+        if isinstance(part, OpSpec):
+            have = OPS.get(part.name)
+            if have is not None and have is not part:
+                raise UserError(f"operator {part.name!r} is already registered (by {type(have).__module__}): "
+                                "choose another name")
+            OPS[part.name] = part
+        elif callable(getattr(part, "register", None)) and isinstance(getattr(part, "spec", None), OpSpec):
+            part.register()
+        else:
+            raise UserError(f"register takes an OpSpec or an operator's kernel (HostKernel, AscendKernel), "
+                            f"got {type(part).__name__}")
+    return parts[0]
 
 
 def load_entry_points() -> list[str]:
@@ -52,8 +62,8 @@ def load_entry_points() -> list[str]:
     names = []
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         try:
-            spec = ep.load()
-            register(spec() if callable(spec) and not isinstance(spec, OpSpec) else spec)
+            parts = ep.load()
+            register(*(parts if isinstance(parts, tuple | list) else (parts,)))
             names.append(ep.name)
         except Exception as exc:  # noqa: BLE001 - a broken plugin must not break the built-in operators
             warnings.warn(f"aurakernel.ops entry point {ep.name!r} ({ep.value}) was not loaded: "

@@ -10,8 +10,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..dtypes import DType
-from ..planner.costmodel import RowwisePhase, rowwise_model
-from .base import Entry, OpSpec, Problem, Tensors, Tolerance, Work, compiled_step
+from ..targets.host.library import built_kernel
+from .base import OpSpec, Problem, Tensors, Tolerance, Work, compiled_step
 
 HYPER = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.01}
 ELEMS_PER_ROW = 1024   # the planner sees the flat parameter as rows of this many elements
@@ -55,32 +55,6 @@ class AdamWSpec(OpSpec):
     def work(self, problem: Problem, backward: bool) -> Work:
         (n,) = problem.shape
         return Work(0 if backward else n * 4 * 7, 0 if backward else n * 14)
-
-    def tiling_problem(self, problem: Problem, hw):
-        rows = max(1, math.ceil(problem.shape[0] / ELEMS_PER_ROW))
-        phases = [RowwisePhase("update", 7 * 4 * ELEMS_PER_ROW, 14 * ELEMS_PER_ROW, 0, 0, 0, 0)]
-        return rowwise_model(rows, ELEMS_PER_ROW, phases, hw, fixed={"col_chunk": ELEMS_PER_ROW})
-
-    def template(self, target_kind: str) -> str:
-        return f"{target_kind}/adamw.c.j2"
-
-    def render_params(self, problem: Problem, knobs: dict[str, int]) -> dict:
-        return {"block": int(knobs["tile_rows"]) * ELEMS_PER_ROW, "threads": int(knobs["threads"])}
-
-    def empty_outputs(self, problem: Problem, inputs: Tensors) -> Tensors:
-        return {k: torch.empty_like(inputs[k]) for k in ("p", "m", "v")}
-
-    def run_forward(self, kernel, inputs: Tensors, outputs: Tensors) -> None:
-        update(kernel, inputs["p"], inputs["g"], inputs["m"], inputs["v"], self.step, HYPER,
-               out=(outputs["p"], outputs["m"], outputs["v"]))
-
-    def run_backward(self, kernel, inputs, outputs, grad_outputs, grads) -> None:
-        raise TypeError("adamw has no backward")
-
-    def verification_problems(self, problem: Problem, knobs: dict[str, int], simd_elems: int) -> list[Problem]:
-        odd = knobs.get("tile_rows", 1) * ELEMS_PER_ROW * knobs.get("threads", 1) * 2 + 13
-        return [problem, Problem(problem.op, problem.variant, (min(problem.shape[0], odd),), problem.dtype),
-                Problem(problem.op, problem.variant, (7,), problem.dtype)]
 
     def module_call(self, problem, inputs):
         raise TypeError("adamw is an optimizer, not a module: see FusedAdamW")
@@ -140,7 +114,6 @@ class FusedAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        from ..build import built_kernel
 
         loss = closure() if closure is not None else None
         k = built_kernel(self.kernel)
@@ -178,6 +151,4 @@ SPEC = AdamWSpec(
     default_shape=(16_777_216,),
     dtypes=(DType.fp32,),
     variants=("default",),
-    knob_docs={"tile_rows": "blocks of 1024 elements per OpenMP chunk", "threads": "OpenMP threads"},
-    entries={"update": Entry("ak_adamw", ("ptr",) * 7 + ("i64",) + ("f32",) * 7)},
 )

@@ -17,12 +17,12 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
 
+from . import scoped
 from ..dtypes import DType
-from ..planner.costmodel import RowwisePhase, rowwise_model
 from ..patch.install import install, swap_globals
 from ..patch.torch_op import torch_op
-from . import scoped
-from .base import Entry, OpSpec, Problem, Tensors, Tolerance, Work
+from ..targets.host.library import built_kernel
+from .base import OpSpec, Problem, Tensors, Tolerance, Work
 
 SCALING = 512 ** -0.5   # V4's head_dim
 AIV_MAX = 48            # the most vector cores of the Ascend targets (the backward's d sinks partials)
@@ -95,46 +95,6 @@ class AttnSoftmaxSpec(OpSpec):
         n = batch * heads * seq * keys
         return Work(n * e * (3 if backward else 2) + batch * seq * keys * 4, n * (20 if backward else 12))
 
-    def tiling_problem(self, problem: Problem, hw):
-        batch, heads, seq, keys = problem.shape
-        e = problem.dtype.itemsize
-        phases = [RowwisePhase("forward", keys * (2 * e + 4), 3 * keys * 12, 0, keys * (e + 4), 0, 0),
-                  RowwisePhase("backward", keys * (3 * e + 4), 2 * keys * 12, 0, keys * (2 * e + 4), 0, 0)]
-        return rowwise_model(batch * heads * seq, keys, phases, hw, fixed={"col_chunk": keys})
-
-    def template(self, target_kind: str) -> str:
-        return f"{target_kind}/attn_softmax.c.j2"
-
-    def render_params(self, problem: Problem, knobs: dict[str, int]) -> dict:
-        return {"dtype": problem.dtype, "tile_rows": int(knobs["tile_rows"]), "threads": int(knobs["threads"])}
-
-    def empty_outputs(self, problem: Problem, inputs: Tensors) -> Tensors:
-        s = inputs["scores"]
-        rows = s.numel() // s.shape[-1]
-        return {"probs": torch.empty_like(s), "row_max": torch.empty(rows), "row_sum": torch.empty(rows)}
-
-    def run_forward(self, kernel, inputs: Tensors, outputs: Tensors) -> None:
-        s = inputs["scores"]
-        mask, msb, mss = _mask_rows(inputs["mask"], s)
-        kernel.call("fwd", s, mask, msb, mss, inputs["sinks"].float().contiguous(), outputs["probs"],
-                    outputs["row_max"], outputs["row_sum"], *s.shape, float(inputs.get("scaling", SCALING)))
-
-    def run_backward(self, kernel, inputs: Tensors, outputs: Tensors, grad_outputs: Tensors, grads: Tensors) -> None:
-        s = inputs["scores"]
-        mask, msb, mss = _mask_rows(inputs["mask"], s)
-        heads = s.shape[1]
-        scratch = kernel.workspace_of(kernel.meta["threads"] * heads)
-        d_sinks = torch.empty(heads)
-        kernel.call("bwd", s, mask, msb, mss, inputs["sinks"].float().contiguous(), outputs["row_max"],
-                    outputs["row_sum"], grad_outputs["probs"].to(s.dtype).contiguous(), grads["scores"], d_sinks,
-                    scratch, *s.shape, float(inputs.get("scaling", SCALING)))
-        grads["sinks"].copy_(d_sinks)
-
-    def verification_problems(self, problem: Problem, knobs: dict[str, int], simd_elems: int) -> list[Problem]:
-        batch, heads, seq, keys = problem.shape
-        tail = min(seq, knobs["tile_rows"] * knobs["threads"] + 1)
-        return [problem, Problem(problem.op, problem.variant, (2, heads + 1, tail, keys + 5), problem.dtype)]
-
     def call_problem(self, module, args):
         return None   # a function, not a module: the profiler records it through SWAP.recording
 
@@ -164,10 +124,9 @@ def _mask_rows(mask, scores):
 def _forward(scores: torch.Tensor, mask: torch.Tensor | None, sinks: torch.Tensor, scaling: float, kernel: str,
              out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(probs in out_dtype, row max, row sum): the row statistics are the backward's residuals."""
-    from ..build import built_kernel
     inputs = {"scores": scores.contiguous(), "mask": mask, "sinks": sinks, "scaling": scaling}
-    outputs = SPEC.empty_outputs(None, inputs)
-    SPEC.run_forward(built_kernel(kernel), inputs, outputs)
+    outputs = built_kernel(kernel).empty_outputs(None, inputs)
+    built_kernel(kernel).run_forward(inputs, outputs)
     probs = outputs["probs"]
     return (probs.to(out_dtype) if probs.dtype != out_dtype else probs), outputs["row_max"], outputs["row_sum"]
 
@@ -181,10 +140,9 @@ def _fake_forward(scores, mask, sinks, scaling, kernel, out_dtype):
 def _backward(dp: torch.Tensor, scores: torch.Tensor, mask: torch.Tensor | None, sinks: torch.Tensor,
               row_max: torch.Tensor, row_sum: torch.Tensor, scaling: float,
               kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
-    from ..build import built_kernel
     scores = scores.contiguous()
     grads = {"scores": torch.empty_like(scores), "sinks": torch.empty(sinks.shape)}
-    SPEC.run_backward(built_kernel(kernel), {"scores": scores, "mask": mask, "sinks": sinks, "scaling": scaling},
+    built_kernel(kernel).run_backward({"scores": scores, "mask": mask, "sinks": sinks, "scaling": scaling},
                       {"row_max": row_max, "row_sum": row_sum}, {"probs": dp}, grads)
     return grads["scores"], grads["sinks"].to(sinks.dtype)
 
@@ -234,9 +192,4 @@ SPEC = AttnSoftmaxSpec(
     default_shape=(1, 64, 256, 320),
     dtypes=(DType.fp32, DType.bf16, DType.fp16),
     variants=("default",),
-    knob_docs={"tile_rows": "(batch, head, query) rows per tile", "threads": "OpenMP threads"},
-    entries={"fwd": Entry("ak_attn_softmax_fwd", ("ptr", "ptr", "i64", "i64", "ptr", "ptr", "ptr", "ptr",
-                                                  "i64", "i64", "i64", "i64", "f32")),
-             "bwd": Entry("ak_attn_softmax_bwd", ("ptr", "ptr", "i64", "i64", "ptr", "ptr", "ptr", "ptr", "ptr",
-                                                  "ptr", "ptr", "i64", "i64", "i64", "i64", "f32"))},
 )

@@ -1,30 +1,23 @@
-"""OpSpec: the single source of truth for one operator.
+"""OpSpec: what one operator is, independent of any target.
 
 An OpSpec says what the operator computes (its reference: the transformers code it replaces),
-how to make inputs for a shape and dtype, how much memory traffic and arithmetic it needs (for
-the roofline and the cost model), which knobs its kernels have and how they trade off (the
-tiling problem handed to the planner), which templates render it, how its C entry points are
-called, and how closely a kernel must match the reference. Adding an operator means writing one
-OpSpec and its templates.
+which problems (shape, dtype, variant) it accepts, how to make inputs for one, how much memory
+traffic and arithmetic it needs at minimum (for the roofline and the cost model) and how closely a
+kernel must match the reference. How a target computes it lives in targets/<target>/ops/<op>.py.
 """
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from ..dtypes import DType, parse_shape, shape_text
-from ..backends.base import Entry  # noqa: F401 - the ops' C entry points are declared with it
 from ..errors import UserError
 from ..patch.install import install
-
-if TYPE_CHECKING:
-    from ..backends.base import Kernel
-    from ..hardware import HardwareProfile
-    from ..planner.tiling import TilingProblem
 
 Tensors = dict[str, torch.Tensor]
 
@@ -95,8 +88,6 @@ class OpSpec(ABC):
     default_shape: tuple[int, ...]
     dtypes: tuple[DType, ...]
     variants: tuple[str, ...]
-    knob_docs: dict[str, str]
-    entries: dict[str, Entry] = field(default_factory=dict)
 
     # --- problems -----------------------------------------------------------------------------
     @property
@@ -148,32 +139,6 @@ class OpSpec(ABC):
     @abstractmethod
     def work(self, problem: Problem, backward: bool) -> Work:
         ...
-
-    @abstractmethod
-    def tiling_problem(self, problem: Problem, hw: HardwareProfile) -> TilingProblem:
-        ...
-
-    # --- code ---------------------------------------------------------------------------------
-    @abstractmethod
-    def template(self, target_kind: str) -> str:
-        """Template path under templates/ for a target kind ('host', 'ascend')."""
-
-    @abstractmethod
-    def render_params(self, problem: Problem, knobs: dict[str, int]) -> dict[str, Any]:
-        """Typed values (int, float, bool, DType) handed to the template."""
-
-    @abstractmethod
-    def run_forward(self, kernel: Kernel, inputs: Tensors, outputs: Tensors) -> None:
-        """Call the kernel's forward entry, writing into preallocated `outputs`."""
-
-    @abstractmethod
-    def run_backward(self, kernel: Kernel, inputs: Tensors, outputs: Tensors,
-                     grad_outputs: Tensors, grads: Tensors) -> None:
-        """Call the backward entry, writing into preallocated `grads` (one per differentiable input)."""
-
-    @abstractmethod
-    def empty_outputs(self, problem: Problem, inputs: Tensors) -> Tensors:
-        """Output buffers (forward outputs and whatever the backward needs saved)."""
 
     def grad_slack(self, problem: Problem, inputs: Tensors, grad_outputs: Tensors) -> Tensors:
         """Per-element extra allowance on gradients where the reference itself is discontinuous (a
@@ -243,7 +208,6 @@ class OpSpec(ABC):
         `with_compiled_kernel`, "aurakernel_compiled" (torch.compile of the patched module: the
         kernel's custom ops inside the compiled graph), each one forward + backward through the
         same nn.Module path the trainer runs. Returns (callables, notes)."""
-        import copy
 
         module, step_of = self.module_steps(problem)
         candidates, notes = {"eager": step_of(module)}, {}
@@ -259,14 +223,3 @@ class OpSpec(ABC):
         if with_compiled_kernel:
             compiled_step(candidates, notes, "aurakernel_compiled", step_of(torch.compile(patched())))
         return candidates, notes
-
-    def verification_problems(self, problem: Problem, knobs: dict[str, int], simd_elems: int) -> list[Problem]:
-        """The tuned shape plus tails: rows not divisible by tile x threads, a width off the SIMD grid."""
-        rows, cols = problem.shape[0], problem.shape[-1]
-        tail_rows = knobs.get("tile_rows", 1) * knobs.get("threads", 1) * 3 + 1
-        odd_cols = cols + 5 if cols % simd_elems == 0 else cols
-        out = [problem, Problem(problem.op, problem.variant, (min(rows, tail_rows),) + problem.shape[1:], problem.dtype)]
-        if odd_cols != cols:
-            out.append(Problem(problem.op, problem.variant, (min(rows, tail_rows),) + problem.shape[1:-1] + (odd_cols,),
-                               problem.dtype))
-        return out

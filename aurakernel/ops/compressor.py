@@ -9,13 +9,14 @@ kernel call; with a cache (generation) the reference runs.
 from __future__ import annotations
 
 import torch
+from torch.func import functional_call
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb
 
 from ..dtypes import DType
-from ..planner.costmodel import RowwisePhase, rowwise_model
 from ..patch.torch_op import torch_op
-from .base import Entry, OpSpec, Problem, Tensors, Tolerance, Work, bind
+from ..targets.host.library import built_kernel
+from .base import OpSpec, Problem, Tensors, Tolerance, Work, bind
 
 EPS = 1e-6
 CHANNEL_BLOCK = 64   # channels per block of the kernel's softmax-weight scratch (16 KB of it per 64 slots)
@@ -95,7 +96,6 @@ class CompressorSpec(OpSpec):
         return mod, (inputs["kv"], inputs["gate"], inputs["position_bias"])
 
     def reference(self, problem: Problem, inputs: Tensors) -> Tensors:
-        from torch.func import functional_call
         mod, args = self.module_call(problem, inputs)
         return {"y": functional_call(mod, {"kv_norm.weight": inputs["weight"]}, args)}
 
@@ -108,54 +108,6 @@ class CompressorSpec(OpSpec):
         e = problem.dtype.itemsize
         tokens = batch * windows * ratio
         return Work(tokens * dk * e * (6 if backward else 2) + batch * windows * d * e, tokens * dk * 12)
-
-    def tiling_problem(self, problem: Problem, hw):
-        batch, windows, ratio, d = problem.shape
-        dk = 2 * d if problem.variant == "csa" else d
-        slots = 2 * ratio if problem.variant == "csa" else ratio
-        e = problem.dtype.itemsize
-        phases = [RowwisePhase("forward", ratio * dk * 2 * e + d * e, slots * d * 20, 0, 0, 0, 0),
-                  RowwisePhase("backward", ratio * dk * 4 * e + d * e, slots * d * 30, 0, 0, 0, 0)]
-        return rowwise_model(batch * windows, d, phases, hw, fixed={"col_chunk": d})
-
-    def template(self, target_kind: str) -> str:
-        return f"{target_kind}/compressor.c.j2"
-
-    def render_params(self, problem: Problem, knobs: dict[str, int]) -> dict:
-        return {"dtype": problem.dtype, "ratio": int(problem.shape[2]), "d": int(problem.shape[3]),
-                "overlap": problem.variant == "csa", "tile_rows": int(knobs["tile_rows"]), "channel_block": CHANNEL_BLOCK,
-                "threads": int(knobs["threads"])}
-
-    def empty_outputs(self, problem: Problem, inputs: Tensors) -> Tensors:
-        """y, and what the forward saves for the backward: rstd, the softmax weights p (in the dtype,
-        which is what the reference rounds them to), pooled and the unrounded sum_s p kv."""
-        kv = inputs["kv"]
-        ratio, d = inputs["position_bias"].shape[0], inputs["weight"].shape[0]
-        batch, windows = kv.shape[0], kv.shape[1] // ratio
-        return {"y": kv.new_empty(batch, windows, d), "rstd": torch.empty(batch, windows),
-                "p": kv.new_empty(batch, windows, _p_size(ratio, d, kv.shape[-1] == 2 * d)),
-                "pooled": torch.empty(batch, windows, d), "exact": torch.empty(batch, windows, d)}
-
-    def run_forward(self, kernel, inputs: Tensors, outputs: Tensors) -> None:
-        kv = inputs["kv"]
-        ratio, d = kernel.meta["ratio"], kernel.meta["d"]
-        scratch = kernel.workspace_of(kernel.meta["threads"] * _p_size(ratio, d, kernel.meta["overlap"]))
-        kernel.call("fwd", kv, inputs["gate"], inputs["position_bias"], inputs["weight"], outputs["y"],
-                    outputs["rstd"], outputs["p"], outputs["pooled"], outputs["exact"], scratch,
-                    kv.shape[0], kv.shape[1], kv.shape[1] // ratio, EPS)
-
-    def run_backward(self, kernel, inputs: Tensors, outputs: Tensors, grad_outputs: Tensors, grads: Tensors) -> None:
-        kv = inputs["kv"]
-        ratio, d = kernel.meta["ratio"], kernel.meta["d"]
-        scratch = kernel.workspace_of(kernel.meta["threads"] * (ratio * kv.shape[-1] + d))
-        kernel.call("bwd", kv, inputs["weight"], outputs["rstd"], outputs["p"], outputs["pooled"], outputs["exact"],
-                    grad_outputs["y"].contiguous(), grads["kv"], grads["gate"], grads["position_bias"],
-                    grads["weight"], scratch, kv.shape[0], kv.shape[1], kv.shape[1] // ratio)
-
-    def verification_problems(self, problem: Problem, knobs: dict[str, int], simd_elems: int) -> list[Problem]:
-        batch, windows, ratio, d = problem.shape
-        tail = min(windows, knobs["tile_rows"] * knobs["threads"] + 1)
-        return [problem, Problem(problem.op, problem.variant, (2, tail, ratio, d + 3), problem.dtype)]
 
     def call_problem(self, module, args):
         x = args[0] if args and isinstance(args[0], torch.Tensor) else None
@@ -186,26 +138,24 @@ def _inputs(kv, gate, position_bias, weight) -> Tensors:
 def _forward(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Tensor, weight: torch.Tensor,
              kernel: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, rstd, p, pooled, exact): all but y are residuals for the backward."""
-    from ..build import built_kernel
     inputs = _inputs(kv, gate, position_bias, weight)
-    outputs = SPEC.empty_outputs(None, inputs)
-    SPEC.run_forward(built_kernel(kernel), inputs, outputs)
+    outputs = built_kernel(kernel).empty_outputs(None, inputs)
+    built_kernel(kernel).run_forward(inputs, outputs)
     return outputs["y"], *(outputs[n] for n in _SAVED)
 
 
 def _fake_forward(kv, gate, position_bias, weight, kernel):
-    outputs = SPEC.empty_outputs(None, {"kv": kv, "position_bias": position_bias, "weight": weight})
+    outputs = built_kernel(kernel).empty_outputs(None, {"kv": kv, "position_bias": position_bias, "weight": weight})
     return outputs["y"], *(outputs[n] for n in _SAVED)
 
 
 def _backward(dy: torch.Tensor, kv: torch.Tensor, position_bias: torch.Tensor, weight: torch.Tensor,
               rstd: torch.Tensor, p: torch.Tensor, pooled: torch.Tensor, exact: torch.Tensor,
               kernel: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    from ..build import built_kernel
     kv, w32 = kv.contiguous(), weight.float().contiguous()
     grads = {"kv": torch.empty_like(kv), "gate": torch.empty_like(kv),
              "position_bias": kv.new_empty(position_bias.shape, dtype=torch.float32), "weight": torch.empty_like(w32)}
-    SPEC.run_backward(built_kernel(kernel), {"kv": kv, "weight": w32},
+    built_kernel(kernel).run_backward({"kv": kv, "weight": w32},
                       {"rstd": rstd, "p": p, "pooled": pooled, "exact": exact}, {"y": dy.to(kv.dtype)}, grads)
     return grads["kv"], grads["gate"], grads["position_bias"].to(position_bias.dtype), grads["weight"].to(weight.dtype)
 
@@ -327,7 +277,4 @@ SPEC = CompressorSpec(
     default_shape=(1, 32, 128, 512),
     dtypes=(DType.fp32, DType.bf16, DType.fp16),
     variants=("hca", "csa"),
-    knob_docs={"tile_rows": "windows per tile", "threads": "OpenMP threads"},
-    entries={"fwd": Entry("ak_compressor_fwd", ("ptr",) * 10 + ("i64", "i64", "i64", "f32")),
-             "bwd": Entry("ak_compressor_bwd", ("ptr",) * 12 + ("i64", "i64", "i64"))},
 )

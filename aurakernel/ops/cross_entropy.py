@@ -14,9 +14,9 @@ import torch.nn.functional as F
 
 from ..dtypes import DType
 from ..errors import UserError
-from ..planner.costmodel import RowwisePhase, rowwise_model
 from ..patch.torch_op import torch_op
-from .base import Entry, OpSpec, Problem, Tensors, Tolerance, Work, bind
+from ..targets.host.library import built_kernel
+from .base import OpSpec, Problem, Tensors, Tolerance, Work, bind
 
 IGNORE = -100
 
@@ -63,35 +63,6 @@ class CrossEntropySpec(OpSpec):
         e = problem.dtype.itemsize
         return Work(rows * vocab * e * (2 if backward else 1), rows * vocab * (6 if backward else 8))
 
-    def tiling_problem(self, problem: Problem, hw):
-        rows, vocab = problem.shape
-        e = problem.dtype.itemsize
-        phases = [RowwisePhase("forward", vocab * e, 2 * vocab * 12, 0, vocab * e, 0, 0),
-                  RowwisePhase("backward", 2 * vocab * e, vocab * 12, 0, 0, 0, 0)]
-        return rowwise_model(rows, vocab, phases, hw, fixed={"col_chunk": vocab}, resident_level="L2")
-
-    def template(self, target_kind: str) -> str:
-        return f"{target_kind}/cross_entropy.c.j2"
-
-    def render_params(self, problem: Problem, knobs: dict[str, int]) -> dict:
-        return {"dtype": problem.dtype, "vocab": int(problem.shape[1]), "tile_rows": int(knobs["tile_rows"]),
-                "threads": int(knobs["threads"])}
-
-    def empty_outputs(self, problem: Problem, inputs: Tensors) -> Tensors:
-        rows = inputs["logits"].shape[0]
-        return {"loss": torch.empty((), dtype=torch.float32), "loss_rows": torch.empty(rows),
-                "lse": torch.empty(rows)}
-
-    def run_forward(self, kernel, inputs: Tensors, outputs: Tensors) -> None:
-        logits, labels = inputs["logits"], inputs["labels"]
-        kernel.call("fwd", logits, labels, outputs["loss_rows"], outputs["lse"], logits.shape[0])
-        outputs["loss"].copy_(outputs["loss_rows"].sum() / (labels != IGNORE).sum())
-
-    def run_backward(self, kernel, inputs: Tensors, outputs: Tensors, grad_outputs: Tensors, grads: Tensors) -> None:
-        logits, labels = inputs["logits"], inputs["labels"]
-        scale = float(grad_outputs["loss"]) / max(int((labels != IGNORE).sum()), 1)
-        kernel.call("bwd", logits, labels, outputs["lse"], grads["logits"], logits.shape[0], scale)
-
     def call_problem(self, module, args):
         return None   # the trainer's loss is not a module: the profiler records it from the config
 
@@ -109,7 +80,6 @@ def _check_labels(labels: torch.Tensor, vocab: int) -> None:
 def _forward(logits: torch.Tensor, labels: torch.Tensor, kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean loss, lse): the per-row logsumexp is the backward's residual. The labels are checked
     here, inside the op, so a compiled graph keeps the check without a data-dependent branch."""
-    from ..build import built_kernel
     _check_labels(labels, logits.shape[-1])
     rows = logits.shape[0]
     loss_rows, lse = torch.empty(rows), torch.empty(rows)
@@ -119,7 +89,6 @@ def _forward(logits: torch.Tensor, labels: torch.Tensor, kernel: str) -> tuple[t
 
 
 def _backward(g: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, kernel: str) -> torch.Tensor:
-    from ..build import built_kernel
     d = torch.empty_like(logits)
     scale = float(g) / max(int((labels != IGNORE).sum()), 1)
     built_kernel(kernel).call("bwd", logits, labels, lse, d, logits.shape[0], scale)
@@ -154,7 +123,4 @@ SPEC = CrossEntropySpec(
     default_shape=(512, 129280),
     dtypes=(DType.fp32, DType.bf16, DType.fp16),
     variants=("default",),
-    knob_docs={"tile_rows": "token rows per tile", "threads": "OpenMP threads"},
-    entries={"fwd": Entry("ak_ce_fwd", ("ptr", "ptr", "ptr", "ptr", "i64")),
-             "bwd": Entry("ak_ce_bwd", ("ptr", "ptr", "ptr", "ptr", "i64", "f32"))},
 )

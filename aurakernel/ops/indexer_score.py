@@ -22,9 +22,9 @@ from transformers import DeepseekV4Config
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4IndexerScorer
 
 from ..dtypes import DType
-from ..planner.costmodel import RowwisePhase, rowwise_model
 from ..patch.torch_op import torch_op
-from .base import Entry, OpSpec, Problem, Tensors, Tolerance, Work, bind
+from ..targets.host.library import built_kernel
+from .base import OpSpec, Problem, Tensors, Tolerance, Work, bind
 
 HIDDEN = 64   # hidden size of the test inputs (the weights projection's input)
 
@@ -90,49 +90,9 @@ class IndexerScoreSpec(OpSpec):
         return Work(batch * (seq * heads * dim + entries * dim) * e * (2 if backward else 1) + batch * seq * entries * 4,
                     flops * (2 if backward else 1))
 
-    def tiling_problem(self, problem: Problem, hw):
-        batch, seq, heads, dim, entries = problem.shape
-        e = problem.dtype.itemsize
-        per_row_flops = 2 * heads * dim * entries
-        phases = [RowwisePhase("forward", heads * dim * e + entries * 4, per_row_flops / 16, 0, 0, 0, 0),
-                  RowwisePhase("backward", 2 * heads * dim * e + entries * 4, 3 * per_row_flops / 16, 0, 0, 0, 0)]
-        return rowwise_model(batch * seq, heads * dim, phases, hw,
-                             fixed={"col_chunk": heads * dim, "vec": max(hw.simd_bytes // 4, 4)})
-
-    def template(self, target_kind: str) -> str:
-        return f"{target_kind}/indexer_score.c.j2"
-
-    def render_params(self, problem: Problem, knobs: dict[str, int]) -> dict:
-        return {"dtype": problem.dtype, "heads": int(problem.shape[2]), "dim": int(problem.shape[3]),
-                "vec": int(knobs["vec"]), "tile_rows": int(knobs["tile_rows"]), "threads": int(knobs["threads"])}
-
-    def empty_outputs(self, problem: Problem, inputs: Tensors) -> Tensors:
-        q, k = inputs["q"], inputs["k"]
-        return {"y": torch.empty(q.shape[0], q.shape[1], k.shape[1])}
-
     @staticmethod
     def weights(hidden, proj, heads):
         return F.linear(hidden, proj).float() * heads**-0.5
-
-    def run_forward(self, kernel, inputs: Tensors, outputs: Tensors) -> None:
-        q, k = inputs["q"].contiguous(), inputs["k"].contiguous()
-        w = self.weights(inputs["hidden"], inputs["proj"], q.shape[2]).contiguous()
-        _fwd(kernel, q, k, w, outputs["y"])
-
-    def run_backward(self, kernel, inputs: Tensors, outputs: Tensors, grad_outputs: Tensors, grads: Tensors) -> None:
-        q, k, hidden, proj = (inputs[n] for n in ("q", "k", "hidden", "proj"))
-        heads = q.shape[2]
-        w = self.weights(hidden, proj, heads).contiguous()
-        dw = torch.empty_like(w)
-        _bwd(kernel, q.contiguous(), k.contiguous(), w, grad_outputs["y"].float().contiguous(), grads["q"], grads["k"], dw)
-        dw = dw * heads**-0.5   # back through the scaling and the projection (torch ops)
-        grads["hidden"].copy_(dw.to(hidden.dtype) @ proj)
-        grads["proj"].copy_(dw.reshape(-1, heads).t() @ hidden.reshape(-1, hidden.shape[-1]))
-
-    def verification_problems(self, problem: Problem, knobs: dict[str, int], simd_elems: int) -> list[Problem]:
-        batch, seq, heads, dim, entries = problem.shape
-        tail = min(seq, knobs["tile_rows"] * knobs["threads"] + 1)
-        return [problem, Problem(problem.op, problem.variant, (2, tail, heads, dim + 3, entries + 5), problem.dtype)]
 
     def call_problem(self, module, args):
         if len(args) < 2 or not all(isinstance(a, torch.Tensor) for a in args[:2]):
@@ -162,7 +122,6 @@ def _bwd(kernel, q, k, w, g, dq, dk, dw):
 
 
 def _score_forward(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, kernel: str) -> torch.Tensor:
-    from ..build import built_kernel
     q, k, w = q.contiguous(), k.contiguous(), w.contiguous()
     out = torch.empty(q.shape[0], q.shape[1], k.shape[1])
     _fwd(built_kernel(kernel), q, k, w, out)
@@ -171,7 +130,6 @@ def _score_forward(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, kernel: st
 
 def _score_backward(g: torch.Tensor, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor,
                     kernel: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from ..build import built_kernel
     q, k, w = q.contiguous(), k.contiguous(), w.contiguous()
     dq, dk, dw = torch.empty_like(q), torch.empty_like(k), torch.empty_like(w)
     _bwd(built_kernel(kernel), q, k, w, g.float().contiguous(), dq, dk, dw)
@@ -201,9 +159,4 @@ SPEC = IndexerScoreSpec(
     default_shape=(1, 512, 64, 128, 256),
     dtypes=(DType.fp32, DType.bf16, DType.fp16),
     variants=("default",),
-    knob_docs={"tile_rows": "queries per tile", "threads": "OpenMP threads"},
-    entries={"fwd": Entry("ak_indexer_fwd", ("ptr",) * 5 + ("i64", "i64", "i64", "f32")),
-             "bwd": Entry("ak_indexer_bwd", ("ptr",) * 8 + ("i64", "i64", "i64", "f32")),
-             "fwd_scratch": Entry("ak_indexer_fwd_scratch", ("i64", "i64"), "i64"),
-             "bwd_scratch": Entry("ak_indexer_bwd_scratch", ("i64", "i64"), "i64")},
 )

@@ -14,10 +14,10 @@ import torch
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4DecoderLayer
 
 from ..dtypes import DType
-from ..planner.costmodel import RowwisePhase, rowwise_model
 from ..patch.install import install
 from ..patch.torch_op import torch_op
-from .base import Entry, OpSpec, Problem, Tensors, Tolerance, Work
+from ..targets.host.library import built_kernel
+from .base import OpSpec, Problem, Tensors, Tolerance, Work
 from .layout import like_layout
 
 _TOL = {
@@ -67,40 +67,6 @@ class MhcPostSpec(OpSpec):
             return Work(rows * ((2 * hc + 1) * d * e + (hc + hc * hc) * 4), rows * d * hc * (2 * hc + 2))
         return Work(rows * ((3 * hc + 2) * d * e + 2 * (hc + hc * hc) * 4), rows * d * hc * (4 * hc + 4))
 
-    def tiling_problem(self, problem: Problem, hw):
-        rows, hc, d = problem.shape
-        e = problem.dtype.itemsize
-        phases = [
-            RowwisePhase("forward", dram_bytes_per_row=(2 * hc + 1) * d * e + (hc + hc * hc) * 4,
-                         vector_elems_per_row=d * hc * (hc + 1), chunked_passes=0,
-                         resident_bytes_per_row=0, l1_bytes_per_col=0, l2_bytes_per_tile=0),
-            RowwisePhase("backward", dram_bytes_per_row=(3 * hc + 2) * d * e + 2 * (hc + hc * hc) * 4,
-                         vector_elems_per_row=d * hc * (2 * hc + 2), chunked_passes=0,
-                         resident_bytes_per_row=0, l1_bytes_per_col=0, l2_bytes_per_tile=0),
-        ]
-        # one pass per row: no column chunking, so col_chunk is the whole row
-        return rowwise_model(rows, d, phases, hw, fixed={"col_chunk": d})
-
-    def template(self, target_kind: str) -> str:
-        return f"{target_kind}/mhc_post.c.j2"
-
-    def render_params(self, problem: Problem, knobs: dict[str, int]) -> dict:
-        _, hc, d = problem.shape
-        return {"dtype": problem.dtype, "hc": int(hc), "d": int(d), "tile_rows": int(knobs["tile_rows"]),
-                "threads": int(knobs["threads"])}
-
-    def empty_outputs(self, problem: Problem, inputs: Tensors) -> Tensors:
-        return {"y": torch.empty_like(inputs["h"])}
-
-    def run_forward(self, kernel, inputs: Tensors, outputs: Tensors) -> None:
-        rows = inputs["post"].numel() // inputs["post"].shape[-1]
-        kernel.call("fwd", inputs["post"], inputs["comb"], inputs["out"], inputs["h"], outputs["y"], rows)
-
-    def run_backward(self, kernel, inputs: Tensors, outputs: Tensors, grad_outputs: Tensors, grads: Tensors) -> None:
-        rows = inputs["post"].numel() // inputs["post"].shape[-1]
-        kernel.call("bwd", inputs["post"], inputs["comb"], inputs["out"], inputs["h"], grad_outputs["y"],
-                    grads["post"], grads["comb"], grads["out"], grads["h"], rows)
-
     def call_problem(self, module: torch.nn.Module, args: tuple) -> Problem | None:
         h = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if h is None or h.dim() < 3 or h.dtype not in (d.torch for d in self.dtypes):
@@ -124,19 +90,17 @@ def _inputs(post, comb, out, h) -> Tensors:
 
 
 def _forward(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, h: torch.Tensor, kernel: str) -> torch.Tensor:
-    from ..build import built_kernel
     tensors = _inputs(post, comb, out, h)
     y = torch.empty_like(tensors["h"])
-    SPEC.run_forward(built_kernel(kernel), tensors, {"y": y})
+    built_kernel(kernel).run_forward(tensors, {"y": y})
     return y
 
 
 def _backward(g: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, h: torch.Tensor,
               kernel: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    from ..build import built_kernel
     tensors = _inputs(post, comb, out, h)
     grads = {name: torch.empty_like(t) for name, t in tensors.items()}
-    SPEC.run_backward(built_kernel(kernel), tensors, {}, {"y": like_layout(g.to(h.dtype), tensors["h"])}, grads)
+    built_kernel(kernel).run_backward(tensors, {}, {"y": like_layout(g.to(h.dtype), tensors["h"])}, grads)
     return grads["post"].to(post.dtype), grads["comb"].to(comb.dtype), grads["out"], grads["h"]
 
 
@@ -171,7 +135,4 @@ SPEC = MhcPostSpec(
     default_shape=(2048, 4, 4096),
     dtypes=(DType.fp32, DType.bf16, DType.fp16),
     variants=("default",),
-    knob_docs={"tile_rows": "rows per tile handed to a thread", "threads": "OpenMP threads"},
-    entries={"fwd": Entry("ak_mhc_post_fwd", ("ptr",) * 5 + ("i64",)),
-             "bwd": Entry("ak_mhc_post_bwd", ("ptr",) * 9 + ("i64",))},
 )

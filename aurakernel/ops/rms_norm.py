@@ -15,10 +15,10 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
 )
 
 from ..dtypes import DType
-from ..planner.costmodel import RowwisePhase, rowwise_model
-from .base import Entry, OpSpec, Problem, Tensors, Tolerance, Work
 from ..patch.install import install
 from ..patch.torch_op import torch_op
+from ..targets.host.library import built_kernel
+from .base import OpSpec, Problem, Tensors, Tolerance, Work
 from .layout import like_layout, rows_layout
 
 EPS = 1e-6
@@ -95,51 +95,8 @@ class RmsNormSpec(OpSpec):
             return Work(rows * cols * e * 2 + rows * 4 + (cols * 4 if weighted else 0), 4 * rows * cols)
         return Work(rows * cols * e * 3 + rows * 4 + (cols * 8 if weighted else 0), 8 * rows * cols)
 
-    def tiling_problem(self, problem: Problem, hw):
-        rows, cols = problem.shape
-        e = problem.dtype.itemsize
-        w = 4 if problem.variant == "weighted" else 0
-        phases = [
-            RowwisePhase("forward", dram_bytes_per_row=cols * 2 * e + 4, vector_elems_per_row=2 * cols,
-                         chunked_passes=1, resident_bytes_per_row=cols * e, l1_bytes_per_col=w + 2 * e,
-                         l2_bytes_per_tile=cols * w, fixed_resident_bytes=cols * w),
-            RowwisePhase("backward", dram_bytes_per_row=cols * 3 * e + 4, vector_elems_per_row=3 * cols,
-                         chunked_passes=1, resident_bytes_per_row=2 * cols * e, l1_bytes_per_col=2 * w + 3 * e,
-                         l2_bytes_per_tile=cols * 2 * w, fixed_resident_bytes=cols * 2 * w),
-        ]
-        return rowwise_model(rows, cols, phases, hw)
-
-    # --- code ---------------------------------------------------------------------------------
-    def template(self, target_kind: str) -> str:
-        return f"{target_kind}/rms_norm.c.j2"
-
-    def render_params(self, problem: Problem, knobs: dict[str, int]) -> dict:
-        return {"dtype": problem.dtype, "cols": int(problem.shape[1]),
-                "weighted": problem.variant == "weighted",
-                "tile_rows": int(knobs["tile_rows"]), "col_chunk": int(knobs["col_chunk"]),
-                "threads": int(knobs["threads"])}
-
-    def empty_outputs(self, problem: Problem, inputs: Tensors) -> Tensors:
-        x = inputs["x"]
-        return {"y": torch.empty_like(x), "rstd": torch.empty(x.numel() // x.shape[-1], dtype=torch.float32)}
-
     def visible_outputs(self) -> tuple[str, ...]:
         return ("y",)
-
-    def run_forward(self, kernel, inputs: Tensors, outputs: Tensors) -> None:
-        x = inputs["x"]
-        w = inputs.get("weight")
-        rows = x.numel() // x.shape[-1]
-        kernel.call("fwd", x, w, outputs["y"], outputs["rstd"], rows, float(inputs.get("eps", EPS)))
-
-    def run_backward(self, kernel, inputs: Tensors, outputs: Tensors, grad_outputs: Tensors, grads: Tensors) -> None:
-        x = inputs["x"]
-        w = inputs.get("weight")
-        rows = x.numel() // x.shape[-1]
-        dw = grads.get("weight")
-        partial = torch.empty(kernel.meta["threads"] * x.shape[-1], dtype=torch.float32) if w is not None else None
-        kernel.call("bwd", grad_outputs["y"], x, w, outputs["rstd"], grads["x"], dw, partial, rows)
-
 
 SPEC = RmsNormSpec(
     name="rms_norm",
@@ -149,39 +106,32 @@ SPEC = RmsNormSpec(
     default_shape=(4096, 4096),
     dtypes=(DType.fp32, DType.bf16, DType.fp16),
     variants=("weighted", "unweighted"),
-    knob_docs={"tile_rows": "rows per tile (kept in L2 between the two passes)",
-               "col_chunk": "columns per inner chunk (multiple of the SIMD width; kept in L1)",
-               "threads": "OpenMP threads (tiles split statically)"},
-    entries={"fwd": Entry("ak_rms_norm_fwd", ("ptr", "ptr", "ptr", "ptr", "i64", "f32")),
-             "bwd": Entry("ak_rms_norm_bwd", ("ptr",) * 7 + ("i64",))},
 )
 
 
 # --- the kernel as a torch op (patch/torch_op.py: custom ops under torch.compile) -------------------
-# The kernel is named by its source hash; build.built_kernel finds it.
+# The kernel is named by its source hash; targets.host.library.built_kernel finds it.
 
 def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float, kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
-    from ..build import built_kernel
     x = rows_layout(x)
     outputs = {"y": torch.empty_like(x),
                "rstd": torch.empty(x.numel() // x.shape[-1], dtype=torch.float32, device=x.device)}
     inputs = {"x": x, "eps": eps}
     if weight is not None:
         inputs["weight"] = weight.detach().float().contiguous()
-    SPEC.run_forward(built_kernel(kernel), inputs, outputs)
+    built_kernel(kernel).run_forward(inputs, outputs)
     return outputs["y"], outputs["rstd"]
 
 
 def _backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor,
               kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
-    from ..build import built_kernel
     x = rows_layout(x)
     dy = like_layout(dy, x)
     inputs, grads = {"x": x}, {"x": torch.empty_like(x)}
     if weight is not None:
         inputs["weight"] = weight.detach().float().contiguous()
         grads["weight"] = torch.empty(x.shape[-1], dtype=torch.float32, device=x.device)
-    SPEC.run_backward(built_kernel(kernel), inputs, {"rstd": rstd}, {"y": dy}, grads)
+    built_kernel(kernel).run_backward(inputs, {"rstd": rstd}, {"y": dy}, grads)
     dw = grads["weight"].to(weight.dtype) if weight is not None else x.new_empty(0)
     return grads["x"], dw
 

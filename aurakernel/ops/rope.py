@@ -15,12 +15,13 @@ import torch
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb
 
+from . import scoped
 from ..dtypes import DType
-from ..planner.costmodel import RowwisePhase, rowwise_model
+from ..errors import UserError
 from ..patch.install import swap_globals
 from ..patch.torch_op import torch_op
-from . import scoped
-from .base import Entry, OpSpec, Problem, Tensors, Tolerance, Work
+from ..targets.host.library import built_kernel
+from .base import OpSpec, Problem, Tensors, Tolerance, Work
 
 # bf16/fp16: the reference rounds each of the two gradient paths (x and rotate_half(x)) to the
 # input dtype before adding them; the kernel rounds once, so they differ by about one ulp
@@ -45,7 +46,6 @@ class RopeSpec(OpSpec):
         return problem.shape[2:]
 
     def check_shape(self, shape):
-        from ..errors import UserError
         _, _, head_dim, rope_dim = shape
         if rope_dim % 2 or rope_dim > head_dim:
             raise UserError(f"rope shape {shape}: ROPE_DIM must be even and at most HEAD_DIM")
@@ -75,35 +75,6 @@ class RopeSpec(OpSpec):
         e = problem.dtype.itemsize
         return Work(2 * tokens * heads * head_dim * e + tokens * rope_dim * 4, 3 * tokens * heads * rope_dim)
 
-    def tiling_problem(self, problem: Problem, hw):
-        tokens, heads, head_dim, rope_dim = problem.shape
-        e = problem.dtype.itemsize
-        phase = RowwisePhase("forward", 2 * head_dim * e, 3 * rope_dim + head_dim, 0, 0, 0, 0)
-        back = RowwisePhase("backward", 2 * head_dim * e, 3 * rope_dim + head_dim, 0, 0, 0, 0)
-        return rowwise_model(tokens * heads, head_dim, [phase, back], hw, fixed={"col_chunk": head_dim})
-
-    def template(self, target_kind: str) -> str:
-        return f"{target_kind}/rope.c.j2"
-
-    def render_params(self, problem: Problem, knobs: dict[str, int]) -> dict:
-        return {"dtype": problem.dtype, "head_dim": int(problem.shape[2]), "rope_dim": int(problem.shape[3]),
-                "tile_rows": int(knobs["tile_rows"]), "threads": int(knobs["threads"])}
-
-    def empty_outputs(self, problem: Problem, inputs: Tensors) -> Tensors:
-        x = inputs["x"]
-        return {"y": torch.empty(x.shape, dtype=x.dtype)}
-
-    def run_forward(self, kernel, inputs: Tensors, outputs: Tensors) -> None:
-        _call(kernel, "fwd", inputs["x"], inputs["cos"], inputs["sin"], outputs["y"])
-
-    def run_backward(self, kernel, inputs: Tensors, outputs: Tensors, grad_outputs: Tensors, grads: Tensors) -> None:
-        _call(kernel, "bwd", grad_outputs["y"], inputs["cos"], inputs["sin"], grads["x"])
-
-    def verification_problems(self, problem: Problem, knobs: dict[str, int], simd_elems: int) -> list[Problem]:
-        tokens, heads, head_dim, rope_dim = problem.shape
-        tail = min(tokens, knobs["tile_rows"] * knobs["threads"] + 3)
-        return [problem, Problem(problem.op, problem.variant, (tail, heads + 1, head_dim + 3, rope_dim), problem.dtype)]
-
     def call_problem(self, module, args):
         return None   # a function, not a module: the profiler records it through SWAP.recording
 
@@ -128,7 +99,6 @@ def _call(kernel, entry: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
 
 
 def _forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernel: str) -> torch.Tensor:
-    from ..build import built_kernel
     y = x.new_empty(x.shape)
     _call(built_kernel(kernel), "fwd", x, cos, sin, y)
     return y
@@ -136,7 +106,6 @@ def _forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernel: str)
 
 def _backward(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernel: str) -> torch.Tensor:
     """The inverse rotation (dx keeps dy's shape; rope is orthogonal)."""
-    from ..build import built_kernel
     dx = dy.new_empty(dy.shape)
     _call(built_kernel(kernel), "bwd", dy, cos, sin, dx)
     return dx
@@ -180,7 +149,4 @@ SPEC = RopeSpec(
     default_shape=(4096, 64, 512, 64),
     dtypes=(DType.fp32, DType.bf16, DType.fp16),
     variants=("default",),
-    knob_docs={"tile_rows": "(token, head) rows per tile", "threads": "OpenMP threads"},
-    entries={"fwd": Entry("ak_rope_fwd", ("ptr", "i64", "i64", "i64", "ptr", "ptr", "i64", "i64", "ptr", "i64", "i64", "i64")),
-             "bwd": Entry("ak_rope_bwd", ("ptr", "i64", "i64", "i64", "ptr", "ptr", "i64", "i64", "ptr", "i64", "i64", "i64"))},
 )

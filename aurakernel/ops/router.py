@@ -16,7 +16,6 @@ Hash routing keeps the table's order, exactly as the reference."""
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from transformers import DeepseekV4Config
@@ -24,10 +23,11 @@ from transformers.activations import ACT2FN
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HashRouter, DeepseekV4TopKRouter
 
 from ..dtypes import DType
-from ..planner.costmodel import RowwisePhase, rowwise_model
+from ..errors import UserError
 from ..patch.install import require
 from ..patch.torch_op import torch_op
-from .base import Entry, OpSpec, Problem, Tensors, Tolerance, Work, bind
+from ..targets.host.library import built_kernel
+from .base import OpSpec, Problem, Tensors, Tolerance, Work, bind
 
 SCALE = 1.5
 VOCAB = 64   # hash-routing table rows in the test inputs
@@ -66,7 +66,6 @@ class RouterSpec(OpSpec):
         return problem.shape[1:]
 
     def check_shape(self, shape):
-        from ..errors import UserError
         if shape[2] > shape[1]:
             raise UserError(f"router shape {shape}: TOP_K must not exceed EXPERTS")
 
@@ -124,45 +123,6 @@ class RouterSpec(OpSpec):
         e = problem.dtype.itemsize
         return Work(rows * experts * e * (2 if backward else 1) + rows * top_k * 12, rows * experts * 30)
 
-    def tiling_problem(self, problem: Problem, hw):
-        rows, experts, top_k = problem.shape
-        e = problem.dtype.itemsize
-        phases = [RowwisePhase("forward", experts * e + top_k * 12, experts * 40, 0, 0, 0, 0),
-                  RowwisePhase("backward", experts * e * 2 + top_k * 12, experts + top_k * 40, 0, 0, 0, 0)]
-        return rowwise_model(rows, experts, phases, hw, fixed={"col_chunk": experts})
-
-    def template(self, target_kind: str) -> str:
-        return f"{target_kind}/router.c.j2"
-
-    def render_params(self, problem: Problem, knobs: dict[str, int]) -> dict:
-        return {"dtype": problem.dtype, "experts": int(problem.shape[1]), "top_k": int(problem.shape[2]),
-                "hash": problem.variant == "hash", "tile_rows": int(knobs["tile_rows"]),
-                "threads": int(knobs["threads"])}
-
-    def empty_outputs(self, problem: Problem, inputs: Tensors) -> Tensors:
-        rows, top_k = inputs["logits"].shape[0], problem.shape[2] if problem else None
-        return {"weights": inputs["logits"].new_empty(rows, top_k),
-                "indices": torch.empty(rows, top_k, dtype=torch.long)}
-
-    def run_forward(self, kernel, inputs: Tensors, outputs: Tensors) -> None:
-        rows = inputs["logits"].shape[0]
-        if "input_ids" in inputs:   # hash routing: the kernel scores the table's experts itself
-            outputs["indices"].copy_(inputs["tid2eid"][inputs["input_ids"]])
-            kernel.call("fwd_given", inputs["logits"], outputs["indices"], outputs["weights"], rows, SCALE)
-            return
-        scores, indices = select(inputs["logits"], inputs.get("bias"), outputs["indices"].shape[1], None, kernel)
-        outputs["indices"].copy_(indices)
-        kernel.call("fwd", scores.contiguous(), outputs["indices"], outputs["weights"], rows, SCALE)
-
-    def run_backward(self, kernel, inputs: Tensors, outputs: Tensors, grad_outputs: Tensors, grads: Tensors) -> None:
-        kernel.call("bwd", inputs["logits"], outputs["indices"], grad_outputs["weights"].contiguous(), grads["logits"],
-                    inputs["logits"].shape[0], SCALE)
-
-    def verification_problems(self, problem: Problem, knobs: dict[str, int], simd_elems: int) -> list[Problem]:
-        rows, experts, top_k = problem.shape
-        tail = min(rows, knobs["tile_rows"] * knobs["threads"] * 2 + 3)
-        return [problem, Problem(problem.op, problem.variant, (tail, experts, top_k), problem.dtype)]
-
     def call_problem(self, module, args):
         x = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if x is None:
@@ -199,7 +159,6 @@ def _select_with(kernel, scores: torch.Tensor, bias: torch.Tensor, top_k: int) -
 
 
 def _select(scores: torch.Tensor, bias: torch.Tensor, top_k: int, kernel: str) -> torch.Tensor:
-    from ..build import built_kernel
     return _select_with(built_kernel(kernel), scores, bias, top_k)
 
 
@@ -225,7 +184,6 @@ def select(logits, bias, top_k: int, indices=None, kernel=None):
 def _route_forward(logits: torch.Tensor, scores: torch.Tensor | None, indices: torch.Tensor, scale: float,
                    kernel: str) -> torch.Tensor:
     """scores=None: hash routing, the kernel scores only the given experts."""
-    from ..build import built_kernel
     rows, top_k = indices.shape
     idx = indices.contiguous()
     weights = logits.new_empty(rows, top_k)
@@ -238,7 +196,6 @@ def _route_forward(logits: torch.Tensor, scores: torch.Tensor | None, indices: t
 
 def _route_backward(d_weights: torch.Tensor, logits: torch.Tensor, indices: torch.Tensor, scale: float,
                     kernel: str) -> torch.Tensor:
-    from ..build import built_kernel
     logits = logits.contiguous()
     d_logits = torch.empty_like(logits)
     built_kernel(kernel).call("bwd", logits, indices.contiguous(), d_weights.to(logits.dtype).contiguous(),
@@ -302,9 +259,4 @@ SPEC = RouterSpec(
     default_shape=(4096, 256, 6),
     dtypes=(DType.fp32, DType.bf16, DType.fp16),
     variants=("topk", "hash"),
-    knob_docs={"tile_rows": "token rows per tile", "threads": "OpenMP threads"},
-    entries={"select": Entry("ak_router_select", ("ptr", "ptr", "ptr", "ptr", "i64")),
-             "fwd": Entry("ak_router_fwd", ("ptr", "ptr", "ptr", "i64", "f32")),
-             "fwd_given": Entry("ak_router_fwd_given", ("ptr", "ptr", "ptr", "i64", "f32")),
-             "bwd": Entry("ak_router_bwd", ("ptr", "ptr", "ptr", "ptr", "i64", "f32"))},
 )

@@ -13,10 +13,10 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, _grouped_linear
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Experts, DeepseekV4MLP
 
 from ..dtypes import DType
-from ..planner.costmodel import RowwisePhase, rowwise_model
 from ..patch.install import install, require
 from ..patch.torch_op import torch_op
-from .base import Entry, OpSpec, Problem, Tensors, Tolerance, Work, bind
+from ..targets.host.library import built_kernel
+from .base import OpSpec, Problem, Tensors, Tolerance, Work, bind
 
 LIMIT = 10.0
 
@@ -76,35 +76,6 @@ class SwigluSpec(OpSpec):
         e = problem.dtype.itemsize
         return Work(rows * inter * e * (5 if backward else 3), rows * inter * (20 if backward else 10))
 
-    def tiling_problem(self, problem: Problem, hw):
-        rows, inter = problem.shape
-        e = problem.dtype.itemsize
-        phases = [RowwisePhase("forward", 3 * inter * e, 12 * inter, 0, 0, 0, 0),
-                  RowwisePhase("backward", 5 * inter * e, 20 * inter, 0, 0, 0, 0)]
-        return rowwise_model(rows, inter, phases, hw, fixed={"col_chunk": inter})
-
-    def template(self, target_kind: str) -> str:
-        return f"{target_kind}/swiglu.c.j2"
-
-    def render_params(self, problem: Problem, knobs: dict[str, int]) -> dict:
-        return {"dtype": problem.dtype, "inter": int(problem.shape[1]), "tile_rows": int(knobs["tile_rows"]),
-                "threads": int(knobs["threads"])}
-
-    def empty_outputs(self, problem: Problem, inputs: Tensors) -> Tensors:
-        gu = inputs["gate_up"]
-        return {"y": gu.new_empty(gu.shape[0], gu.shape[1] // 2)}
-
-    def run_forward(self, kernel, inputs: Tensors, outputs: Tensors) -> None:
-        gate, up = _halves(inputs["gate_up"])
-        kernel.call("fwd", gate, up, inputs["gate_up"].stride(0), outputs["y"], gate.shape[0],
-                    float(inputs.get("limit", LIMIT)))
-
-    def run_backward(self, kernel, inputs: Tensors, outputs: Tensors, grad_outputs: Tensors, grads: Tensors) -> None:
-        gate, up = _halves(inputs["gate_up"])
-        dgate, dup = _halves(grads["gate_up"])
-        kernel.call("bwd", gate, up, inputs["gate_up"].stride(0), grad_outputs["y"], dgate, dup,
-                    grads["gate_up"].stride(0), gate.shape[0], float(inputs.get("limit", LIMIT)))
-
     def call_problem(self, module: torch.nn.Module, args: tuple) -> Problem | None:
         x = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if x is None or x.dtype not in (d.torch for d in self.dtypes):
@@ -149,7 +120,6 @@ def _rows(first: torch.Tensor, up: torch.Tensor | None) -> tuple[torch.Tensor, t
 
 def _forward(first: torch.Tensor, up: torch.Tensor | None, limit: float, kernel: str) -> torch.Tensor:
     """Packed: first = gate_up [..., 2I]; split: first = gate and up [..., I] (the shared expert)."""
-    from ..build import built_kernel
     g2, u2 = _rows(first, up)
     rows, inter = g2.shape
     y = g2.new_empty(rows, inter)
@@ -160,7 +130,6 @@ def _forward(first: torch.Tensor, up: torch.Tensor | None, limit: float, kernel:
 def _backward(dy: torch.Tensor, first: torch.Tensor, up: torch.Tensor | None, limit: float,
               kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The packed gradient comes back packed, so autograd does not stitch two halves together."""
-    from ..build import built_kernel
     g2, u2 = _rows(first, up)
     rows, inter = g2.shape
     dy = dy.reshape(rows, inter).contiguous().to(g2.dtype)
@@ -224,9 +193,6 @@ SPEC = SwigluSpec(
     default_shape=(8192, 2048),
     dtypes=(DType.fp32, DType.bf16, DType.fp16),
     variants=("default",),
-    knob_docs={"tile_rows": "rows per tile handed to a thread", "threads": "OpenMP threads"},
-    entries={"fwd": Entry("ak_swiglu_fwd", ("ptr", "ptr", "i64", "ptr", "i64", "f32")),
-             "bwd": Entry("ak_swiglu_bwd", ("ptr", "ptr", "i64", "ptr", "ptr", "ptr", "i64", "i64", "f32"))},
 )
 
 

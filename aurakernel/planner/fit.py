@@ -54,6 +54,7 @@ import numpy as np
 from ..errors import UserError
 from ..hardware import HardwareProfile
 from .model import ChoiceModel
+from ..targets.host.ops import kernel_of as host_kernel
 
 LAMBDA = 1e-4          # weight of the pull to the prior: one unit away costs as much as a 1% error on one record
 MAX_ROUNDS = 20       # Gauss-Newton rounds per smoothing level
@@ -351,7 +352,7 @@ def host_observations(db_path: Path, hw: HardwareProfile) -> tuple[list[Observat
             except UserError:
                 problem = None
             models[key] = None if problem is None else basis_models(
-                lambda cm, spec=spec, problem=problem: spec.tiling_problem(
+                lambda cm, spec=spec, problem=problem: host_kernel(spec).tiling_problem(
                     problem, dataclasses.replace(hw, costmodel={**hw.costmodel, **cm})), names, current)
         if models[key] is None:
             skipped["operator or shape no longer accepted"] += 1

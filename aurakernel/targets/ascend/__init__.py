@@ -20,7 +20,7 @@ import torch
 
 from ... import emulator
 from ...codegen import render
-from ...errors import PlanInfeasible, UserError
+from ...errors import PlanInfeasible
 from ...hardware import HardwareProfile
 from ...paths import write_text_atomic
 from ...ops.base import OpSpec, Problem
@@ -29,8 +29,7 @@ from ...planner.ascend import ascend_rowwise_model, roofline_us
 from ...planner.model import ChoiceModel
 from ...planner.schedule import Pipeline, Schedule, ascend_row_pipeline, schedule_knobs, simulate, solve_schedule
 from ...verify import Check, Verification, check_case
-from .kernel import AscendKernel
-from .ops import KERNELS
+from .ops import kernel_of, supported
 
 PROJECT_FILES = {   # template -> file written into the op project
     "kernel.cpp.j2": "{op}_kernel.cpp",
@@ -42,17 +41,7 @@ PROJECT_FILES = {   # template -> file written into the op project
 }
 SEEDS = (0, 1, 2)
 
-
-def kernel_of(spec: OpSpec) -> AscendKernel:
-    """The operator's AscendC kernel; a one-line error naming those that have one."""
-    kernel = KERNELS.get(spec.name)
-    if kernel is None:
-        raise UserError(f"operator {spec.name!r} has no AscendC kernel yet: available for {', '.join(sorted(KERNELS))}")
-    return kernel
-
-
-def supported(spec: OpSpec) -> bool:
-    return spec.name in KERNELS
+__all__ = ["AscendTuneResult", "kernel_of", "model", "plan", "render_project", "supported", "tune", "verify"]
 
 
 def model(spec: OpSpec, problem: Problem, hw: HardwareProfile) -> ChoiceModel:

@@ -14,7 +14,12 @@ import math
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
+from ...errors import UserError
 from ...ops.base import OpSpec, Problem, Tensors
+
+
+# operator name -> its kernel: the built-in ones (ops/__init__.py) and those registered from outside
+KERNELS: dict[str, AscendKernel] = {}
 
 
 class AscendKernel(ABC):
@@ -27,6 +32,14 @@ class AscendKernel(ABC):
 
     def __init__(self, spec: OpSpec):
         self.spec = spec
+
+    def register(self) -> AscendKernel:
+        """Make this the operator's kernel on this target (idempotent for the same kernel)."""
+        have = KERNELS.get(self.spec.name)
+        if have is not None and have is not self:
+            raise UserError(f"operator {self.spec.name!r} already has an AscendC kernel ({type(have).__name__})")
+        KERNELS[self.spec.name] = self
+        return self
 
     @property
     def folder(self) -> str:

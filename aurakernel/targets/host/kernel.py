@@ -1,0 +1,75 @@
+"""HostKernel: what one operator's C kernel (templates/host/<op>.c.j2) tells the host target.
+
+The target plans the kernel's knobs from its `tiling_problem` (a MILP over this machine's caches
+and cores), renders the template with `render_params`, builds it (library.py) and calls its C
+`entries` through `run_forward` / `run_backward` on preallocated buffers.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from ...errors import UserError
+from ...ops.base import OpSpec, Problem, Tensors
+from .library import Entry, Kernel
+
+if TYPE_CHECKING:
+    from ...hardware import HardwareProfile
+    from ...planner.tiling import TilingProblem
+
+
+# operator name -> its kernel: the built-in ones (ops/__init__.py) and those registered from outside
+KERNELS: dict[str, HostKernel] = {}
+
+
+class HostKernel(ABC):
+    entries: ClassVar[dict[str, Entry]] = {}     # the C entry points, by the name run_* call them with
+    knob_docs: ClassVar[dict[str, str]] = {}     # what each planned knob means
+
+    def __init__(self, spec: OpSpec):
+        self.spec = spec
+
+    def register(self) -> HostKernel:
+        """Make this the operator's kernel on this target (idempotent for the same kernel)."""
+        have = KERNELS.get(self.spec.name)
+        if have is not None and have is not self:
+            raise UserError(f"operator {self.spec.name!r} already has a host kernel ({type(have).__name__})")
+        KERNELS[self.spec.name] = self
+        return self
+
+    def template(self) -> str:
+        """Template path under templates/ (or a spec's own template_dirs)."""
+        return f"host/{self.spec.name}.c.j2"
+
+    @abstractmethod
+    def tiling_problem(self, problem: Problem, hw: HardwareProfile) -> TilingProblem:
+        """The knobs and their cost / capacity model on `hw` (the planner's input)."""
+
+    @abstractmethod
+    def render_params(self, problem: Problem, knobs: dict[str, int]) -> dict[str, Any]:
+        """Typed values (int, float, bool, DType) handed to the template."""
+
+    @abstractmethod
+    def empty_outputs(self, problem: Problem, inputs: Tensors) -> Tensors:
+        """Output buffers (forward outputs and whatever the backward needs saved)."""
+
+    @abstractmethod
+    def run_forward(self, kernel: Kernel, inputs: Tensors, outputs: Tensors) -> None:
+        """Call the kernel's forward entry, writing into preallocated `outputs`."""
+
+    @abstractmethod
+    def run_backward(self, kernel: Kernel, inputs: Tensors, outputs: Tensors,
+                     grad_outputs: Tensors, grads: Tensors) -> None:
+        """Call the backward entry, writing into preallocated `grads` (one per differentiable input)."""
+
+    def verification_problems(self, problem: Problem, knobs: dict[str, int], simd_elems: int) -> list[Problem]:
+        """The tuned shape plus tails: rows not divisible by tile x threads, a width off the SIMD grid."""
+        rows, cols = problem.shape[0], problem.shape[-1]
+        tail_rows = knobs.get("tile_rows", 1) * knobs.get("threads", 1) * 3 + 1
+        odd_cols = cols + 5 if cols % simd_elems == 0 else cols
+        out = [problem, Problem(problem.op, problem.variant, (min(rows, tail_rows),) + problem.shape[1:], problem.dtype)]
+        if odd_cols != cols:
+            out.append(Problem(problem.op, problem.variant, (min(rows, tail_rows),) + problem.shape[1:-1] + (odd_cols,),
+                               problem.dtype))
+        return out

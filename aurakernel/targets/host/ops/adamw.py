@@ -1,0 +1,44 @@
+"""The host C kernel of adamw (templates/host/): its tiling model, template values and C calls."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ....ops.adamw import ELEMS_PER_ROW, HYPER, SPEC, update
+from ....ops.base import Problem, Tensors
+from ....planner.costmodel import RowwisePhase, rowwise_model
+from ..kernel import HostKernel
+from ..library import Entry
+
+
+class AdamWHost(HostKernel):
+    knob_docs = {"tile_rows": "blocks of 1024 elements per OpenMP chunk", "threads": "OpenMP threads"}
+    entries = {"update": Entry("ak_adamw", ("ptr",) * 7 + ("i64",) + ("f32",) * 7)}
+
+    def tiling_problem(self, problem: Problem, hw):
+        rows = max(1, math.ceil(problem.shape[0] / ELEMS_PER_ROW))
+        phases = [RowwisePhase("update", 7 * 4 * ELEMS_PER_ROW, 14 * ELEMS_PER_ROW, 0, 0, 0, 0)]
+        return rowwise_model(rows, ELEMS_PER_ROW, phases, hw, fixed={"col_chunk": ELEMS_PER_ROW})
+
+    def render_params(self, problem: Problem, knobs: dict[str, int]) -> dict:
+        return {"block": int(knobs["tile_rows"]) * ELEMS_PER_ROW, "threads": int(knobs["threads"])}
+
+    def empty_outputs(self, problem: Problem, inputs: Tensors) -> Tensors:
+        return {k: torch.empty_like(inputs[k]) for k in ("p", "m", "v")}
+
+    def run_forward(self, kernel, inputs: Tensors, outputs: Tensors) -> None:
+        update(kernel, inputs["p"], inputs["g"], inputs["m"], inputs["v"], self.spec.step, HYPER,
+               out=(outputs["p"], outputs["m"], outputs["v"]))
+
+    def run_backward(self, kernel, inputs, outputs, grad_outputs, grads) -> None:
+        raise TypeError("adamw has no backward")
+
+    def verification_problems(self, problem: Problem, knobs: dict[str, int], simd_elems: int) -> list[Problem]:
+        odd = knobs.get("tile_rows", 1) * ELEMS_PER_ROW * knobs.get("threads", 1) * 2 + 13
+        return [problem, Problem(problem.op, problem.variant, (min(problem.shape[0], odd),), problem.dtype),
+                Problem(problem.op, problem.variant, (7,), problem.dtype)]
+
+
+KERNELS = (AdamWHost(SPEC),)

@@ -1,0 +1,46 @@
+"""The host C kernel of cross_entropy (templates/host/): its tiling model, template values and C calls."""
+
+from __future__ import annotations
+
+import torch
+
+from ....ops.base import Problem, Tensors
+from ....ops.cross_entropy import IGNORE, SPEC
+from ....planner.costmodel import RowwisePhase, rowwise_model
+from ..kernel import HostKernel
+from ..library import Entry
+
+
+class CrossEntropyHost(HostKernel):
+    knob_docs = {"tile_rows": "token rows per tile", "threads": "OpenMP threads"}
+    entries = {"fwd": Entry("ak_ce_fwd", ("ptr", "ptr", "ptr", "ptr", "i64")),
+               "bwd": Entry("ak_ce_bwd", ("ptr", "ptr", "ptr", "ptr", "i64", "f32"))}
+
+    def tiling_problem(self, problem: Problem, hw):
+        rows, vocab = problem.shape
+        e = problem.dtype.itemsize
+        phases = [RowwisePhase("forward", vocab * e, 2 * vocab * 12, 0, vocab * e, 0, 0),
+                  RowwisePhase("backward", 2 * vocab * e, vocab * 12, 0, 0, 0, 0)]
+        return rowwise_model(rows, vocab, phases, hw, fixed={"col_chunk": vocab}, resident_level="L2")
+
+    def render_params(self, problem: Problem, knobs: dict[str, int]) -> dict:
+        return {"dtype": problem.dtype, "vocab": int(problem.shape[1]), "tile_rows": int(knobs["tile_rows"]),
+                "threads": int(knobs["threads"])}
+
+    def empty_outputs(self, problem: Problem, inputs: Tensors) -> Tensors:
+        rows = inputs["logits"].shape[0]
+        return {"loss": torch.empty((), dtype=torch.float32), "loss_rows": torch.empty(rows),
+                "lse": torch.empty(rows)}
+
+    def run_forward(self, kernel, inputs: Tensors, outputs: Tensors) -> None:
+        logits, labels = inputs["logits"], inputs["labels"]
+        kernel.call("fwd", logits, labels, outputs["loss_rows"], outputs["lse"], logits.shape[0])
+        outputs["loss"].copy_(outputs["loss_rows"].sum() / (labels != IGNORE).sum())
+
+    def run_backward(self, kernel, inputs: Tensors, outputs: Tensors, grad_outputs: Tensors, grads: Tensors) -> None:
+        logits, labels = inputs["logits"], inputs["labels"]
+        scale = float(grad_outputs["loss"]) / max(int((labels != IGNORE).sum()), 1)
+        kernel.call("bwd", logits, labels, outputs["lse"], grads["logits"], logits.shape[0], scale)
+
+
+KERNELS = (CrossEntropyHost(SPEC),)

@@ -1,0 +1,85 @@
+"""The host C kernel of mhc (templates/host/): its tiling model, template values and C calls."""
+
+from __future__ import annotations
+
+import torch
+
+from ....ops.base import Problem, Tensors
+from ....ops.mhc import EPS, HEAD, ITERS, PRE
+from ....planner.costmodel import RowwisePhase, rowwise_model
+from ..kernel import HostKernel
+from ..library import Entry
+
+
+class MhcHost(HostKernel):
+    knob_docs = {"tile_rows": "rows per tile (x tile kept in L2 for the second pass)",
+                 "col_chunk": "flattened columns per chunk (fn's chunk kept in L1 across the tile)",
+                 "threads": "OpenMP threads"}
+    entries = {"fwd": Entry("ak_mhc_fwd", ("ptr",) * 10 + ("i64", "f32", "f32")),
+               "bwd": Entry("ak_mhc_bwd", ("ptr",) * 14 + ("i64", "f32")),
+               "fwd_scratch": Entry("ak_mhc_fwd_scratch", (), "i64"),
+               "bwd_scratch": Entry("ak_mhc_bwd_scratch", (), "i64")}
+
+    def tiling_problem(self, problem: Problem, hw):
+        rows, hc, d = problem.shape
+        e, w, n = problem.dtype.itemsize, hc * d, self.spec.nout(hc)
+        phases = [
+            RowwisePhase("forward", dram_bytes_per_row=(w + d) * e + (n + 1 + hc * (hc + 1)) * 4,
+                         vector_elems_per_row=w * (n + 2) + d * hc, chunked_passes=1,
+                         resident_bytes_per_row=w * e, l1_bytes_per_col=n * 4 + 4 + e,
+                         l2_bytes_per_tile=n * w * 4),
+            RowwisePhase("backward", dram_bytes_per_row=(2 * w + d) * e + (n + hc * (hc + 1)) * 4,
+                         vector_elems_per_row=w * (2 * n + 6) + d * hc, chunked_passes=1,
+                         resident_bytes_per_row=w * (e + 4), l1_bytes_per_col=2 * n * 4 + 4 + e,
+                         l2_bytes_per_tile=3 * n * w * 4, fixed_resident_bytes=0),
+        ]
+        # the mix projection runs as GEMM tiles of 8 rows; the x tile and the backward's dn spill from
+        # L2 to the (large, shared) L3 without harm, so residency is planned against the L3 share, and a
+        # chunk of fn is streamed by the micro-kernel from L2 (each row block reads it once)
+        return rowwise_model(rows, w, phases, hw, fixed={"vec": max(hw.simd_bytes // 4, 4)}, row_block=8,
+                             resident_level="L3", chunk_level="L2")
+
+    # --- code ---------------------------------------------------------------------------------
+    def template(self) -> str:   # mhc_head's kernel is mhc_pre's with the head's epilogue
+        return "host/mhc_pre.c.j2"
+
+    def render_params(self, problem: Problem, knobs: dict[str, int]) -> dict:
+        _, hc, d = problem.shape
+        return {"dtype": problem.dtype, "hc": int(hc), "d": int(d), "nout": self.spec.nout(hc), "iters": ITERS,
+                "head": self.spec.head, "vec": int(knobs["vec"]), "tile_rows": int(knobs["tile_rows"]), "col_chunk": int(knobs["col_chunk"]),
+                "threads": int(knobs["threads"])}
+
+    def empty_outputs(self, problem: Problem, inputs: Tensors) -> Tensors:
+        x = inputs["x"]
+        rows, hc, d = x.shape[0], x.shape[-2], x.shape[-1]
+        f32 = {"dtype": torch.float32, "device": x.device}
+        out = {"y": x.new_empty(rows, d), "mix": torch.empty(rows, self.spec.nout(hc), **f32),
+               "rstd": torch.empty(rows, **f32)}
+        if not self.spec.head:
+            out["post"] = torch.empty(rows, hc, **f32)
+            out["comb"] = torch.empty(rows, hc, hc, **f32)
+        return out
+
+    def run_forward(self, kernel, inputs: Tensors, outputs: Tensors) -> None:
+        x = inputs["x"]
+        scratch = kernel.workspace("fwd_scratch")
+        kernel.call("fwd", x, inputs["fn"], inputs["base"], inputs["scale"], outputs["y"], outputs.get("post"),
+                    outputs.get("comb"), outputs["mix"], outputs["rstd"], scratch, outputs["rstd"].numel(), EPS, EPS)
+
+    def run_backward(self, kernel, inputs: Tensors, outputs: Tensors, grad_outputs: Tensors, grads: Tensors) -> None:
+        x = inputs["x"]
+        rows, hc = outputs["rstd"].numel(), kernel.meta["hc"]
+        scratch = kernel.workspace("bwd_scratch")
+        d_scale = torch.empty(3, dtype=torch.float32)
+        d_post = grad_outputs.get("post")
+        d_comb = grad_outputs.get("comb")
+        if not self.spec.head:
+            d_post = d_post if d_post is not None else torch.zeros(rows, hc)
+            d_comb = d_comb if d_comb is not None else torch.zeros(rows, hc, hc)
+        kernel.call("bwd", x, inputs["fn"], inputs["base"], inputs["scale"], outputs["mix"], outputs["rstd"],
+                    grad_outputs["y"], d_post, d_comb, grads["x"], grads["fn"], grads["base"], d_scale, scratch,
+                    rows, EPS)
+        grads["scale"].copy_(d_scale[: grads["scale"].numel()])
+
+
+KERNELS = (MhcHost(PRE), MhcHost(HEAD),)

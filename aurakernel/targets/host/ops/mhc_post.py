@@ -1,0 +1,51 @@
+"""The host C kernel of mhc_post (templates/host/): its tiling model, template values and C calls."""
+
+from __future__ import annotations
+
+import torch
+
+from ....ops.base import Problem, Tensors
+from ....ops.mhc_post import SPEC
+from ....planner.costmodel import RowwisePhase, rowwise_model
+from ..kernel import HostKernel
+from ..library import Entry
+
+
+class MhcPostHost(HostKernel):
+    knob_docs = {"tile_rows": "rows per tile handed to a thread", "threads": "OpenMP threads"}
+    entries = {"fwd": Entry("ak_mhc_post_fwd", ("ptr",) * 5 + ("i64",)),
+               "bwd": Entry("ak_mhc_post_bwd", ("ptr",) * 9 + ("i64",))}
+
+    def tiling_problem(self, problem: Problem, hw):
+        rows, hc, d = problem.shape
+        e = problem.dtype.itemsize
+        phases = [
+            RowwisePhase("forward", dram_bytes_per_row=(2 * hc + 1) * d * e + (hc + hc * hc) * 4,
+                         vector_elems_per_row=d * hc * (hc + 1), chunked_passes=0,
+                         resident_bytes_per_row=0, l1_bytes_per_col=0, l2_bytes_per_tile=0),
+            RowwisePhase("backward", dram_bytes_per_row=(3 * hc + 2) * d * e + 2 * (hc + hc * hc) * 4,
+                         vector_elems_per_row=d * hc * (2 * hc + 2), chunked_passes=0,
+                         resident_bytes_per_row=0, l1_bytes_per_col=0, l2_bytes_per_tile=0),
+        ]
+        # one pass per row: no column chunking, so col_chunk is the whole row
+        return rowwise_model(rows, d, phases, hw, fixed={"col_chunk": d})
+
+    def render_params(self, problem: Problem, knobs: dict[str, int]) -> dict:
+        _, hc, d = problem.shape
+        return {"dtype": problem.dtype, "hc": int(hc), "d": int(d), "tile_rows": int(knobs["tile_rows"]),
+                "threads": int(knobs["threads"])}
+
+    def empty_outputs(self, problem: Problem, inputs: Tensors) -> Tensors:
+        return {"y": torch.empty_like(inputs["h"])}
+
+    def run_forward(self, kernel, inputs: Tensors, outputs: Tensors) -> None:
+        rows = inputs["post"].numel() // inputs["post"].shape[-1]
+        kernel.call("fwd", inputs["post"], inputs["comb"], inputs["out"], inputs["h"], outputs["y"], rows)
+
+    def run_backward(self, kernel, inputs: Tensors, outputs: Tensors, grad_outputs: Tensors, grads: Tensors) -> None:
+        rows = inputs["post"].numel() // inputs["post"].shape[-1]
+        kernel.call("bwd", inputs["post"], inputs["comb"], inputs["out"], inputs["h"], grad_outputs["y"],
+                    grads["post"], grads["comb"], grads["out"], grads["h"], rows)
+
+
+KERNELS = (MhcPostHost(SPEC),)

@@ -1,0 +1,61 @@
+"""The host C kernel of rms_norm (templates/host/): its tiling model, template values and C calls."""
+
+from __future__ import annotations
+
+import torch
+
+from ....ops.base import Problem, Tensors
+from ....ops.rms_norm import EPS, SPEC
+from ....planner.costmodel import RowwisePhase, rowwise_model
+from ..kernel import HostKernel
+from ..library import Entry
+
+
+class RmsNormHost(HostKernel):
+    knob_docs = {"tile_rows": "rows per tile (kept in L2 between the two passes)",
+                 "col_chunk": "columns per inner chunk (multiple of the SIMD width; kept in L1)",
+                 "threads": "OpenMP threads (tiles split statically)"}
+    entries = {"fwd": Entry("ak_rms_norm_fwd", ("ptr", "ptr", "ptr", "ptr", "i64", "f32")),
+               "bwd": Entry("ak_rms_norm_bwd", ("ptr",) * 7 + ("i64",))}
+
+    def tiling_problem(self, problem: Problem, hw):
+        rows, cols = problem.shape
+        e = problem.dtype.itemsize
+        w = 4 if problem.variant == "weighted" else 0
+        phases = [
+            RowwisePhase("forward", dram_bytes_per_row=cols * 2 * e + 4, vector_elems_per_row=2 * cols,
+                         chunked_passes=1, resident_bytes_per_row=cols * e, l1_bytes_per_col=w + 2 * e,
+                         l2_bytes_per_tile=cols * w, fixed_resident_bytes=cols * w),
+            RowwisePhase("backward", dram_bytes_per_row=cols * 3 * e + 4, vector_elems_per_row=3 * cols,
+                         chunked_passes=1, resident_bytes_per_row=2 * cols * e, l1_bytes_per_col=2 * w + 3 * e,
+                         l2_bytes_per_tile=cols * 2 * w, fixed_resident_bytes=cols * 2 * w),
+        ]
+        return rowwise_model(rows, cols, phases, hw)
+
+    # --- code ---------------------------------------------------------------------------------
+    def render_params(self, problem: Problem, knobs: dict[str, int]) -> dict:
+        return {"dtype": problem.dtype, "cols": int(problem.shape[1]),
+                "weighted": problem.variant == "weighted",
+                "tile_rows": int(knobs["tile_rows"]), "col_chunk": int(knobs["col_chunk"]),
+                "threads": int(knobs["threads"])}
+
+    def empty_outputs(self, problem: Problem, inputs: Tensors) -> Tensors:
+        x = inputs["x"]
+        return {"y": torch.empty_like(x), "rstd": torch.empty(x.numel() // x.shape[-1], dtype=torch.float32)}
+
+    def run_forward(self, kernel, inputs: Tensors, outputs: Tensors) -> None:
+        x = inputs["x"]
+        w = inputs.get("weight")
+        rows = x.numel() // x.shape[-1]
+        kernel.call("fwd", x, w, outputs["y"], outputs["rstd"], rows, float(inputs.get("eps", EPS)))
+
+    def run_backward(self, kernel, inputs: Tensors, outputs: Tensors, grad_outputs: Tensors, grads: Tensors) -> None:
+        x = inputs["x"]
+        w = inputs.get("weight")
+        rows = x.numel() // x.shape[-1]
+        dw = grads.get("weight")
+        partial = torch.empty(kernel.meta["threads"] * x.shape[-1], dtype=torch.float32) if w is not None else None
+        kernel.call("bwd", grad_outputs["y"], x, w, outputs["rstd"], grads["x"], dw, partial, rows)
+
+
+KERNELS = (RmsNormHost(SPEC),)

@@ -1,0 +1,46 @@
+"""The host C kernel of rope (templates/host/): its tiling model, template values and C calls."""
+
+from __future__ import annotations
+
+import torch
+
+from ....ops.base import Problem, Tensors
+from ....ops.rope import SPEC, _call
+from ....planner.costmodel import RowwisePhase, rowwise_model
+from ..kernel import HostKernel
+from ..library import Entry
+
+
+class RopeHost(HostKernel):
+    knob_docs = {"tile_rows": "(token, head) rows per tile", "threads": "OpenMP threads"}
+    entries = {"fwd": Entry("ak_rope_fwd", ("ptr", "i64", "i64", "i64", "ptr", "ptr", "i64", "i64", "ptr", "i64", "i64", "i64")),
+               "bwd": Entry("ak_rope_bwd", ("ptr", "i64", "i64", "i64", "ptr", "ptr", "i64", "i64", "ptr", "i64", "i64", "i64"))}
+
+    def tiling_problem(self, problem: Problem, hw):
+        tokens, heads, head_dim, rope_dim = problem.shape
+        e = problem.dtype.itemsize
+        phase = RowwisePhase("forward", 2 * head_dim * e, 3 * rope_dim + head_dim, 0, 0, 0, 0)
+        back = RowwisePhase("backward", 2 * head_dim * e, 3 * rope_dim + head_dim, 0, 0, 0, 0)
+        return rowwise_model(tokens * heads, head_dim, [phase, back], hw, fixed={"col_chunk": head_dim})
+
+    def render_params(self, problem: Problem, knobs: dict[str, int]) -> dict:
+        return {"dtype": problem.dtype, "head_dim": int(problem.shape[2]), "rope_dim": int(problem.shape[3]),
+                "tile_rows": int(knobs["tile_rows"]), "threads": int(knobs["threads"])}
+
+    def empty_outputs(self, problem: Problem, inputs: Tensors) -> Tensors:
+        x = inputs["x"]
+        return {"y": torch.empty(x.shape, dtype=x.dtype)}
+
+    def run_forward(self, kernel, inputs: Tensors, outputs: Tensors) -> None:
+        _call(kernel, "fwd", inputs["x"], inputs["cos"], inputs["sin"], outputs["y"])
+
+    def run_backward(self, kernel, inputs: Tensors, outputs: Tensors, grad_outputs: Tensors, grads: Tensors) -> None:
+        _call(kernel, "bwd", grad_outputs["y"], inputs["cos"], inputs["sin"], grads["x"])
+
+    def verification_problems(self, problem: Problem, knobs: dict[str, int], simd_elems: int) -> list[Problem]:
+        tokens, heads, head_dim, rope_dim = problem.shape
+        tail = min(tokens, knobs["tile_rows"] * knobs["threads"] + 3)
+        return [problem, Problem(problem.op, problem.variant, (tail, heads + 1, head_dim + 3, rope_dim), problem.dtype)]
+
+
+KERNELS = (RopeHost(SPEC),)

@@ -1,0 +1,58 @@
+"""The host C kernel of router (templates/host/): its tiling model, template values and C calls."""
+
+from __future__ import annotations
+
+import torch
+
+from ....ops.base import Problem, Tensors
+from ....ops.router import SCALE, SPEC, select
+from ....planner.costmodel import RowwisePhase, rowwise_model
+from ..kernel import HostKernel
+from ..library import Entry
+
+
+class RouterHost(HostKernel):
+    knob_docs = {"tile_rows": "token rows per tile", "threads": "OpenMP threads"}
+    entries = {"select": Entry("ak_router_select", ("ptr", "ptr", "ptr", "ptr", "i64")),
+               "fwd": Entry("ak_router_fwd", ("ptr", "ptr", "ptr", "i64", "f32")),
+               "fwd_given": Entry("ak_router_fwd_given", ("ptr", "ptr", "ptr", "i64", "f32")),
+               "bwd": Entry("ak_router_bwd", ("ptr", "ptr", "ptr", "ptr", "i64", "f32"))}
+
+    def tiling_problem(self, problem: Problem, hw):
+        rows, experts, top_k = problem.shape
+        e = problem.dtype.itemsize
+        phases = [RowwisePhase("forward", experts * e + top_k * 12, experts * 40, 0, 0, 0, 0),
+                  RowwisePhase("backward", experts * e * 2 + top_k * 12, experts + top_k * 40, 0, 0, 0, 0)]
+        return rowwise_model(rows, experts, phases, hw, fixed={"col_chunk": experts})
+
+    def render_params(self, problem: Problem, knobs: dict[str, int]) -> dict:
+        return {"dtype": problem.dtype, "experts": int(problem.shape[1]), "top_k": int(problem.shape[2]),
+                "hash": problem.variant == "hash", "tile_rows": int(knobs["tile_rows"]),
+                "threads": int(knobs["threads"])}
+
+    def empty_outputs(self, problem: Problem, inputs: Tensors) -> Tensors:
+        rows, top_k = inputs["logits"].shape[0], problem.shape[2] if problem else None
+        return {"weights": inputs["logits"].new_empty(rows, top_k),
+                "indices": torch.empty(rows, top_k, dtype=torch.long)}
+
+    def run_forward(self, kernel, inputs: Tensors, outputs: Tensors) -> None:
+        rows = inputs["logits"].shape[0]
+        if "input_ids" in inputs:   # hash routing: the kernel scores the table's experts itself
+            outputs["indices"].copy_(inputs["tid2eid"][inputs["input_ids"]])
+            kernel.call("fwd_given", inputs["logits"], outputs["indices"], outputs["weights"], rows, SCALE)
+            return
+        scores, indices = select(inputs["logits"], inputs.get("bias"), outputs["indices"].shape[1], None, kernel)
+        outputs["indices"].copy_(indices)
+        kernel.call("fwd", scores.contiguous(), outputs["indices"], outputs["weights"], rows, SCALE)
+
+    def run_backward(self, kernel, inputs: Tensors, outputs: Tensors, grad_outputs: Tensors, grads: Tensors) -> None:
+        kernel.call("bwd", inputs["logits"], outputs["indices"], grad_outputs["weights"].contiguous(), grads["logits"],
+                    inputs["logits"].shape[0], SCALE)
+
+    def verification_problems(self, problem: Problem, knobs: dict[str, int], simd_elems: int) -> list[Problem]:
+        rows, experts, top_k = problem.shape
+        tail = min(rows, knobs["tile_rows"] * knobs["threads"] * 2 + 3)
+        return [problem, Problem(problem.op, problem.variant, (tail, experts, top_k), problem.dtype)]
+
+
+KERNELS = (RouterHost(SPEC),)

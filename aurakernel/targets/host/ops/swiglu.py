@@ -1,0 +1,44 @@
+"""The host C kernel of swiglu (templates/host/): its tiling model, template values and C calls."""
+
+from __future__ import annotations
+
+from ....ops.base import Problem, Tensors
+from ....ops.swiglu import LIMIT, SPEC, _halves
+from ....planner.costmodel import RowwisePhase, rowwise_model
+from ..kernel import HostKernel
+from ..library import Entry
+
+
+class SwigluHost(HostKernel):
+    knob_docs = {"tile_rows": "rows per tile handed to a thread", "threads": "OpenMP threads"}
+    entries = {"fwd": Entry("ak_swiglu_fwd", ("ptr", "ptr", "i64", "ptr", "i64", "f32")),
+               "bwd": Entry("ak_swiglu_bwd", ("ptr", "ptr", "i64", "ptr", "ptr", "ptr", "i64", "i64", "f32"))}
+
+    def tiling_problem(self, problem: Problem, hw):
+        rows, inter = problem.shape
+        e = problem.dtype.itemsize
+        phases = [RowwisePhase("forward", 3 * inter * e, 12 * inter, 0, 0, 0, 0),
+                  RowwisePhase("backward", 5 * inter * e, 20 * inter, 0, 0, 0, 0)]
+        return rowwise_model(rows, inter, phases, hw, fixed={"col_chunk": inter})
+
+    def render_params(self, problem: Problem, knobs: dict[str, int]) -> dict:
+        return {"dtype": problem.dtype, "inter": int(problem.shape[1]), "tile_rows": int(knobs["tile_rows"]),
+                "threads": int(knobs["threads"])}
+
+    def empty_outputs(self, problem: Problem, inputs: Tensors) -> Tensors:
+        gu = inputs["gate_up"]
+        return {"y": gu.new_empty(gu.shape[0], gu.shape[1] // 2)}
+
+    def run_forward(self, kernel, inputs: Tensors, outputs: Tensors) -> None:
+        gate, up = _halves(inputs["gate_up"])
+        kernel.call("fwd", gate, up, inputs["gate_up"].stride(0), outputs["y"], gate.shape[0],
+                    float(inputs.get("limit", LIMIT)))
+
+    def run_backward(self, kernel, inputs: Tensors, outputs: Tensors, grad_outputs: Tensors, grads: Tensors) -> None:
+        gate, up = _halves(inputs["gate_up"])
+        dgate, dup = _halves(grads["gate_up"])
+        kernel.call("bwd", gate, up, inputs["gate_up"].stride(0), grad_outputs["y"], dgate, dup,
+                    grads["gate_up"].stride(0), gate.shape[0], float(inputs.get("limit", LIMIT)))
+
+
+KERNELS = (SwigluHost(SPEC),)
