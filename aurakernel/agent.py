@@ -19,6 +19,7 @@ from .measure import compare
 from .ops import OPS, get_op
 from .ops.base import OpSpec, Problem
 from .paths import default_db_path, write_text_atomic
+from .patch.deepseek_v4 import patch_of
 from .planfile import KernelPlan, PlanEntry
 from .planner import Plan, solve_tiling
 from .profiler import ProfileReport, Workload, profile_training
@@ -81,7 +82,7 @@ def measure_problem(spec: OpSpec, problem: Problem, kernel_hash: str, *, with_co
                     threads: int, with_compiled_kernel: bool = False) -> tuple[dict[str, float], dict[str, str]]:
     """Median microseconds of eager, torch.compile, the kernel and (with_compiled_kernel) the kernel
     under torch.compile (fwd+bwd), in the same rounds."""
-    candidates, notes = spec.timing_candidates(problem, kernel_hash, with_compiled, with_compiled_kernel)
+    candidates, notes = patch_of(spec).timing_candidates(problem, kernel_hash, with_compiled, with_compiled_kernel)
     timings = compare(candidates, threads=threads)
     return {name: t.us for name, t in timings.items()}, notes
 

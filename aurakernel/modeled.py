@@ -343,7 +343,7 @@ def modeled_profile(full: torch.nn.Module, target: str, *, seq_len: int, batch_s
     from .dtypes import DType
     from .flops import flops_per_token
     from .hardware import load_profile
-    from .ops import attn_softmax, rope
+    from .patch import attn_softmax, rope
     from .ops.base import Problem
 
     hw = load_profile(target)

@@ -23,46 +23,14 @@ from pathlib import Path
 import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
-from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
 
 from .dtypes import DType
 from .hardware import HardwareProfile
 from .ops import OPS
 from .ops.base import Problem
+from .patch.deepseek_v4 import group_of, op_of, patch_of
 from .targets.host.ops import kernel_of as host_kernel
 
-GROUP_OF_MODULE: list[tuple[type, str]] = [
-    (v4.DeepseekV4RMSNorm, "rms_norm"),
-    (v4.DeepseekV4UnweightedRMSNorm, "rms_norm"),
-    (v4.DeepseekV4HyperConnection, "mhc_pre"),
-    (v4.DeepseekV4HyperHead, "mhc_head"),
-    (v4.DeepseekV4HCACompressor, "compressor"),
-    (v4.DeepseekV4CSACompressor, "compressor"),
-    (v4.DeepseekV4Indexer, "compressor"),
-    (v4.DeepseekV4TopKRouter, "router"),
-    (v4.DeepseekV4HashRouter, "router"),
-    (v4.DeepseekV4Experts, "moe_experts"),
-    (v4.DeepseekV4MLP, "shared_expert"),
-    (v4.DeepseekV4Attention, "attention"),
-    (v4.DeepseekV4DecoderLayer, "mhc_post"),   # what a layer runs outside its children: the stream mixing
-    (nn.Embedding, "embedding"),
-]
-# modules whose calls pose a tuning problem for an operator of the library (it may be part of the group)
-OP_OF_MODULE: list[tuple[type, str]] = [
-    (v4.DeepseekV4RMSNorm, "rms_norm"),
-    (v4.DeepseekV4UnweightedRMSNorm, "rms_norm"),
-    (v4.DeepseekV4HyperConnection, "mhc_pre"),
-    (v4.DeepseekV4HyperHead, "mhc_head"),
-    (v4.DeepseekV4DecoderLayer, "mhc_post"),
-    (v4.DeepseekV4HCACompressor, "compressor"),
-    (v4.DeepseekV4CSACompressor, "compressor"),
-    (v4.DeepseekV4Indexer, "compressor"),
-    (v4.DeepseekV4IndexerScorer, "indexer_score"),
-    (v4.DeepseekV4TopKRouter, "router"),
-    (v4.DeepseekV4HashRouter, "router"),
-    (v4.DeepseekV4Experts, "swiglu"),
-    (v4.DeepseekV4MLP, "swiglu"),
-]
 MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm", "aten::matmul",
               "aten::linear", "aten::_grouped_mm"}
 PREFIX = "ak.group."
@@ -128,13 +96,6 @@ def save_group_chart(path: str | Path, labels: list[str], series: list[tuple[str
     return Path(path)
 
 
-def _group_of(module: nn.Module) -> str | None:
-    for cls, name in GROUP_OF_MODULE:
-        if isinstance(module, cls):
-            return name
-    return None
-
-
 class _Hooks:
     """Opens a profiler range per grouped module call and records shapes and bytes. Subclasses may
     follow the problems' extents: enter_scope(module, problem) / exit_scope(module) bracket every
@@ -148,8 +109,8 @@ class _Hooks:
         self.stack = []
         self.groups: list[str] = []   # the open ranges' group names, innermost last
         for name, module in model.named_modules():
-            group = "cross_entropy" if name == "lm_head" else _group_of(module)
-            op = next((o for cls, o in OP_OF_MODULE if isinstance(module, cls)), None)
+            group = "cross_entropy" if name == "lm_head" else group_of(module)
+            op = op_of(module)
             if group is not None or op is not None:   # op alone: part of its parent's group (the indexer's scorer)
                 self.handles.append(module.register_forward_pre_hook(self._pre(group, op)))
                 self.handles.append(module.register_forward_hook(self._post(group, op)))
@@ -160,7 +121,7 @@ class _Hooks:
                 self.stack.append(torch.ops.profiler._record_function_enter_new(PREFIX + group, None))
                 self.groups.append(group)
                 self.calls[group] += 1
-            problem = OPS[op].call_problem(module, args) if op is not None else None
+            problem = patch_of(OPS[op]).call_problem(module, args) if op is not None else None
             if problem is not None:
                 self.record(problem)
             if op is not None:
@@ -264,7 +225,7 @@ def profile_training(workload: Workload, steps: int = 3, warmup: int = 1,
     model = workload.model
     for _ in range(warmup):
         workload.step()
-    from .ops import attn_softmax, rope
+    from .patch import attn_softmax, rope
 
     hooks = _Hooks(model)
     try:

@@ -13,44 +13,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
-    DeepseekV4CSACompressor,
-    DeepseekV4DecoderLayer,
-    DeepseekV4Experts,
-    DeepseekV4HashRouter,
-    DeepseekV4HCACompressor,
-    DeepseekV4HyperConnection,
-    DeepseekV4Indexer,
-    DeepseekV4IndexerScorer,
-    DeepseekV4HyperHead,
-    DeepseekV4MLP,
-    DeepseekV4Model,
-    DeepseekV4RMSNorm,
-    DeepseekV4TopKRouter,
-    DeepseekV4UnweightedRMSNorm,
-)
 
 from .dtypes import DType, parse_shape
 from .errors import BuildError, UserError
 from .hardware import load_profile
-from .ops import OPS, get_op
+from .ops import get_op
 from .ops.base import Problem
+from .patch.deepseek_v4 import patch_of
+from .patch.deepseek_v4 import sites as deepseek_v4_sites
 from .patch.install import Refused
 from .planfile import KernelPlan, PlanEntry
 from .targets.host.build import build_kernel
 from .targets.host.ops import kernel_of as host_kernel
 from .targets.host.target import verify
-
-
-@dataclass
-class Site:
-    """A module the operator library can replace: its op, variant and compile-time extents."""
-
-    name: str
-    module: torch.nn.Module
-    op: str
-    variant: str
-    kernel_key: tuple[int, ...] | None   # None: known only per call
 
 
 @dataclass
@@ -73,49 +48,6 @@ class ApplyReport:
     def summary(self) -> str:
         return (f"{len(self.swapped)} modules swapped, {len(self.reference)} on the reference, "
                 f"{len(self.rejected)} plan entries rejected")
-
-
-def deepseek_v4_sites(model: torch.nn.Module) -> list[Site]:
-    """Every module of a DeepSeek-V4 model the operator library covers, and those registered
-    operators (OpSpec.sites) say they patch, in any model."""
-    cfg = getattr(model, "config", None)
-    sites = [Site(name, module, spec.name, variant, tuple(key) if key is not None else None)
-             for spec in OPS.values() for name, module, variant, key in spec.sites(model)]
-    for name, module in model.named_modules():
-        if isinstance(module, DeepseekV4RMSNorm):
-            sites.append(Site(name, module, "rms_norm", "weighted", (module.weight.shape[0],)))
-        elif isinstance(module, DeepseekV4UnweightedRMSNorm):
-            if name.endswith("input_norm"):    # mHC: the flattened streams, hc_mult x hidden
-                key = (cfg.hc_mult * cfg.hidden_size,)
-            elif name.endswith("q_b_norm"):    # per-head query norm
-                key = (cfg.head_dim,)
-            else:
-                key = None
-            sites.append(Site(name, module, "rms_norm", "unweighted", key))
-        elif isinstance(module, DeepseekV4HyperConnection):
-            sites.append(Site(name, module, "mhc_pre", "default", (cfg.hc_mult, cfg.hidden_size)))
-        elif isinstance(module, DeepseekV4DecoderLayer):
-            sites.append(Site(name, module, "mhc_post", "default", (cfg.hc_mult, cfg.hidden_size)))
-        elif isinstance(module, DeepseekV4HCACompressor):
-            sites.append(Site(name, module, "compressor", "hca", (module.compress_rate, module.head_dim)))
-        elif isinstance(module, DeepseekV4CSACompressor | DeepseekV4Indexer):
-            sites.append(Site(name, module, "compressor", "csa", (module.compress_rate, module.head_dim)))
-        elif isinstance(module, DeepseekV4IndexerScorer):
-            sites.append(Site(name, module, "indexer_score", "default", (cfg.index_n_heads, cfg.index_head_dim)))
-        elif isinstance(module, DeepseekV4HashRouter):
-            sites.append(Site(name, module, "router", "hash", (module.num_experts, module.top_k)))
-        elif isinstance(module, DeepseekV4TopKRouter):
-            sites.append(Site(name, module, "router", "topk", (module.num_experts, module.top_k)))
-        elif isinstance(module, DeepseekV4Experts):
-            sites.append(Site(name, module, "swiglu", "default", (module.intermediate_dim,)))
-        elif isinstance(module, DeepseekV4MLP):
-            sites.append(Site(name, module, "swiglu", "default", (module.intermediate_size,)))
-        elif isinstance(module, DeepseekV4Model):   # functions, scoped to this model's forward
-            sites.append(Site(name or "model", module, "rope", "default", None))
-            sites.append(Site(name or "model", module, "attn_softmax", "default", ()))
-        elif isinstance(module, DeepseekV4HyperHead):
-            sites.append(Site(name, module, "mhc_head", "default", (cfg.hc_mult, cfg.hidden_size)))
-    return sites
 
 
 _ADMISSIONS: dict[tuple, tuple[str | None, str | None]] = {}
@@ -224,7 +156,7 @@ def apply(model: torch.nn.Module, plan: KernelPlan | dict | str | Path, target: 
             return keyed.get(tuple(key), {}).get(dtype)
 
         try:
-            get_op(site.op).patch(site.module, lookup)
+            patch_of(get_op(site.op)).patch(site.module, lookup)
         except Refused as exc:   # a precondition of the kernel's math does not hold for this module
             report.reference.append({"module": site.name, "op": site.op, "reason": str(exc)})
             continue

@@ -156,7 +156,7 @@ def test_balancer_counts_and_bias_step_plain_model(base):
 def test_balancer_with_router_kernels_swapped_in(base, monkeypatch):
     """aurakernel patches the routers' forward; the hooks read the outputs, so counts and bias steps
     are the plain model's exactly."""
-    import aurakernel.ops.router as router_op
+    import aurakernel.patch.router as router_op
 
     plain = copy.deepcopy(base)
     randomize_bias(plain, 2)
@@ -255,7 +255,7 @@ def test_kl_is_zero_iff_indexer_matches_the_attention(base):
 def test_alignment_with_indexer_and_attention_kernels(base, monkeypatch):
     """With the indexer (pooling and scorer) and the attention softmax swapped in, the captured
     KL and its indexer gradients are the plain model's."""
-    import aurakernel.ops.indexer_score as score_op
+    import aurakernel.patch.indexer_score as score_op
 
     plain, ours = copy.deepcopy(base), copy.deepcopy(base)
     # the compressor kernel only for the indexer's pooling (the CSA/HCA compressors stay reference: less to build)

@@ -22,6 +22,7 @@ import torch
 
 from aurakernel.dtypes import DType
 from aurakernel.ops.base import OpSpec, Problem, Tolerance, Work
+from aurakernel.patch.base import Patch
 from aurakernel.patch.install import install
 from aurakernel.patch.torch_op import torch_op
 from aurakernel.planner.costmodel import RowwisePhase, rowwise_model
@@ -55,18 +56,6 @@ class ToySiluSpec(OpSpec):
     def module_call(self, problem, inputs):
         return torch.nn.SiLU(), (inputs["x"],)
 
-    def call_problem(self, module, args):
-        x = args[0]
-        return Problem(self.name, "default", (x.numel() // x.shape[-1], x.shape[-1]), DType.from_torch(x.dtype))
-
-    def sites(self, model):
-        return [(name, module, "default", None) for name, module in model.named_modules()
-                if isinstance(module, torch.nn.SiLU)]
-
-    def patch(self, module, lookup):
-        module._ak_lookup = lookup
-        install(module, "forward", _silu_forward)
-
 
 SPEC = ToySiluSpec(
     name="toy_silu", summary="SiLU over rows (a third-party example)", shape_meaning="ROWSxCOLS", shape_rank=2,
@@ -98,7 +87,21 @@ class ToySiluHost(HostKernel):   # its template: host/toy_silu.c.j2 under the sp
         kernel.call("bwd", inputs["x"], grad_outputs["y"].contiguous(), grads["x"], inputs["x"].shape[0])
 
 
-PARTS = (SPEC, ToySiluHost(SPEC))
+class ToySiluPatch(Patch):   # where it goes in a model: every torch.nn.SiLU
+    def call_problem(self, module, args):
+        x = args[0]
+        return Problem(self.spec.name, "default", (x.numel() // x.shape[-1], x.shape[-1]), DType.from_torch(x.dtype))
+
+    def sites(self, model):
+        return [(name, module, "default", None) for name, module in model.named_modules()
+                if isinstance(module, torch.nn.SiLU)]
+
+    def patch(self, module, lookup):
+        module._ak_lookup = lookup
+        install(module, "forward", _silu_forward)
+
+
+PARTS = (SPEC, ToySiluHost(SPEC), ToySiluPatch(SPEC))
 
 
 def _forward(x: torch.Tensor, kernel: str) -> torch.Tensor:
@@ -193,6 +196,7 @@ def test_a_registered_operator_is_tuned_and_applied_to_a_model(plugin_dir, tmp_p
     from aurakernel.errors import UserError
     from aurakernel.ops import OPS
     from aurakernel.patch.torch_op import REGISTRY
+    from aurakernel.patch.base import PATCHES
     from aurakernel.targets.host.kernel import KERNELS
     from aurakernel.planfile import KernelPlan, PlanEntry
 
@@ -201,7 +205,7 @@ def test_a_registered_operator_is_tuned_and_applied_to_a_model(plugin_dir, tmp_p
 
     # this process's operator library and torch ops are as before once the test is done
     request.addfinalizer(lambda: (OPS.pop("toy_silu", None), REGISTRY.pop("toy_silu", None),
-                                  KERNELS.pop("toy_silu", None)))
+                                  KERNELS.pop("toy_silu", None), PATCHES.pop("toy_silu", None)))
     assert "toy_silu" not in OPS and "toy_silu" not in KERNELS
     assert aurakernel.register(*ak_toy_silu.PARTS) is ak_toy_silu.SPEC
     assert aurakernel.register(*ak_toy_silu.PARTS) is ak_toy_silu.SPEC   # the same parts again: a no-op

@@ -6,7 +6,7 @@ import torch
 from aurakernel.targets.host.build import build_kernel
 from aurakernel.ops import get_op
 from aurakernel.ops.base import Problem
-from aurakernel.ops.rms_norm import rms_norm
+from aurakernel.patch.rms_norm import rms_norm
 from aurakernel.targets.host.target import verify
 from aurakernel.targets.host.ops import kernel_of as host_kernel
 

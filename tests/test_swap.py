@@ -20,6 +20,7 @@ from trainer.train import loss_fn, make_run, train_step
 
 from conftest import TINY
 from aurakernel.targets.host.ops import kernel_of as host_kernel
+from aurakernel.patch.deepseek_v4 import patch_of
 
 def plan_for(model, dtypes=("fp32",), skip_cols=(), ops=None):
     """A plan with a buildable kernel for every site of the model (knobs from the planner, no timing)."""
@@ -203,7 +204,7 @@ def test_plan_file_errors_are_clear(tmp_path):
 def test_fused_adamw_matches_torch_adamw_over_steps(cfg, host):
     """The trainer's optimizer through the adamw kernel: same weights and states as torch's AdamW
     after several steps on every parameter of the tiny model, and a compatible state_dict."""
-    from aurakernel.ops.adamw import FusedAdamW
+    from aurakernel.patch.adamw import FusedAdamW
     from aurakernel.planner import solve_tiling
 
     spec = get_op("adamw")
@@ -239,7 +240,7 @@ def test_patched_experts_dispatch_is_bitwise_the_reference(dtype):
     model = build_model(load_config(TINY).model, seed=0)
     experts = model.model.layers[1].mlp.experts
     ours = copy.deepcopy(experts)
-    get_op("swiglu").patch(ours, lambda key, dt: None)   # no gate kernel: only the dispatch differs
+    patch_of(get_op("swiglu")).patch(ours, lambda key, dt: None)   # no gate kernel: only the dispatch differs
     assert "forward" in vars(ours)
     g = torch.Generator().manual_seed(0)
     tokens, e, k = 300, experts.num_experts, 2

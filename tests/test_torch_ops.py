@@ -22,6 +22,7 @@ from trainer.model import build_model
 
 from conftest import TINY
 from test_swap import plan_for
+from aurakernel.patch.deepseek_v4 import patch_of
 
 STEPS = 3
 
@@ -162,7 +163,7 @@ def _fsdp_adamw_worker(rank: int, world: int, init_file: str, out_dir: str) -> N
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    from aurakernel.ops.adamw import FusedAdamW
+    from aurakernel.patch.adamw import FusedAdamW
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.manual_seed(0)
@@ -212,7 +213,7 @@ def test_bench_times_the_kernel_inside_torch_compile(op, shape, monkeypatch):
     spec = get_op(op)
     problem = spec.problem(shape, "fp32")
     kernel = build_kernel(spec, problem, {"tile_rows": 4, "col_chunk": 64, "threads": 2})
-    candidates, notes = spec.timing_candidates(problem, kernel.source_hash, with_compiled=False,
+    candidates, notes = patch_of(spec).timing_candidates(problem, kernel.source_hash, with_compiled=False,
                                                with_compiled_kernel=True)
     assert set(candidates) == {"eager", "aurakernel", "aurakernel_compiled"} and not notes
     counts = _Counts(monkeypatch, ops=False)

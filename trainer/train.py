@@ -202,7 +202,7 @@ def make_run(label: str, model: torch.nn.Module, cfg: TrainConfig, adamw_kernel:
     """Model + AdamW over every parameter (through the tuned adamw kernel when one is given) + schedule."""
     t = cfg.train
     if adamw_kernel is not None:
-        from aurakernel.ops.adamw import FusedAdamW
+        from aurakernel.patch.adamw import FusedAdamW
         opt = FusedAdamW(model.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, kernel=adamw_kernel)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
@@ -310,7 +310,7 @@ def loss_fn(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tenso
     with record_function("ak.group.cross_entropy"):  # profiler range: the LM-head + loss group
         kernel = report.loss_kernel(logits.shape[-1], logits.dtype) if report is not None else None
         if kernel is not None:
-            from aurakernel.ops.cross_entropy import cross_entropy
+            from aurakernel.patch.cross_entropy import cross_entropy
             return cross_entropy(logits, labels, kernel)
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
 

@@ -49,6 +49,8 @@ from ..measure import compare
 from ..ops import OPS, OpSpec, Problem
 from ..planner import solve_tiling
 from ..planner.fit import feasible_choices
+from ..patch.base import Patch
+from ..patch.deepseek_v4 import patch_of
 from ..targets.host.build import build_kernel
 from ..targets.host.ops import kernel_of as host_kernel
 from ..targets.host.target import verify
@@ -104,18 +106,19 @@ class Candidate:
 
 
 def _timing_steps(spec: OpSpec, problem: Problem, hashes: dict[str, str]) -> dict[str, Callable[[], object]]:
-    """Fwd + bwd through the operator's module patched with each kernel: the path OpSpec.timing_candidates
+    """Fwd + bwd through the operator's module patched with each kernel: the path Patch.timing_candidates
     times for `tune`, with one set of inputs shared by every candidate (the space can be large).
     An operator that is not a module (adamw: an optimizer step) times through its own
     timing_candidates, one kernel at a time."""
-    if type(spec).timing_candidates is not OpSpec.timing_candidates:
-        return {name: spec.timing_candidates(problem, h, with_compiled=False)[0]["aurakernel"]
+    patch = patch_of(spec)
+    if type(patch).timing_candidates is not Patch.timing_candidates:
+        return {name: patch.timing_candidates(problem, h, with_compiled=False)[0]["aurakernel"]
                 for name, h in hashes.items()}
     module, step_of = spec.module_steps(problem)
     steps = {}
     for name, h in hashes.items():
         ours = copy.deepcopy(module)
-        spec.patch(ours, lambda key, dtype, h=h: h)
+        patch.patch(ours, lambda key, dtype, h=h: h)
         steps[name] = step_of(ours)
     return steps
 

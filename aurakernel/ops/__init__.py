@@ -1,12 +1,12 @@
 """The operator library: one OpSpec per operator, registered by name.
 
 Operators from outside AuraKernel join it without an edit here: a package declares its parts (its
-OpSpec and a kernel per target it supports: targets/host/kernel.py HostKernel, targets/ascend/kernel.py
-AscendKernel) in the `aurakernel.ops` entry-point group (`toy = my_package:PARTS` under
-`[project.entry-points."aurakernel.ops"]`), loaded when this module is imported, or calls
-`aurakernel.register(spec, kernel, ...)`. Its spec names its template folders (OpSpec.template_dirs)
-and the modules it patches (OpSpec.sites); `aurakernel ops` lists it and `tune` tunes it like a
-built-in one.
+OpSpec; a kernel per target it supports, targets/host/kernel.py HostKernel and targets/ascend/kernel.py
+AscendKernel; and where it goes in a model, patch/base.py Patch) in the `aurakernel.ops` entry-point
+group (`toy = my_package:PARTS` under `[project.entry-points."aurakernel.ops"]`), loaded when this
+module is imported, or calls `aurakernel.register(spec, kernel, patch)`. Its spec names its template
+folders (OpSpec.template_dirs) and its patch the modules it replaces (Patch.sites); `aurakernel ops`
+lists it and `tune` tunes it like a built-in one.
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ ENTRY_POINT_GROUP = "aurakernel.ops"
 
 
 def register(*parts):
-    """Add an operator to the library: its OpSpec and its kernels (any object with a `register()`
-    method: a HostKernel or AscendKernel), each idempotent for the same object. Returns the first."""
+    """Add an operator to the library: its OpSpec, its kernels and its patch (any object with a
+    `register()` method and a `spec`: HostKernel, AscendKernel, Patch), each idempotent for the same
+    object. Returns the first."""
     if not parts:
         raise UserError("register takes an operator's OpSpec and its kernels, got nothing")
     for part in parts:
@@ -51,7 +52,7 @@ def register(*parts):
         elif callable(getattr(part, "register", None)) and isinstance(getattr(part, "spec", None), OpSpec):
             part.register()
         else:
-            raise UserError(f"register takes an OpSpec or an operator's kernel (HostKernel, AscendKernel), "
+            raise UserError(f"register takes an OpSpec, an operator's kernel (HostKernel, AscendKernel) or its Patch, "
                             f"got {type(part).__name__}")
     return parts[0]
 

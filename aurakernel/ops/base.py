@@ -8,7 +8,6 @@ kernel must match the reference. How a target computes it lives in targets/<targ
 
 from __future__ import annotations
 
-import copy
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
@@ -17,20 +16,8 @@ import torch
 
 from ..dtypes import DType, parse_shape, shape_text
 from ..errors import UserError
-from ..patch.install import install
 
 Tensors = dict[str, torch.Tensor]
-
-
-def bind(module: torch.nn.Module, lookup, op: str, methods) -> None:
-    """Patch `module` for `op`: of (class, attribute, function) triples, the first whose class the
-    module is gets `module.<attribute>` = function (patch.install); `lookup` is stored for it."""
-    for cls, attribute, fn in methods:
-        if isinstance(module, cls):
-            module._ak_lookup = lookup
-            install(module, attribute, fn)
-            return
-    raise TypeError(f"{op} cannot patch {type(module).__name__}")
 
 
 @dataclass(frozen=True)
@@ -67,16 +54,6 @@ class Problem:
     def describe(self) -> str:
         suffix = "" if self.variant == "default" else f"[{self.variant}]"
         return f"{self.op}{suffix} {self.shape_text} {self.dtype.value}"
-
-
-def compiled_step(candidates: dict, notes: dict, name: str, step) -> None:
-    """Run a torch.compile'd step once (compiling it outside the timed rounds) and add it as a
-    candidate; a step that cannot compile is reported in `notes`, not fatal."""
-    try:
-        step()
-        candidates[name] = step
-    except Exception as exc:  # noqa: BLE001 - a baseline that cannot compile is reported, not fatal
-        notes[name] = f"torch.compile failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
 
 
 @dataclass
@@ -156,25 +133,10 @@ class OpSpec(ABC):
     # folders searched for this operator's templates after templates/ (a third-party operator's own)
     template_dirs: ClassVar[tuple] = ()
 
-    def sites(self, model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str, tuple[int, ...] | None]]:
-        """(name, module, variant, kernel_key or None: per call) of each module of `model` this operator
-        patches, beyond the DeepSeek-V4 table in swap.py (which covers the built-in operators): how a
-        third-party operator says where it goes."""
-        return []
-
-    # --- modules: timing and swapping use the same nn.Module path the trainer runs ------------
+    # --- the reference as a module: timing uses the same nn.Module path the trainer runs ---------
     @abstractmethod
     def module_call(self, problem: Problem, inputs: Tensors) -> tuple[torch.nn.Module, tuple]:
         """The reference module loaded with the inputs' parameters, and the args to call it with."""
-
-    @abstractmethod
-    def call_problem(self, module: torch.nn.Module, args: tuple) -> Problem | None:
-        """The problem a call of `module` with `args` poses (for the profiler), or None."""
-
-    @abstractmethod
-    def patch(self, module: torch.nn.Module, lookup) -> None:
-        """Make `module` run kernels: lookup(kernel_key, torch dtype) -> source hash or None
-        (None: run the reference)."""
 
     def module_steps(self, problem: Problem):
         """The reference module for one set of inputs, and step_of(module) -> a zero-argument
@@ -200,26 +162,3 @@ class OpSpec(ABC):
                 return torch.autograd.grad(os_[: len(grad_out)], wrt, grad_out, allow_unused=True)
             return step
         return module, step_of
-
-    def timing_candidates(self, problem: Problem, kernel_hash: str, with_compiled: bool,
-                          with_compiled_kernel: bool = False):
-        """Zero-argument callables to time side by side: "eager" (the reference module), "compiled"
-        (torch.compile of it), "aurakernel" (the module patched with the kernel) and, with
-        `with_compiled_kernel`, "aurakernel_compiled" (torch.compile of the patched module: the
-        kernel's custom ops inside the compiled graph), each one forward + backward through the
-        same nn.Module path the trainer runs. Returns (callables, notes)."""
-
-        module, step_of = self.module_steps(problem)
-        candidates, notes = {"eager": step_of(module)}, {}
-
-        def patched():
-            ours = copy.deepcopy(module)
-            self.patch(ours, lambda key, dtype: kernel_hash)
-            return ours
-
-        if with_compiled:
-            compiled_step(candidates, notes, "compiled", step_of(torch.compile(copy.deepcopy(module))))
-        candidates["aurakernel"] = step_of(patched())
-        if with_compiled_kernel:
-            compiled_step(candidates, notes, "aurakernel_compiled", step_of(torch.compile(patched())))
-        return candidates, notes

@@ -22,9 +22,7 @@ from transformers import DeepseekV4Config
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4IndexerScorer
 
 from ..dtypes import DType
-from ..patch.torch_op import torch_op
-from ..targets.host.library import built_kernel
-from .base import OpSpec, Problem, Tensors, Tolerance, Work, bind
+from .base import OpSpec, Problem, Tensors, Tolerance, Work
 
 HIDDEN = 64   # hidden size of the test inputs (the weights projection's input)
 
@@ -93,63 +91,6 @@ class IndexerScoreSpec(OpSpec):
     @staticmethod
     def weights(hidden, proj, heads):
         return F.linear(hidden, proj).float() * heads**-0.5
-
-    def call_problem(self, module, args):
-        if len(args) < 2 or not all(isinstance(a, torch.Tensor) for a in args[:2]):
-            return None
-        q, k = args[0], args[1]
-        if q.dtype not in (d.torch for d in self.dtypes) or q.dim() != 4:
-            return None
-        return Problem(self.name, "default", (q.shape[0], q.shape[1], q.shape[2], q.shape[3], k.shape[1]),
-                       DType.from_torch(q.dtype))
-
-    def patch(self, module: torch.nn.Module, lookup) -> None:
-        bind(module, lookup, self.name, [(DeepseekV4IndexerScorer, "forward", _scorer_forward)])
-
-
-def _fwd(kernel, q, k, w, out):
-    b, s, h, dim = q.shape
-    t = k.shape[1]
-    scratch = kernel.workspace_of(kernel.call("fwd_scratch", b, t))   # the kernel sizes it: AMX or AVX path
-    kernel.call("fwd", q, k, w, out, scratch, b, s, t, dim**-0.5)
-
-
-def _bwd(kernel, q, k, w, g, dq, dk, dw):
-    b, s, h, dim = q.shape
-    t = k.shape[1]
-    scratch = kernel.workspace_of(kernel.call("bwd_scratch", b, t))
-    kernel.call("bwd", q, k, w, g, dq, dk, dw, scratch, b, s, t, dim**-0.5)
-
-
-def _score_forward(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, kernel: str) -> torch.Tensor:
-    q, k, w = q.contiguous(), k.contiguous(), w.contiguous()
-    out = torch.empty(q.shape[0], q.shape[1], k.shape[1])
-    _fwd(built_kernel(kernel), q, k, w, out)
-    return out
-
-
-def _score_backward(g: torch.Tensor, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor,
-                    kernel: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    q, k, w = q.contiguous(), k.contiguous(), w.contiguous()
-    dq, dk, dw = torch.empty_like(q), torch.empty_like(k), torch.empty_like(w)
-    _bwd(built_kernel(kernel), q, k, w, g.float().contiguous(), dq, dk, dw)
-    return dq, dk, dw
-
-
-OP = torch_op("indexer_score", _score_forward, _score_backward,
-              fake_forward=lambda q, k, w, kernel: q.new_empty(q.shape[0], q.shape[1], k.shape[1], dtype=torch.float32),
-              saved=("q", "k", "w"), consts=("kernel",), grads=("q", "k", "w"))
-
-
-def _scorer_forward(self: DeepseekV4IndexerScorer, q, compressed_kv, hidden_states):
-    kernel = None
-    if q.device.type == "cpu" and q.dtype == compressed_kv.dtype:
-        kernel = self._ak_lookup((q.shape[2], q.shape[3]), q.dtype)
-    if kernel is None or compressed_kv.shape[1] == 0:
-        return DeepseekV4IndexerScorer.forward(self, q, compressed_kv, hidden_states)
-    weights = self.weights_proj(hidden_states).float() * self.weights_scaling
-    return OP(q, compressed_kv, weights, kernel)
-
 
 SPEC = IndexerScoreSpec(
     name="indexer_score",

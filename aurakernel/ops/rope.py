@@ -9,8 +9,6 @@ module in the process keeps the reference.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb
@@ -18,9 +16,6 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_po
 from . import scoped
 from ..dtypes import DType
 from ..errors import UserError
-from ..patch.install import swap_globals
-from ..patch.torch_op import torch_op
-from ..targets.host.library import built_kernel
 from .base import OpSpec, Problem, Tensors, Tolerance, Work
 
 # bf16/fp16: the reference rounds each of the two gradient paths (x and rotate_half(x)) to the
@@ -39,6 +34,10 @@ def _angles(tokens: int, rope_dim: int, dtype: torch.dtype) -> tuple[torch.Tenso
     inv_freq = 1.0 / (10000 ** (torch.arange(0, rope_dim, 2, dtype=torch.float) / rope_dim))
     freqs = torch.arange(tokens, dtype=torch.float)[None, :, None] * inv_freq
     return freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+
+# the transformers function the kernel replaces, captured before anything patched it
+SWAP = scoped.FunctionSwap(v4, "apply_rotary_pos_emb")
 
 
 class RopeSpec(OpSpec):
@@ -74,72 +73,6 @@ class RopeSpec(OpSpec):
         tokens, heads, head_dim, rope_dim = problem.shape
         e = problem.dtype.itemsize
         return Work(2 * tokens * heads * head_dim * e + tokens * rope_dim * 4, 3 * tokens * heads * rope_dim)
-
-    def call_problem(self, module, args):
-        return None   # a function, not a module: the profiler records it through SWAP.recording
-
-    def patch(self, module: torch.nn.Module, lookup) -> None:
-        """Make rope run kernels in every module of `module` (a DeepseekV4Model, or RopeReference)
-        whose code calls apply_rotary_pos_emb."""
-        dispatch = functools.partial(rope_dispatch, lookup)
-        for sub in module.modules():
-            if isinstance(sub, (*ROPE_CALLERS, RopeReference)):
-                swap_globals(sub, apply_rotary_pos_emb=dispatch)
-
-def _call(kernel, entry: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, y: torch.Tensor) -> None:
-    b, h, s, _ = x.shape
-    c32 = cos.float().expand(b, s, cos.shape[-1])
-    s32 = sin.float().expand(b, s, sin.shape[-1])
-    if c32.stride(-1) != 1 or s32.stride() != c32.stride():
-        c32, s32 = c32.contiguous(), s32.contiguous()
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    kernel.call(entry, x, x.stride(0), x.stride(1), x.stride(2), c32, s32, c32.stride(0), c32.stride(1),
-                y, b, h, s)
-
-
-def _forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernel: str) -> torch.Tensor:
-    y = x.new_empty(x.shape)
-    _call(built_kernel(kernel), "fwd", x, cos, sin, y)
-    return y
-
-
-def _backward(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernel: str) -> torch.Tensor:
-    """The inverse rotation (dx keeps dy's shape; rope is orthogonal)."""
-    dx = dy.new_empty(dy.shape)
-    _call(built_kernel(kernel), "bwd", dy, cos, sin, dx)
-    return dx
-
-
-OP = torch_op("rope", _forward, _backward, fake_forward=lambda x, cos, sin, kernel: x.new_empty(x.shape),
-              fake_backward=lambda dy, cos, sin, kernel: dy.new_empty(dy.shape),
-              saved=("cos", "sin"), consts=("kernel",), grads=("x",))
-
-
-def rope_dispatch(lookup, x, cos, sin, unsqueeze_dim: int = 1):
-    """Drop-in for v4.apply_rotary_pos_emb with `lookup` bound (functools.partial): the kernel when
-    one fits the call, else the reference."""
-    if (unsqueeze_dim != 1 or x.dim() != 4 or cos.dim() != 3 or x.device.type != "cpu"
-            or cos.requires_grad or sin.requires_grad):
-        return SWAP.reference(x, cos, sin, unsqueeze_dim)
-    kernel = lookup((x.shape[-1], 2 * cos.shape[-1]), x.dtype)
-    if kernel is None:
-        return SWAP.reference(x, cos, sin, unsqueeze_dim)
-    return OP(x, cos, sin, kernel)
-
-
-# the modules whose code calls apply_rotary_pos_emb (the attention, the compressors, the indexer)
-ROPE_CALLERS = (v4.DeepseekV4Attention, v4.DeepseekV4HCACompressor, v4.DeepseekV4CSACompressor, v4.DeepseekV4Indexer)
-SWAP = scoped.FunctionSwap(v4, "apply_rotary_pos_emb")
-
-
-def call_problem(x, cos, sin, unsqueeze_dim=1):
-    """The rope problem of one call (for the profiler's recorder)."""
-    if x.dim() != 4 or x.dtype not in (d.torch for d in SPEC.dtypes):
-        return None
-    b, h, s, d = x.shape
-    return Problem("rope", "default", (b * s, h, d, 2 * cos.shape[-1]), DType.from_torch(x.dtype))
-
 
 SPEC = RopeSpec(
     name="rope",

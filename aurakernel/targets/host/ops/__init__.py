@@ -3,11 +3,11 @@ third-party operator adds its own through aurakernel.register (HostKernel / Asce
 
 from __future__ import annotations
 
+from . import (adamw, attn_softmax, compressor, cross_entropy, indexer_score, mhc, mhc_post, rms_norm, rope, router,
+               swiglu)
 from ....errors import UserError
 from ....ops.base import OpSpec
 from ..kernel import KERNELS, HostKernel
-from . import (adamw, attn_softmax, compressor, cross_entropy, indexer_score, mhc, mhc_post, rms_norm, rope, router,
-               swiglu)
 
 for _module in (rms_norm, mhc, mhc_post, router, swiglu, rope, attn_softmax, compressor, indexer_score,
                 cross_entropy, adamw):

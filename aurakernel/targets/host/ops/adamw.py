@@ -6,11 +6,22 @@ import math
 
 import torch
 
-from ....ops.adamw import ELEMS_PER_ROW, HYPER, SPEC, update
+from ....ops.adamw import ELEMS_PER_ROW, HYPER, SPEC
 from ....ops.base import Problem, Tensors
 from ....planner.costmodel import RowwisePhase, rowwise_model
 from ..kernel import HostKernel
 from ..library import Entry
+
+
+def update(kernel, p, g, m, v, step: int, hyper: dict, out=None) -> None:
+    """One AdamW step of (p, m, v) with gradient g through `kernel`; in place unless `out` is given."""
+    beta1, beta2 = hyper["betas"]
+    lr = hyper["lr"]
+    step_size = lr / (1 - beta1 ** step)
+    bc2_sqrt = math.sqrt(1 - beta2 ** step)
+    po, mo, vo = out if out is not None else (p, m, v)
+    kernel.call("update", p, g, m, v, po, mo, vo, p.numel(), lr, beta1, beta2, hyper["eps"],
+                hyper["weight_decay"], step_size, bc2_sqrt)
 
 
 class AdamWHost(HostKernel):

@@ -5,10 +5,24 @@ from __future__ import annotations
 import torch
 
 from ....ops.base import Problem, Tensors
-from ....ops.indexer_score import SPEC, _bwd, _fwd
+from ....ops.indexer_score import SPEC
 from ....planner.costmodel import RowwisePhase, rowwise_model
 from ..kernel import HostKernel
 from ..library import Entry
+
+
+def _fwd(kernel, q, k, w, out):
+    b, s, h, dim = q.shape
+    t = k.shape[1]
+    scratch = kernel.workspace_of(kernel.call("fwd_scratch", b, t))   # the kernel sizes it: AMX or AVX path
+    kernel.call("fwd", q, k, w, out, scratch, b, s, t, dim**-0.5)
+
+
+def _bwd(kernel, q, k, w, g, dq, dk, dw):
+    b, s, h, dim = q.shape
+    t = k.shape[1]
+    scratch = kernel.workspace_of(kernel.call("bwd_scratch", b, t))
+    kernel.call("bwd", q, k, w, g, dq, dk, dw, scratch, b, s, t, dim**-0.5)
 
 
 class IndexerScoreHost(HostKernel):

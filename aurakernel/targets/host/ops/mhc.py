@@ -39,7 +39,6 @@ class MhcHost(HostKernel):
         return rowwise_model(rows, w, phases, hw, fixed={"vec": max(hw.simd_bytes // 4, 4)}, row_block=8,
                              resident_level="L3", chunk_level="L2")
 
-    # --- code ---------------------------------------------------------------------------------
     def template(self) -> str:   # mhc_head's kernel is mhc_pre's with the head's epilogue
         return "host/mhc_pre.c.j2"
 

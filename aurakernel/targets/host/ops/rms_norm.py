@@ -32,7 +32,6 @@ class RmsNormHost(HostKernel):
         ]
         return rowwise_model(rows, cols, phases, hw)
 
-    # --- code ---------------------------------------------------------------------------------
     def render_params(self, problem: Problem, knobs: dict[str, int]) -> dict:
         return {"dtype": problem.dtype, "cols": int(problem.shape[1]),
                 "weighted": problem.variant == "weighted",

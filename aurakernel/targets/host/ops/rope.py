@@ -5,10 +5,22 @@ from __future__ import annotations
 import torch
 
 from ....ops.base import Problem, Tensors
-from ....ops.rope import SPEC, _call
+from ....ops.rope import SPEC
 from ....planner.costmodel import RowwisePhase, rowwise_model
 from ..kernel import HostKernel
 from ..library import Entry
+
+
+def _call(kernel, entry: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, y: torch.Tensor) -> None:
+    b, h, s, _ = x.shape
+    c32 = cos.float().expand(b, s, cos.shape[-1])
+    s32 = sin.float().expand(b, s, sin.shape[-1])
+    if c32.stride(-1) != 1 or s32.stride() != c32.stride():
+        c32, s32 = c32.contiguous(), s32.contiguous()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    kernel.call(entry, x, x.stride(0), x.stride(1), x.stride(2), c32, s32, c32.stride(0), c32.stride(1),
+                y, b, h, s)
 
 
 class RopeHost(HostKernel):

@@ -3,12 +3,26 @@
 from __future__ import annotations
 
 import torch
+from transformers.activations import ACT2FN
 
 from ....ops.base import Problem, Tensors
-from ....ops.router import SCALE, SPEC, select
+from ....ops.router import SCALE, SPEC
 from ....planner.costmodel import RowwisePhase, rowwise_model
 from ..kernel import HostKernel
 from ..library import Entry
+
+
+def _select_with(kernel, scores: torch.Tensor, bias: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The kernel's top-k of scores + bias in ascending expert order; tied rows re-selected by torch.topk."""
+    rows = scores.shape[0]
+    indices = torch.empty(rows, top_k, dtype=torch.long)
+    tie = torch.empty(rows, dtype=torch.uint8)
+    kernel.call("select", scores.contiguous(), bias.float().contiguous(), indices, tie, rows)
+    tied = tie.nonzero().flatten()
+    if tied.numel():
+        picked = torch.topk(scores[tied] + bias, top_k, dim=-1, sorted=False).indices
+        indices[tied] = picked.sort(dim=-1).values
+    return indices
 
 
 class RouterHost(HostKernel):
@@ -41,8 +55,8 @@ class RouterHost(HostKernel):
             outputs["indices"].copy_(inputs["tid2eid"][inputs["input_ids"]])
             kernel.call("fwd_given", inputs["logits"], outputs["indices"], outputs["weights"], rows, SCALE)
             return
-        scores, indices = select(inputs["logits"], inputs.get("bias"), outputs["indices"].shape[1], None, kernel)
-        outputs["indices"].copy_(indices)
+        scores = ACT2FN["sqrtsoftplus"](inputs["logits"])   # bitwise torch's, as the reference
+        outputs["indices"].copy_(_select_with(kernel, scores, inputs.get("bias"), outputs["indices"].shape[1]))
         kernel.call("fwd", scores.contiguous(), outputs["indices"], outputs["weights"], rows, SCALE)
 
     def run_backward(self, kernel, inputs: Tensors, outputs: Tensors, grad_outputs: Tensors, grads: Tensors) -> None:

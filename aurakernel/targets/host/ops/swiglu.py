@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import torch
+
 from ....ops.base import Problem, Tensors
-from ....ops.swiglu import LIMIT, SPEC, _halves
+from ....ops.swiglu import LIMIT, SPEC
 from ....planner.costmodel import RowwisePhase, rowwise_model
 from ..kernel import HostKernel
 from ..library import Entry
+
+
+def _halves(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    inter = packed.shape[-1] // 2
+    return packed[..., :inter], packed[..., inter:]
 
 
 class SwigluHost(HostKernel):

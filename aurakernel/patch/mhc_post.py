@@ -1,0 +1,79 @@
+"""The mhc_post kernel in a model: its torch ops (custom ops with autograd and fake registrations) and the patched forwards."""
+
+from __future__ import annotations
+
+import torch
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4DecoderLayer
+
+from ..dtypes import DType
+from ..ops.base import Problem, Tensors
+from ..ops.layout import like_layout
+from ..ops.mhc_post import MhcPost, SPEC
+from ..targets.host.library import built_kernel
+from .base import Patch
+from .install import install
+from .torch_op import torch_op
+
+
+def _inputs(post, comb, out, h) -> Tensors:
+    return {"post": post.float().contiguous(), "comb": comb.float().contiguous(), "out": out.contiguous(),
+            "h": h.contiguous()}
+
+
+def _forward(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, h: torch.Tensor, kernel: str) -> torch.Tensor:
+    tensors = _inputs(post, comb, out, h)
+    y = torch.empty_like(tensors["h"])
+    built_kernel(kernel).run_forward(tensors, {"y": y})
+    return y
+
+
+def _backward(g: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, h: torch.Tensor,
+              kernel: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    tensors = _inputs(post, comb, out, h)
+    grads = {name: torch.empty_like(t) for name, t in tensors.items()}
+    built_kernel(kernel).run_backward(tensors, {}, {"y": like_layout(g.to(h.dtype), tensors["h"])}, grads)
+    return grads["post"].to(post.dtype), grads["comb"].to(comb.dtype), grads["out"], grads["h"]
+
+
+OP = torch_op("mhc_post", _forward, _backward, fake_forward=lambda post, comb, out, h, kernel: h.new_empty(h.shape),
+              saved=("post", "comb", "out", "h"), consts=("kernel",), grads=("post", "comb", "out", "h"))
+
+
+def _post_forward(module: MhcPost, post, comb, block_output, hidden_states):
+    key = tuple(hidden_states.shape[-2:])
+    kernel = (module._ak_lookup(key, hidden_states.dtype)
+              if hidden_states.device.type == "cpu" and block_output.dtype == hidden_states.dtype else None)
+    if kernel is None:
+        return MhcPost.forward(module, post, comb, block_output, hidden_states)
+    return OP(post, comb, block_output, hidden_states, kernel)
+
+
+def _layer_forward(self: DeepseekV4DecoderLayer, hidden_states, input_ids=None, **kwargs):
+    """DeepseekV4DecoderLayer.forward (transformers 5.24) with both stream updates through _ak_post."""
+    post, comb, collapsed = self.attn_hc(hidden_states)
+    attn_output, _ = self.self_attn(self.input_layernorm(collapsed), **kwargs)
+    hidden_states = self._ak_post(post, comb, attn_output, hidden_states)
+    post, comb, collapsed = self.ffn_hc(hidden_states)
+    mlp_output = self.mlp(self.post_attention_layernorm(collapsed), input_ids=input_ids)
+    return self._ak_post(post, comb, mlp_output, hidden_states)
+
+
+class MhcPostPatch(Patch):
+    def call_problem(self, module: torch.nn.Module, args: tuple) -> Problem | None:
+        h = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if h is None or h.dim() < 3 or h.dtype not in (d.torch for d in self.spec.dtypes):
+            return None
+        hc, d = h.shape[-2], h.shape[-1]
+        return Problem(self.spec.name, "default", (h.numel() // (hc * d), hc, d), DType.from_torch(h.dtype))
+
+    def patch(self, module: torch.nn.Module, lookup) -> None:
+        if isinstance(module, DeepseekV4DecoderLayer):
+            module._ak_post = MhcPost()
+            self.patch(module._ak_post, lookup)
+            install(module, "forward", _layer_forward)
+            return
+        module._ak_lookup = lookup
+        install(module, "forward", _post_forward)
+
+
+PATCHES = (MhcPostPatch(SPEC),)
