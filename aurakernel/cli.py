@@ -70,6 +70,7 @@ def tune(
     render the op project, verify it in the emulator and estimate its cycles)."""
     from .agent import check_fits_in_memory
     from .agent import tune as run_tune
+    from .targets import target_for
     from .ops import get_op
     from .planner.model import SOLVERS
 
@@ -79,7 +80,7 @@ def tune(
     check_fits_in_memory(spec, spec.problem(shape, dtype, variant))   # validate everything before any slow step
     if solver not in SOLVERS:
         raise UserError(f"unknown solver {solver!r}: accepted are {', '.join(SOLVERS)}")
-    if out_dir is not None and load_profile(target).kind != "ascend":
+    if out_dir is not None and not target_for(load_profile(target)).writes_projects:
         raise UserError(f"--out writes an AscendC op project: target {target!r} has none to write "
                         "(host kernels are built into the cache; `aurakernel show` lists them)")
     if out_dir is not None and Path(out_dir).exists() and not Path(out_dir).is_dir():
@@ -92,8 +93,8 @@ def tune(
         print(json.dumps(result.to_json(), default=str))
         return
     d = result.to_json()
-    if "est_cycles" in d:
-        _print_ascend(d)
+    if result.estimate is not None:   # a target that estimates instead of running (the emulator)
+        _print_estimate(d)
         return
     t = Table(title=_op_name(d["op"], d["variant"]) + f" {d['shape']} {d['dtype']} on {d['target']}", show_header=False)
     t.add_column(style="bold")
@@ -112,7 +113,7 @@ def tune(
     out.print(t)
 
 
-def _print_ascend(d: dict) -> None:
+def _print_estimate(d: dict) -> None:
     t = Table(title=_op_name(d["op"], d["variant"]) + f" {d['shape']} {d['dtype']} on {d['target']} (AscendC, emulated)",
               show_header=False)
     t.add_column(style="bold")
@@ -160,18 +161,23 @@ def autotune(
 
     from .agent import autotune as run_autotune
     from .hardware import load_profile
+    from .targets import target_for
 
     cfg = load_config(config)
-    if load_profile(target).kind == "ascend":
-        _autotune_ascend(cfg, target, "ascend_projects" if out_path == "plan.json" else out_path, solver, as_json)
-        return
-    _ensure_calibrated(target)
+    tgt = target_for(load_profile(target))   # unknown targets: one line naming the accepted ones
+    if tgt.writes_projects:   # a folder of op projects (AscendC), not a plan file
+        out_path = "ascend_projects" if out_path == "plan.json" else out_path
+    _ensure_calibrated("host")   # the profile runs on this machine
     with err.status("autotune...") as status:
         result = run_autotune(workload(cfg), target=target, solver=solver, db_path=db, with_compiled=compiled,
-                              progress=lambda msg: status.update(f"autotune: {msg}"))
-    path = result.plan.save(out_path)
+                              out_dir=out_path if tgt.writes_projects else None,
+                              progress=lambda msg: status.update(f"autotune: {escape(msg)}"))
     if chart:
         result.profile.save_chart(chart)
+    if tgt.writes_projects:
+        _print_projects(result, target, out_path, as_json)
+        return
+    path = result.plan.save(out_path)
     if as_json:
         print(json.dumps(result.plan.to_dict()))
         return
@@ -186,35 +192,26 @@ def autotune(
     out.print(t)
     for s in result.plan.skipped:
         where = " ".join(str(s[k]) for k in ("variant", "shape", "dtype") if k in s)
-        out.print(f"[yellow]not tuned[/] {s['op']} {where}: {s['reason']}")
+        out.print(f"[yellow]not tuned[/] {s['op']} {where}: {escape(s['reason'])}")
 
 
-def _autotune_ascend(cfg, target: str, out_dir: str, solver: str, as_json: bool) -> None:
-    from trainer.train import workload
-
-    from .agent import autotune_ascend
-
-    _ensure_calibrated("host")   # the profile runs on the host
-    with err.status("autotune...") as status:
-        result = autotune_ascend(workload(cfg), target=target, out_dir=out_dir, solver=solver,
-                                 progress=lambda msg: status.update(f"autotune: {escape(msg)}"))
+def _print_projects(result, target: str, out_dir: str, as_json: bool) -> None:
     if as_json:
         print(json.dumps(result.to_json(), default=str))
         return
-    t = Table(title=f"AscendC projects on {target} -> {out_dir}/ (emulated)")
+    t = Table(title=f"op projects on {target} -> {out_dir}/ (emulated)")
     for col in ("op", "shape", "dtype", "plan", "verified", "est us", "vs roofline", "project"):
         t.add_column(col)
-    for r in result.projects:
+    for r in result.tuned:
         d = r.to_json()
         t.add_row(_op_name(d["op"], d["variant"]), d["shape"], d["dtype"],
                   ", ".join(f"{k}={v}" for k, v in d["plan"].items()), "yes" if d["verified"] else "[red]NO[/]",
                   _fmt(d["est_us"]), _fmt(d["roofline_ratio"], 2, "x"), d["project_dir"] or "-")
     out.print(t)
     for s in result.skipped:
-        out.print(f"[yellow]no project[/] {_op_name(s['op'], s['variant'])} {s['shape']} {s['dtype']}: "
+        where = " ".join(str(s[k]) for k in ("variant", "shape", "dtype") if k in s)
+        out.print(f"[yellow]no project[/] {_op_name(s['op'], s.get('variant', 'default'))} {where}: "
                   f"{escape(s['reason'])}")
-    if any(not r.verified for r in result.projects):
-        raise typer.Exit(1)
 
 
 def _print_profile(report) -> None:

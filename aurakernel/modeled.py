@@ -46,7 +46,7 @@ from .errors import UserError
 from .hardware import HardwareProfile
 from .ops import OPS
 from .profiler import FUSABLE, _Hooks, save_group_chart
-from .targets.host.ops import kernel_of as host_kernel
+from .targets import target_for
 
 MATMUL_ATEN = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "_grouped_mm", "matmul", "linear"}
 EXPERT_PARAMS = ".mlp.experts."
@@ -288,16 +288,11 @@ class _Tracer(TorchDispatchMode):
 def _planned_problem_us(problem, hw: HardwareProfile, bw: float) -> tuple[float, str]:
     """A problem's kernel time on the target, forward + backward: the planner's prediction where
     the target has a kernel for it, else the roofline of the operator's minimum traffic."""
-    from .targets import ascend
-    from .planner import solve_tiling
     spec = OPS[problem.op]
+    target = target_for(hw)
     try:
-        if hw.kind == "ascend" and ascend.supported(spec):
-            return ascend.plan(spec, problem, hw, target=hw.name, solver="highs").predicted_us, "planned"
-        if hw.kind == "host":
-            plan = solve_tiling(host_kernel(spec).tiling_problem(problem, hw), op=problem.op, variant=problem.variant,
-                                shape=problem.shape, dtype=problem.dtype.value, target=hw.name)
-            return plan.predicted_us, "planned"
+        if target.supported(spec):
+            return target.predicted_us(spec, problem, hw), "planned"
     except UserError:
         pass
     work = spec.work(problem, backward=False).bytes_moved + spec.work(problem, backward=True).bytes_moved

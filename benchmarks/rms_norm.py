@@ -19,7 +19,7 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from aurakernel.agent import measure_problem  # noqa: E402
+from aurakernel.targets.host.target import measure_problem  # noqa: E402
 from aurakernel.targets.host.build import build_kernel  # noqa: E402
 from aurakernel.hardware import load_calibration, load_profile  # noqa: E402
 from aurakernel.measure import compare  # noqa: E402

@@ -13,22 +13,22 @@ templates under templates/ascendc/<op>/.
 from __future__ import annotations
 
 import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from ... import emulator
-from ...codegen import render
+from ...codegen import Source, render
 from ...errors import PlanInfeasible
-from ...hardware import HardwareProfile
-from ...paths import write_text_atomic
+from ...hardware import HardwareProfile, load_profile
 from ...ops.base import OpSpec, Problem
+from ...paths import write_text_atomic
 from ...planner import Plan, solve_tiling
 from ...planner.ascend import ascend_rowwise_model, roofline_us
 from ...planner.model import ChoiceModel
 from ...planner.schedule import Pipeline, Schedule, ascend_row_pipeline, schedule_knobs, simulate, solve_schedule
 from ...verify import Check, Verification, check_case
+from ..result import TuneResult
 from .ops import kernel_of, supported
 
 PROJECT_FILES = {   # template -> file written into the op project
@@ -41,7 +41,7 @@ PROJECT_FILES = {   # template -> file written into the op project
 }
 SEEDS = (0, 1, 2)
 
-__all__ = ["AscendTuneResult", "kernel_of", "model", "plan", "render_project", "supported", "tune", "verify"]
+__all__ = ["TARGET", "estimate_summary", "kernel_of", "model", "plan", "render_project", "supported", "tune", "verify"]
 
 
 def model(spec: OpSpec, problem: Problem, hw: HardwareProfile) -> ChoiceModel:
@@ -136,50 +136,22 @@ def verify(spec: OpSpec, problems: list[Problem], knobs: dict[str, int], emu: Em
     return result
 
 
-@dataclass
-class AscendTuneResult:
-    problem: Problem
-    target: str
-    plan: Plan
-    hw: HardwareProfile
-    verification: Verification
-    estimate: dict[str, emulator.RunReport]     # phase -> the emulator's run at the full shape
-    project: dict[str, Path] = field(default_factory=dict)
-
-    @property
-    def verified(self) -> bool:
-        return self.verification.passed
-
-    def phase_summary(self) -> dict[str, dict]:
-        out = {}
-        for phase, rep in self.estimate.items():
-            busiest = rep.busiest_gm_bytes()
-            bound = roofline_us(busiest, self.hw)
-            est_us = rep.cycles / (self.hw.clock_ghz * 1e3)
-            slowest = max(rep.blocks, key=lambda b: b.makespan)
-            out[phase] = {"est_cycles": rep.cycles, "est_us": est_us, "pipes_cycles": rep.pipe_cycles(),
-                          "roofline_us": bound, "roofline_ratio": est_us / bound if bound else None,
-                          "ub_bytes": slowest.ub_used, "buffers": slowest.buffers}
-        return out
-
-    def to_json(self) -> dict:
-        p = self.problem
-        phases = self.phase_summary()
-        est_us = sum(ph["est_us"] for ph in phases.values())
-        bound = sum(ph["roofline_us"] for ph in phases.values())
-        return {
-            "op": p.op, "variant": p.variant, "shape": p.shape_text, "dtype": p.dtype.value, "target": self.target,
-            "plan": self.plan.knobs, "schedule": self.plan.schedule, "binding_constraint": self.plan.binding_constraint,
-            "predicted_us": self.plan.predicted_us, "predicted_pipes_us": self.plan.pipes_us,
-            "measured_us": None, "eager_us": None, "compiled_us": None,
-            "speedup_vs_eager": None, "speedup_vs_compiled": None,
-            "verified": self.verified, "verification": self.verification.summary,
-            "ub_bytes": max((ph["ub_bytes"] for ph in phases.values()), default=0),
-            "est_cycles": sum(ph["est_cycles"] for ph in phases.values()),
-            "est_us": est_us, "roofline_us": bound, "roofline_ratio": est_us / bound if bound else None,
-            "phases": phases, "project_dir": str(next(iter(self.project.values())).parent) if self.project else None,
-            "solver": self.plan.solver, "solve_s": self.plan.solve_s,
-        }
+def estimate_summary(estimate: dict[str, emulator.RunReport], hw: HardwareProfile, the_plan: Plan) -> dict:
+    """The emulator's run at the full shape as tune reports it: per phase its cycles, time, busiest
+    pipes, HBM roofline and UB use, and their totals."""
+    phases = {}
+    for phase, rep in estimate.items():
+        bound = roofline_us(rep.busiest_gm_bytes(), hw)
+        est_us = rep.cycles / (hw.clock_ghz * 1e3)
+        slowest = max(rep.blocks, key=lambda b: b.makespan)
+        phases[phase] = {"est_cycles": rep.cycles, "est_us": est_us, "pipes_cycles": rep.pipe_cycles(),
+                         "roofline_us": bound, "roofline_ratio": est_us / bound if bound else None,
+                         "ub_bytes": slowest.ub_used, "buffers": slowest.buffers}
+    est_us = sum(ph["est_us"] for ph in phases.values())
+    bound = sum(ph["roofline_us"] for ph in phases.values())
+    return {"schedule": the_plan.schedule, "ub_bytes": max((ph["ub_bytes"] for ph in phases.values()), default=0),
+            "est_cycles": sum(ph["est_cycles"] for ph in phases.values()), "est_us": est_us, "roofline_us": bound,
+            "roofline_ratio": est_us / bound if bound else None, "phases": phases}
 
 
 def emulate(spec: OpSpec, problem: Problem, knobs: dict[str, int], emu: Emulated) -> dict[str, emulator.RunReport]:
@@ -192,14 +164,15 @@ def emulate(spec: OpSpec, problem: Problem, knobs: dict[str, int], emu: Emulated
 
 
 def tune(spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, solver: str,
-         out_dir: Path | None) -> AscendTuneResult:
+         out_dir: Path | None = None) -> TuneResult:
     """Plan, render the op project, verify it in the emulator at tail shapes (3 seeds) and estimate
-    its cycles at the full shape."""
+    its cycles at the full shape (nothing runs here to time: measured_us stays None)."""
     kernel = kernel_of(spec)
     the_plan = plan(spec, problem, hw, target=target, solver=solver)
     knobs = the_plan.knobs
     with tempfile.TemporaryDirectory(prefix=f"ak-{spec.name}-") as scratch:
         project = render_project(spec, problem, knobs, Path(out_dir) if out_dir is not None else Path(scratch))
+        source_hash = Source("ascendc/kernel.cpp", project["kernel.cpp.j2"].read_text()).hash
         emu = Emulated(project, hw, knobs["block_dim"])
         verification = verify(spec, kernel.verification_problems(problem, knobs), knobs, emu)
         estimate = emulate(spec, problem, knobs, emu)
@@ -207,4 +180,34 @@ def tune(spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, so
     if errors:
         verification.checks.append(Check(problem.shape, 0, "kernel", float("nan"), float("nan"), False, errors[0]))
         verification.passed = False
-    return AscendTuneResult(problem, target, the_plan, hw, verification, estimate, project if out_dir is not None else {})
+    result = TuneResult(problem, target, the_plan, source_hash, verification,
+                        estimate=estimate_summary(estimate, hw, the_plan),
+                        project_dir=str(Path(out_dir)) if out_dir is not None else None)
+    if not verification.passed:
+        result.status, result.reasons = "verify_failed", [verification.summary]
+    return result
+
+
+class AscendTarget:
+    """An Ascend NPU profile: the UB-partition MILP and pipeline schedule, the op project rendered
+    and verified in the emulator, its cycles estimated (built for real where CANN is)."""
+
+    kind = "ascend"
+    swappable = False
+    writes_projects = True
+
+    def supported(self, spec: OpSpec) -> bool:
+        return supported(spec)
+
+    def profiling_hardware(self, hw: HardwareProfile) -> HardwareProfile:
+        return load_profile("host")   # the training step runs here; its problems are planned for the NPU
+
+    def predicted_us(self, spec: OpSpec, problem: Problem, hw: HardwareProfile) -> float:
+        return plan(spec, problem, hw, target=hw.name, solver="highs").predicted_us
+
+    def tune(self, spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, solver: str,
+             with_compiled: bool = False, with_compiled_kernel: bool = False, out_dir: Path | None = None) -> TuneResult:
+        return tune(spec, problem, hw, target=target, solver=solver, out_dir=out_dir)
+
+
+TARGET = AscendTarget()
