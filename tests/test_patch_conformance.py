@@ -46,6 +46,41 @@ def test_a_config_the_kernel_does_not_compute_stays_on_the_reference(override, o
     torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
 
 
+def test_a_changed_transformers_forward_is_not_replaced_by_a_stale_copy(monkeypatch):
+    """The compressors' and the decoder layer's patched forwards re-implement transformers' code:
+    when the installed transformers' source of one differs from the one copied, that module runs
+    the reference (its kernels still run inside it where they can) and the report says why."""
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
+
+    from aurakernel.patch import install
+
+    cfg = _cfg()
+    plan = plan_for(build_model(cfg.model, 0), ops=("compressor", "mhc_post", "rms_norm"))
+    upstream = v4.DeepseekV4HCACompressor.forward
+
+    def forward(self, *args, **kwargs):   # an upstream change: the same behaviour, another source
+        return upstream(self, *args, **kwargs)
+
+    monkeypatch.setattr(v4.DeepseekV4HCACompressor, "forward", forward)
+    install.source_hash.cache_clear()
+    try:
+        model = build_model(cfg.model, 0)
+        reference = copy.deepcopy(model)
+        report = apply(model, plan)
+    finally:
+        install.source_hash.cache_clear()
+    hca = {n for n, m in model.named_modules() if isinstance(m, v4.DeepseekV4HCACompressor)}
+    refused = [r for r in report.reference if r["module"] in hca]
+    assert hca and len(refused) == len(hca)
+    assert all("DeepseekV4HCACompressor.forward is not the source this patch re-implements" in r["reason"]
+               for r in refused)
+    assert all("forward" not in model.get_submodule(n).__dict__ for n in hca)   # the class's own forward runs
+    swapped = {s["module"] for s in report.swapped if s["op"] == "compressor"}
+    assert swapped and not swapped & hca   # the CSA compressor and the indexer keep their kernels
+    ids = torch.randint(0, cfg.model["vocab_size"], (2, 160), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("how", ["transformers", "torch.utils.checkpoint"])
 def test_activation_checkpointing_recomputes_patched_layers_through_the_kernels(how, monkeypatch):
     cfg = _cfg()

@@ -15,6 +15,7 @@ import warnings
 from importlib.metadata import entry_points
 
 from ..errors import UserError
+from ..parts import Part
 from .adamw import SPEC as ADAMW
 from .attn_softmax import SPEC as ATTN_SOFTMAX
 from .base import OpSpec, Problem
@@ -49,7 +50,7 @@ def register(*parts):
                 raise UserError(f"operator {part.name!r} is already registered (by {type(have).__module__}): "
                                 "choose another name")
             OPS[part.name] = part
-        elif callable(getattr(part, "register", None)) and isinstance(getattr(part, "spec", None), OpSpec):
+        elif isinstance(part, Part) and isinstance(part.spec, OpSpec):
             part.register()
         else:
             raise UserError(f"register takes an OpSpec, an operator's kernel (HostKernel, AscendKernel) or its Patch, "

@@ -86,4 +86,4 @@ class AdamWPatch(Patch):
         raise TypeError("adamw is swapped by building the optimizer with FusedAdamW, not by patching a module")
 
 
-PATCHES = (AdamWPatch(SPEC),)
+PARTS = (AdamWPatch(SPEC),)

@@ -93,4 +93,4 @@ class AttnSoftmaxPatch(Patch):
                 swap_globals(sub, eager_attention_forward=dispatch)
 
 
-PATCHES = (AttnSoftmaxPatch(SPEC),)
+PARTS = (AttnSoftmaxPatch(SPEC),)

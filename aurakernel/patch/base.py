@@ -15,12 +15,12 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from ..errors import UserError
-from ..ops.base import OpSpec, Problem
+from ..ops.base import Problem
+from ..parts import Part, Registry
 from .install import install
 
 # operator name -> its patch: the built-in ones (deepseek_v4.py) and those registered from outside
-PATCHES: dict[str, Patch] = {}
+PATCHES: Registry[Patch] = Registry("a patch", "has no patch")
 
 
 def bind(module: torch.nn.Module, lookup, op: str, methods) -> None:
@@ -44,17 +44,8 @@ def compiled_step(candidates: dict, notes: dict, name: str, step) -> None:
         notes[name] = f"torch.compile failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
 
 
-class Patch(ABC):
-    def __init__(self, spec: OpSpec):
-        self.spec = spec
-
-    def register(self) -> Patch:
-        """Make this the operator's patch (idempotent for the same patch)."""
-        have = PATCHES.get(self.spec.name)
-        if have is not None and have is not self:
-            raise UserError(f"operator {self.spec.name!r} already has a patch ({type(have).__name__})")
-        PATCHES[self.spec.name] = self
-        return self
+class Patch(Part, ABC):
+    registry = PATCHES
 
     @abstractmethod
     def call_problem(self, module: torch.nn.Module, args: tuple) -> Problem | None:

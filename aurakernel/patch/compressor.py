@@ -11,6 +11,7 @@ from ..ops.base import Problem, Tensors
 from ..ops.compressor import CompressorPool, SPEC, pool_reference
 from ..targets.host.library import built_kernel
 from .base import Patch, bind
+from .install import copied_from
 from .torch_op import torch_op
 
 
@@ -81,6 +82,7 @@ def _rope_at_windows(module, compressed, n_windows: int, batch: int, rope):
     return rope(compressed.unsqueeze(1), cos, sin).squeeze(1)
 
 
+@copied_from(v4.DeepseekV4HCACompressor, "forward", "3fb94114cb4ed493")
 def _hca_forward(self, hidden_states, q_residual, position_ids, cache, layer_idx):
     """DeepseekV4HCACompressor.forward (transformers 5.24), training path through the kernel."""
     if cache is not None:
@@ -105,6 +107,7 @@ def _hca_forward(self, hidden_states, q_residual, position_ids, cache, layer_idx
     return compressed_kv, block_bias
 
 
+@copied_from(v4.DeepseekV4CSACompressor, "forward", "3644b0ea966e20d2")
 def _csa_forward(self, hidden_states, q_residual, position_ids, cache, layer_idx):
     """DeepseekV4CSACompressor.forward (transformers 5.24), training path through the kernel."""
     if cache is not None:
@@ -127,6 +130,7 @@ def _csa_forward(self, hidden_states, q_residual, position_ids, cache, layer_idx
     return compressed_kv, block_bias[..., :compressed_len]
 
 
+@copied_from(v4.DeepseekV4Indexer, "forward", "428c5223ef907ac9")
 def _indexer_forward(self, hidden_states, q_residual, position_ids, cache, layer_idx):
     """DeepseekV4Indexer.forward (transformers 5.24), training path with its pooling through the kernel."""
     if cache is not None:
@@ -175,4 +179,4 @@ class CompressorPatch(Patch):
                                          (CompressorPool, "forward", _pool_forward)])
 
 
-PATCHES = (CompressorPatch(SPEC),)
+PARTS = (CompressorPatch(SPEC),)

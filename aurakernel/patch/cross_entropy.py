@@ -64,4 +64,4 @@ class CrossEntropyPatch(Patch):
         bind(module, lookup, self.spec.name, [(CrossEntropy, "forward", _module_forward)])
 
 
-PATCHES = (CrossEntropyPatch(SPEC),)
+PARTS = (CrossEntropyPatch(SPEC),)

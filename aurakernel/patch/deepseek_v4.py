@@ -17,25 +17,16 @@ import torch
 from torch import nn
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
 
-from ..errors import UserError
-from ..ops import OPS
-from ..ops.base import OpSpec
 from . import (adamw, attn_softmax, compressor, cross_entropy, indexer_score, mhc, mhc_post, rms_norm, rope, router,
                swiglu)
-from .base import PATCHES, Patch
+from ..ops import OPS
+from .base import PATCHES
 
-for _module in (rms_norm, mhc, mhc_post, router, swiglu, rope, attn_softmax, compressor, indexer_score,
-                cross_entropy, adamw):
-    for _patch in _module.PATCHES:
-        _patch.register()
+PATCHES.load(rms_norm, mhc, mhc_post, router, swiglu, rope, attn_softmax, compressor, indexer_score, cross_entropy,
+             adamw)
 
 
-def patch_of(spec: OpSpec) -> Patch:
-    """The operator's patch; a one-line error naming those that have one."""
-    patch = PATCHES.get(spec.name)
-    if patch is None:
-        raise UserError(f"operator {spec.name!r} has no patch: available for {', '.join(sorted(PATCHES))}")
-    return patch
+patch_of = PATCHES.of
 
 
 Key = Callable[[str, nn.Module, object], "tuple[int, ...] | None"]

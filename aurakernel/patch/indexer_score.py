@@ -58,4 +58,4 @@ class IndexerScorePatch(Patch):
         bind(module, lookup, self.spec.name, [(DeepseekV4IndexerScorer, "forward", _scorer_forward)])
 
 
-PATCHES = (IndexerScorePatch(SPEC),)
+PARTS = (IndexerScorePatch(SPEC),)

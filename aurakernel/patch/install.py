@@ -8,12 +8,16 @@ run with a copy of their globals holding the replacement. Only that module insta
 model in the process keeps the reference, and there is no context to enter, so activation-checkpoint
 recompute and torch.compile see the same code as the forward. A patch checks the preconditions
 of the math it replaces with `require`: a module it does not cover stays on the reference
-(`Refused`, reported by apply).
+(`Refused`, reported by apply). A patched method that re-implements a transformers method (the
+compressors' forwards, the decoder layer's) says so with `@copied_from(cls, attr, sha)`: `install`
+refuses it when the installed transformers' source of that method is not the one it copied, so an
+upstream change runs the reference instead of a stale copy.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import inspect
 import sys
 import types
@@ -31,6 +35,21 @@ def require(condition: bool, reason: str) -> None:
     """A precondition of the math a patch replaces; Refused(reason) when it does not hold."""
     if not condition:
         raise Refused(reason)
+
+
+@functools.cache
+def source_hash(cls: type, attribute: str) -> str:
+    """The hash of `cls.<attribute>`'s source (its decorators unwrapped)."""
+    return hashlib.sha256(inspect.getsource(inspect.unwrap(getattr(cls, attribute))).encode()).hexdigest()[:16]
+
+
+def copied_from(cls: type, attribute: str, sha: str):
+    """Mark a patched method as a re-implementation of transformers' `cls.<attribute>` whose source
+    hashed to `sha` when it was copied (install refuses it once that source changes)."""
+    def mark(fn):
+        fn._ak_copied_from = (cls, attribute, sha)
+        return fn
+    return mark
 
 
 _NAMESPACES: dict[tuple, types.ModuleType] = {}
@@ -80,6 +99,12 @@ def _keeping_checkpointing(module: torch.nn.Module, fn):
 def install(module: torch.nn.Module, attribute: str, fn) -> None:
     """module.<attribute> = fn bound to module, running with the module's swapped globals (and, for
     a forward of a checkpointing layer, still checkpointed when the model enables it)."""
+    copied = getattr(fn, "_ak_copied_from", None)
+    if copied is not None:
+        cls, name, sha = copied
+        require(source_hash(cls, name) == sha,
+                f"transformers' {cls.__name__}.{name} is not the source this patch re-implements (it changed "
+                f"since transformers 5.24): the module runs the reference")
     module.__dict__.setdefault("_ak_installed", {})[attribute] = fn
     method = _with_globals(fn, module.__dict__.get("_ak_globals", {}))
     if attribute == "forward":

@@ -137,4 +137,4 @@ class MhcPatch(Patch):
         install(module, "forward", _module_forward)
 
 
-PATCHES = (MhcPatch(PRE), MhcPatch(HEAD),)
+PARTS = (MhcPatch(PRE), MhcPatch(HEAD),)

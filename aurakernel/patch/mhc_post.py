@@ -11,7 +11,7 @@ from ..ops.layout import like_layout
 from ..ops.mhc_post import MhcPost, SPEC
 from ..targets.host.library import built_kernel
 from .base import Patch
-from .install import install
+from .install import copied_from, install
 from .torch_op import torch_op
 
 
@@ -48,6 +48,7 @@ def _post_forward(module: MhcPost, post, comb, block_output, hidden_states):
     return OP(post, comb, block_output, hidden_states, kernel)
 
 
+@copied_from(DeepseekV4DecoderLayer, "forward", "a46984c70748a453")
 def _layer_forward(self: DeepseekV4DecoderLayer, hidden_states, input_ids=None, **kwargs):
     """DeepseekV4DecoderLayer.forward (transformers 5.24) with both stream updates through _ak_post."""
     post, comb, collapsed = self.attn_hc(hidden_states)
@@ -76,4 +77,4 @@ class MhcPostPatch(Patch):
         install(module, "forward", _post_forward)
 
 
-PATCHES = (MhcPostPatch(SPEC),)
+PARTS = (MhcPostPatch(SPEC),)

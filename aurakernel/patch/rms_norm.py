@@ -82,4 +82,4 @@ class RmsNormPatch(Patch):
         install(module, "forward", _module_forward)
 
 
-PATCHES = (RmsNormPatch(SPEC),)
+PARTS = (RmsNormPatch(SPEC),)

@@ -74,4 +74,4 @@ class RopePatch(Patch):
                 swap_globals(sub, apply_rotary_pos_emb=dispatch)
 
 
-PATCHES = (RopePatch(SPEC),)
+PARTS = (RopePatch(SPEC),)

@@ -133,4 +133,4 @@ class RouterPatch(Patch):
                                          (RouterAfterLogits, "forward", _after_logits_forward)])
 
 
-PATCHES = (RouterPatch(SPEC),)
+PARTS = (RouterPatch(SPEC),)

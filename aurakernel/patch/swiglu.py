@@ -150,4 +150,4 @@ class SwigluPatch(Patch):
             install(module, "forward", _experts_forward)
 
 
-PATCHES = (SwigluPatch(SPEC),)
+PARTS = (SwigluPatch(SPEC),)

@@ -14,32 +14,22 @@ import math
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
-from ...errors import UserError
-from ...ops.base import OpSpec, Problem, Tensors
+from ...ops.base import Problem, Tensors
+from ...parts import Part, Registry
 
 
 # operator name -> its kernel: the built-in ones (ops/__init__.py) and those registered from outside
-KERNELS: dict[str, AscendKernel] = {}
+KERNELS: Registry[AscendKernel] = Registry("an AscendC kernel", "has no AscendC kernel yet")
 
 
-class AscendKernel(ABC):
+class AscendKernel(Part, ABC):
+    registry = KERNELS
     split_cols: ClassVar[bool] = False   # the kernel streams a row in column tiles (rows wider than the UB)
     # {phase: whether its compute step ends in scalar waits} for a template that renders the solved
     # pipeline schedule; None: the plain CopyIn / Compute / CopyOut order
     compute_waits_scalar: ClassVar[dict[str, bool] | None] = None
     # another operator's folder under templates/ascendc/ this kernel renders (mhc_head: mhc_pre's)
     template_dir: ClassVar[str | None] = None
-
-    def __init__(self, spec: OpSpec):
-        self.spec = spec
-
-    def register(self) -> AscendKernel:
-        """Make this the operator's kernel on this target (idempotent for the same kernel)."""
-        have = KERNELS.get(self.spec.name)
-        if have is not None and have is not self:
-            raise UserError(f"operator {self.spec.name!r} already has an AscendC kernel ({type(have).__name__})")
-        KERNELS[self.spec.name] = self
-        return self
 
     @property
     def folder(self) -> str:

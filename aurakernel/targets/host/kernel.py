@@ -10,8 +10,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ...errors import UserError
-from ...ops.base import OpSpec, Problem, Tensors
+from ...ops.base import Problem, Tensors
+from ...parts import Part, Registry
 from .library import Entry, Kernel
 
 if TYPE_CHECKING:
@@ -20,23 +20,13 @@ if TYPE_CHECKING:
 
 
 # operator name -> its kernel: the built-in ones (ops/__init__.py) and those registered from outside
-KERNELS: dict[str, HostKernel] = {}
+KERNELS: Registry[HostKernel] = Registry("a host kernel", "has no host kernel")
 
 
-class HostKernel(ABC):
+class HostKernel(Part, ABC):
+    registry = KERNELS
     entries: ClassVar[dict[str, Entry]] = {}     # the C entry points, by the name run_* call them with
     knob_docs: ClassVar[dict[str, str]] = {}     # what each planned knob means
-
-    def __init__(self, spec: OpSpec):
-        self.spec = spec
-
-    def register(self) -> HostKernel:
-        """Make this the operator's kernel on this target (idempotent for the same kernel)."""
-        have = KERNELS.get(self.spec.name)
-        if have is not None and have is not self:
-            raise UserError(f"operator {self.spec.name!r} already has a host kernel ({type(have).__name__})")
-        KERNELS[self.spec.name] = self
-        return self
 
     def template(self) -> str:
         """Template path under templates/ (or a spec's own template_dirs)."""

@@ -1,27 +1,16 @@
-"""The operators' AscendC kernels (kernel.KERNELS holds them by operator name). A
-third-party operator adds its own through aurakernel.register (HostKernel / AscendKernel.register)."""
+"""The operators' AscendC kernels (kernel.KERNELS holds them by operator name).
+A third-party operator adds its own through aurakernel.register."""
 
 from __future__ import annotations
 
-from ....errors import UserError
-from ....ops.base import OpSpec
-from ..kernel import KERNELS, AscendKernel
 from . import (adamw, attn_softmax, compressor, cross_entropy, indexer_score, mhc, mhc_post, rms_norm, rope, router,
                swiglu)
+from ....ops.base import OpSpec
+from ..kernel import KERNELS
 
-for _module in (rms_norm, mhc, mhc_post, router, swiglu, rope, attn_softmax, compressor, indexer_score,
-                cross_entropy, adamw):
-    for _kernel in _module.KERNELS:
-        _kernel.register()
-
-
-
-def kernel_of(spec: OpSpec) -> AscendKernel:
-    """The operator's AscendC kernel; a one-line error naming those that have one."""
-    kernel = KERNELS.get(spec.name)
-    if kernel is None:
-        raise UserError(f"operator {spec.name!r} has no AscendC kernel yet: available for {', '.join(sorted(KERNELS))}")
-    return kernel
+KERNELS.load(rms_norm, mhc, mhc_post, router, swiglu, rope, attn_softmax, compressor, indexer_score,
+             cross_entropy, adamw)
+kernel_of = KERNELS.of
 
 
 def supported(spec: OpSpec) -> bool:

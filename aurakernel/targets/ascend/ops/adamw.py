@@ -57,4 +57,4 @@ class AdamWAscend(AscendKernel):
         return {k: from_bytes(bufs[4 + i], outs[k]) for i, k in enumerate(("p", "m", "v"))}, {}, {"update": report}
 
 
-KERNELS = (AdamWAscend(SPEC),)
+PARTS = (AdamWAscend(SPEC),)

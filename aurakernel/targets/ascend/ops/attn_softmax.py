@@ -100,4 +100,4 @@ class AttnSoftmaxAscend(AscendKernel):
                 {"forward": fwd, "backward": bwd})
 
 
-KERNELS = (AttnSoftmaxAscend(SPEC),)
+PARTS = (AttnSoftmaxAscend(SPEC),)

@@ -164,4 +164,4 @@ class CompressorAscend(AscendKernel):
         return {"y": y, "rstd": rstd}, grads, {"forward": fwd, "backward": bwd}
 
 
-KERNELS = (CompressorAscend(SPEC),)
+PARTS = (CompressorAscend(SPEC),)

@@ -67,4 +67,4 @@ class CrossEntropyAscend(AscendKernel):
                 {"logits": from_bytes(bwd_bufs[3], dlogits)}, {"forward": fwd, "backward": bwd})
 
 
-KERNELS = (CrossEntropyAscend(SPEC),)
+PARTS = (CrossEntropyAscend(SPEC),)

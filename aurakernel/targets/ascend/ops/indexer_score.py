@@ -109,4 +109,4 @@ class IndexerScoreAscend(AscendKernel):
         return {"y": from_bytes(fwd_bufs[3], score)}, grads, {"forward": fwd, "backward": bwd}
 
 
-KERNELS = (IndexerScoreAscend(SPEC),)
+PARTS = (IndexerScoreAscend(SPEC),)

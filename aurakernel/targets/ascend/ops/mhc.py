@@ -139,4 +139,4 @@ class MhcAscend(AscendKernel):
         return outputs, grads, {"forward": fwd, "backward_head": bwd_head, "backward": bwd}
 
 
-KERNELS = (MhcAscend(PRE), MhcAscend(HEAD),)
+PARTS = (MhcAscend(PRE), MhcAscend(HEAD),)

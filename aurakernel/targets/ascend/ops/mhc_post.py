@@ -72,4 +72,4 @@ class MhcPostAscend(AscendKernel):
         return {"y": from_bytes(fwd_bufs[4], y)}, grads, {"forward": fwd, "backward": bwd}
 
 
-KERNELS = (MhcPostAscend(SPEC),)
+PARTS = (MhcPostAscend(SPEC),)

@@ -75,4 +75,4 @@ class RmsNormAscend(AscendKernel):
         return {"y": y, "rstd": rstd}, grads, {"forward": fwd, "backward": bwd}
 
 
-KERNELS = (RmsNormAscend(SPEC),)
+PARTS = (RmsNormAscend(SPEC),)

@@ -108,4 +108,4 @@ class RopeAscend(AscendKernel):
         return {"y": outs["forward"]}, {"x": outs["backward"]}, reports
 
 
-KERNELS = (RopeAscend(SPEC),)
+PARTS = (RopeAscend(SPEC),)

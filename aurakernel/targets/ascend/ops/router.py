@@ -114,4 +114,4 @@ class RouterAscend(AscendKernel):
         return ({"weights": weights, "indices": indices}, {"logits": from_bytes(bwd_bufs[3], d_logits)}, reports)
 
 
-KERNELS = (RouterAscend(SPEC),)
+PARTS = (RouterAscend(SPEC),)

@@ -53,4 +53,4 @@ class SwigluAscend(AscendKernel):
                 {"forward": fwd, "backward": bwd})
 
 
-KERNELS = (SwigluAscend(SPEC),)
+PARTS = (SwigluAscend(SPEC),)

@@ -52,4 +52,4 @@ class AdamWHost(HostKernel):
                 Problem(problem.op, problem.variant, (7,), problem.dtype)]
 
 
-KERNELS = (AdamWHost(SPEC),)
+PARTS = (AdamWHost(SPEC),)

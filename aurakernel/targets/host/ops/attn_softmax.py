@@ -56,4 +56,4 @@ class AttnSoftmaxHost(HostKernel):
         return [problem, Problem(problem.op, problem.variant, (2, heads + 1, tail, keys + 5), problem.dtype)]
 
 
-KERNELS = (AttnSoftmaxHost(SPEC),)
+PARTS = (AttnSoftmaxHost(SPEC),)

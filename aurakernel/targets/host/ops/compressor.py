@@ -62,4 +62,4 @@ class CompressorHost(HostKernel):
         return [problem, Problem(problem.op, problem.variant, (2, tail, ratio, d + 3), problem.dtype)]
 
 
-KERNELS = (CompressorHost(SPEC),)
+PARTS = (CompressorHost(SPEC),)

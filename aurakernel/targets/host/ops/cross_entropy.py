@@ -43,4 +43,4 @@ class CrossEntropyHost(HostKernel):
         kernel.call("bwd", logits, labels, outputs["lse"], grads["logits"], logits.shape[0], scale)
 
 
-KERNELS = (CrossEntropyHost(SPEC),)
+PARTS = (CrossEntropyHost(SPEC),)

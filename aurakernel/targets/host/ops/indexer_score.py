@@ -70,4 +70,4 @@ class IndexerScoreHost(HostKernel):
         return [problem, Problem(problem.op, problem.variant, (2, tail, heads, dim + 3, entries + 5), problem.dtype)]
 
 
-KERNELS = (IndexerScoreHost(SPEC),)
+PARTS = (IndexerScoreHost(SPEC),)

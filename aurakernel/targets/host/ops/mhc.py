@@ -81,4 +81,4 @@ class MhcHost(HostKernel):
         grads["scale"].copy_(d_scale[: grads["scale"].numel()])
 
 
-KERNELS = (MhcHost(PRE), MhcHost(HEAD),)
+PARTS = (MhcHost(PRE), MhcHost(HEAD),)

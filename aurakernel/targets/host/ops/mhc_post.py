@@ -48,4 +48,4 @@ class MhcPostHost(HostKernel):
                     grads["post"], grads["comb"], grads["out"], grads["h"], rows)
 
 
-KERNELS = (MhcPostHost(SPEC),)
+PARTS = (MhcPostHost(SPEC),)

@@ -57,4 +57,4 @@ class RmsNormHost(HostKernel):
         kernel.call("bwd", grad_outputs["y"], x, w, outputs["rstd"], grads["x"], dw, partial, rows)
 
 
-KERNELS = (RmsNormHost(SPEC),)
+PARTS = (RmsNormHost(SPEC),)

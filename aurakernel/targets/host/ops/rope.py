@@ -55,4 +55,4 @@ class RopeHost(HostKernel):
         return [problem, Problem(problem.op, problem.variant, (tail, heads + 1, head_dim + 3, rope_dim), problem.dtype)]
 
 
-KERNELS = (RopeHost(SPEC),)
+PARTS = (RopeHost(SPEC),)

@@ -69,4 +69,4 @@ class RouterHost(HostKernel):
         return [problem, Problem(problem.op, problem.variant, (tail, experts, top_k), problem.dtype)]
 
 
-KERNELS = (RouterHost(SPEC),)
+PARTS = (RouterHost(SPEC),)

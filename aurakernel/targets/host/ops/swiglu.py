@@ -48,4 +48,4 @@ class SwigluHost(HostKernel):
                     grads["gate_up"].stride(0), gate.shape[0], float(inputs.get("limit", LIMIT)))
 
 
-KERNELS = (SwigluHost(SPEC),)
+PARTS = (SwigluHost(SPEC),)
