@@ -68,27 +68,30 @@ def tune(
 ):
     """Solve the tiling model, build, verify, measure and record one kernel (AscendC targets:
     render the op project, verify it in the emulator and estimate its cycles)."""
-    from .agent import check_fits_in_memory
-    from .agent import tune as run_tune
-    from .targets import target_for
-    from .ops import get_op
-    from .planner.model import SOLVERS
-
+    from .agent import check_fits_in_memory, tune_problem
+    from .db import TuningDB
     from .hardware import load_profile
+    from .ops import get_op
+    from .paths import default_db_path
+    from .planner.model import SOLVERS
+    from .targets import target_for
 
     spec = get_op(op)
-    check_fits_in_memory(spec, spec.problem(shape, dtype, variant))   # validate everything before any slow step
+    problem = spec.problem(shape, dtype, variant)   # parsed once; validate everything before any slow step
+    check_fits_in_memory(spec, problem)
     if solver not in SOLVERS:
         raise UserError(f"unknown solver {solver!r}: accepted are {', '.join(SOLVERS)}")
-    if out_dir is not None and not target_for(load_profile(target)).writes_projects:
+    hw = load_profile(target)
+    if out_dir is not None and not target_for(hw).writes_projects:
         raise UserError(f"--out writes an AscendC op project: target {target!r} has none to write "
                         "(host kernels are built into the cache; `aurakernel show` lists them)")
     if out_dir is not None and Path(out_dir).exists() and not Path(out_dir).is_dir():
         raise UserError(f"--out {out_dir}: exists and is not a directory (the op project is a directory)")
     _ensure_calibrated(target)
+    hw = load_profile(target)   # with the calibration just taken, if this was the first run
     with err.status(f"tuning {op}..."):
-        result = run_tune(op, shape, dtype, variant=variant, target=target, solver=solver, db_path=db,
-                          with_compiled=compiled, out_dir=out_dir)
+        result = tune_problem(spec, problem, hw, target=target, solver=solver, db=TuningDB(db or default_db_path()),
+                              with_compiled=compiled, out_dir=Path(out_dir) if out_dir is not None else None)
     if as_json:
         print(json.dumps(result.to_json(), default=str))
         return
