@@ -16,6 +16,14 @@ def apply(model, plan, **kwargs):
     return _apply(model, plan, **kwargs)
 
 
+def patch_deepseek_v4(plan, **kwargs):
+    """Patch every DeepSeek-V4 model built from now on with the kernels of a plan (like Liger's
+    apply_liger_kernel_to_<model>); returns a ClassPatch (a context manager, `.undo()`, `.reports`)."""
+    from .swap import patch_deepseek_v4 as _patch
+
+    return _patch(plan, **kwargs)
+
+
 def register(*parts):
     """Add a third-party operator (its OpSpec and its kernels) to the library; see aurakernel/ops/__init__.py."""
     from .ops import register as _register
@@ -23,4 +31,4 @@ def register(*parts):
     return _register(*parts)
 
 
-__all__ = ["__version__", "apply", "register"]
+__all__ = ["__version__", "apply", "patch_deepseek_v4", "register"]

@@ -8,6 +8,8 @@ the reference otherwise. The report says what was swapped, and what stayed on th
 
 from __future__ import annotations
 
+import functools
+import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -110,16 +112,21 @@ def _rebuild_and_verify(entry: PlanEntry, hw) -> tuple[str | None, str | None]:
     return kernel.source_hash, None
 
 
+def _plan_of(plan: KernelPlan | dict | str | Path) -> KernelPlan:
+    if isinstance(plan, dict):
+        return KernelPlan.from_dict(plan)
+    if isinstance(plan, str | Path):
+        return KernelPlan.load(plan)
+    if not isinstance(plan, KernelPlan):
+        raise UserError(f"apply takes a kernel plan (a KernelPlan, its dict or a plan file path), "
+                        f"got {type(plan).__name__}")
+    return plan
+
+
 def apply(model: torch.nn.Module, plan: KernelPlan | dict | str | Path, target: str = "host") -> ApplyReport:
     """Patch `model` with the verified kernels of `plan`: a KernelPlan, its dict (as json.load gives
     it) or a plan file's path."""
-    if isinstance(plan, dict):
-        plan = KernelPlan.from_dict(plan)
-    elif isinstance(plan, str | Path):
-        plan = KernelPlan.load(plan)
-    elif not isinstance(plan, KernelPlan):
-        raise UserError(f"apply takes a kernel plan (a KernelPlan, its dict or a plan file path), "
-                        f"got {type(plan).__name__}")
+    plan = _plan_of(plan)
     report = ApplyReport()
     hw = load_profile(target)
 
@@ -166,3 +173,65 @@ def apply(model: torch.nn.Module, plan: KernelPlan | dict | str | Path, target: 
                                "kernel_key": list(site.kernel_key) if site.kernel_key else "per call",
                                "dtypes": dtypes})
     return report
+
+
+class ClassPatch:
+    """While active, every DeepSeek-V4 model built (DeepseekV4ForCausalLM, DeepseekV4Model, from
+    their constructors or from_pretrained) is patched with the plan once its outermost constructor
+    returns; `reports` holds one ApplyReport per model. A context manager; `undo()` ends it."""
+
+    def __init__(self, plan: KernelPlan, target: str):
+        self.plan, self.target = plan, target
+        self.reports: list[ApplyReport] = []
+        self._saved: dict[type, object] = {}
+        self._depth = threading.local()
+        for cls in _deepseek_v4_model_classes():
+            self._saved[cls] = cls.__dict__.get("__init__")
+            cls.__init__ = self._wrapped(cls.__init__)
+
+    def _wrapped(self, init):
+        patch = self
+
+        @functools.wraps(init)
+        def __init__(model, *args, **kwargs):
+            depth = getattr(patch._depth, "n", 0)
+            patch._depth.n = depth + 1
+            try:
+                init(model, *args, **kwargs)
+            finally:
+                patch._depth.n = depth
+            if depth == 0:   # the outermost model: its submodels are patched with it, once
+                patch.reports.append(apply(model, patch.plan, patch.target))
+        return __init__
+
+    def undo(self) -> None:
+        for cls, init in self._saved.items():
+            if init is None:
+                del cls.__init__
+            else:
+                cls.__init__ = init
+        self._saved.clear()
+
+    def __enter__(self) -> ClassPatch:
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.undo()
+        return False
+
+
+def _deepseek_v4_model_classes() -> list[type]:
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
+    found, todo = [], [v4.DeepseekV4PreTrainedModel]
+    while todo:
+        cls = todo.pop()
+        for sub in cls.__subclasses__():
+            found.append(sub)
+            todo.append(sub)
+    return found
+
+
+def patch_deepseek_v4(plan: KernelPlan | dict | str | Path, target: str = "host") -> ClassPatch:
+    """Liger's `apply_liger_kernel_to_<model>()`: patch every DeepSeek-V4 model built from now on
+    with `plan` (checked now: a bad plan is an error here, not at the first model)."""
+    return ClassPatch(_plan_of(plan), target)

@@ -81,6 +81,36 @@ def test_a_changed_transformers_forward_is_not_replaced_by_a_stale_copy(monkeypa
     torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
 
 
+def test_patch_deepseek_v4_patches_every_model_built_while_active_and_survives_save_load(tmp_path):
+    """The class-level entry point (Liger's apply_liger_kernel_to_<model>): every model built while
+    it is active, by its constructor or from_pretrained, is patched once (the outermost model); a
+    patched model saves and loads back to the same logits; models built after undo are not patched."""
+    import aurakernel
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4ForCausalLM, DeepseekV4RMSNorm
+
+    cfg = _cfg()
+    plan = plan_for(build_model(cfg.model, 0))
+    reference = build_model(cfg.model, 0)
+    ids = torch.randint(0, cfg.model["vocab_size"], (2, 160), generator=torch.Generator().manual_seed(0))
+    expected = reference(input_ids=ids).logits
+    with pytest.raises(UserError, match="apply takes a kernel plan"):
+        aurakernel.patch_deepseek_v4(42)
+    with aurakernel.patch_deepseek_v4(plan) as patched:
+        model = build_model(cfg.model, 0)
+        assert len(patched.reports) == 1 and not patched.reports[0].rejected
+        assert {s["op"] for s in patched.reports[0].swapped} >= {"rms_norm", "mhc_pre", "mhc_post", "swiglu", "rope"}
+        model.save_pretrained(tmp_path / "saved")
+        loaded = DeepseekV4ForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.float32)
+        assert len(patched.reports) == 2
+    norms = [m for m in loaded.modules() if isinstance(m, DeepseekV4RMSNorm)]
+    assert norms and all("forward" in m.__dict__ for m in norms)   # patched on the instance
+    torch.testing.assert_close(model(input_ids=ids).logits, expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(loaded(input_ids=ids).logits, expected, rtol=1e-4, atol=1e-5)
+    after = build_model(cfg.model, 0)
+    assert len(patched.reports) == 2
+    assert not any("forward" in m.__dict__ for m in after.modules() if isinstance(m, DeepseekV4RMSNorm))
+
+
 @pytest.mark.parametrize("how", ["transformers", "torch.utils.checkpoint"])
 def test_activation_checkpointing_recomputes_patched_layers_through_the_kernels(how, monkeypatch):
     cfg = _cfg()
