@@ -3,6 +3,13 @@
 The figures overlay the host profile (hardware.host_profile) and feed the cost model and the MFU.
 They are cached per machine in the user's cache dir; `aurakernel calibrate` refreshes them, and
 `aurakernel calibrate --fit` fits the cost model's coefficients to measurements (planner/fit.py).
+
+A calibration taken on a busy machine would mislead every MFU and cost prediction after it, so the
+figures are checked before they are kept (`implausible`: more threads streaming slower than fewer,
+repeats that spread apart); an implausible run is measured again, and one that stays implausible is
+kept with its warnings, which `aurakernel show` and `train` print. Each matmul probe is sized to
+run in a fraction of a second, so a dtype with no fast path (bf16 on an AVX2-only CPU) costs
+seconds, not minutes, and is reported as having none.
 """
 
 from __future__ import annotations
@@ -27,7 +34,14 @@ def _probe(threads: int):
     return compile_source(render("host/calibrate.c.j2", {"threads": threads}), _ENTRIES)
 
 
-def stream_gbps(threads: int, mbytes: int = 256) -> float:
+SPREAD_LIMIT = 1.5        # slowest / fastest repeat of one probe beyond this: the machine was busy
+THREAD_SLOWDOWN = 0.85    # n threads streaming below this share of n-1 threads' bandwidth: the same
+MATMUL_BUDGET_S = 0.25    # one timed matmul at most this long: the probe shrinks its size to fit
+NO_FAST_PATH = 0.5        # a dtype below this share of fp32's peak has no fast path here
+
+
+def _stream_runs(threads: int, mbytes: int = 256) -> list[float]:
+    """GB/s of each of 5 repeats of a 2-array copy of `mbytes` on `threads` threads."""
     n = mbytes * 2**20 // 8  # two arrays of n floats: mbytes in all
     a, b = torch.empty(n), torch.ones(n)
     a.fill_(0.0)
@@ -36,8 +50,27 @@ def stream_gbps(threads: int, mbytes: int = 256) -> float:
     runs = []
     for _ in range(5):
         k.call("stream", a, b, n, 2, out)
-        runs.append(float(out))
-    return 2 * n * 4 / statistics.median(runs) / 1e9
+        runs.append(2 * n * 4 / float(out) / 1e9)
+    return runs
+
+
+def stream_gbps(threads: int, mbytes: int = 256) -> float:
+    return statistics.median(_stream_runs(threads, mbytes))
+
+
+def implausible(stream_runs: dict[int, list[float]]) -> list[str]:
+    """What makes a set of stream measurements (threads -> repeats, GB/s) untrustworthy: more
+    threads slower than fewer, or repeats that spread apart (another process competing)."""
+    problems = []
+    medians = {t: statistics.median(r) for t, r in sorted(stream_runs.items())}
+    for t, runs in sorted(stream_runs.items()):
+        if min(runs) > 0 and max(runs) / min(runs) > SPREAD_LIMIT:
+            problems.append(f"stream on {t} thread(s): repeats spread {max(runs) / min(runs):.1f}x "
+                            f"({min(runs):.1f} to {max(runs):.1f} GB/s)")
+        if t - 1 in medians and medians[t] < THREAD_SLOWDOWN * medians[t - 1]:
+            problems.append(f"stream on {t} threads ({medians[t]:.1f} GB/s) is slower than on {t - 1} "
+                            f"({medians[t - 1]:.1f} GB/s)")
+    return problems
 
 
 def fork_overhead_us(threads: int) -> float:
@@ -63,37 +96,58 @@ def call_overhead_us() -> float:
     return statistics.median(runs) * 1e6
 
 
-def matmul_tflops(dtype: torch.dtype, n: int = 2048) -> float:
+def _mm_seconds(dtype: torch.dtype, n: int, reps: int) -> float:
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     torch.mm(a, b)
     runs = []
-    for _ in range(5):
+    for _ in range(reps):
         t0 = time.perf_counter()
         torch.mm(a, b)
         runs.append(time.perf_counter() - t0)
-    return 2 * n**3 / statistics.median(runs) / 1e12
+    return statistics.median(runs)
 
 
-def calibrate(progress=None) -> dict:
-    """Run every probe; returns (and caches) the calibration overlay."""
+def matmul_tflops(dtype: torch.dtype, n: int = 4096, budget_s: float = MATMUL_BUDGET_S) -> float:
+    """The best square GEMM rate on all threads: sized up from 512 to at most `n` while one product
+    stays within `budget_s` (a dtype without a fast path stays small and costs seconds)."""
+    size, seconds = 512, _mm_seconds(dtype, 512, 3)
+    while size * 2 <= n and seconds * 8 <= budget_s:
+        size *= 2
+        seconds = _mm_seconds(dtype, size, 3)
+    if size >= 1024:   # large enough to be at the machine's rate: the best of 5
+        seconds = _mm_seconds(dtype, size, 5)
+    return 2 * size**3 / seconds / 1e12
+
+
+def calibrate(progress=None, attempts: int = 3) -> dict:
+    """Run every probe; returns (and caches) the calibration overlay. Streams that look measured on
+    a busy machine are measured again (up to `attempts` times); `warnings` lists what stayed wrong."""
     cores = host_cores()
     torch.set_num_threads(cores)
-    steps = [("stream", t) for t in range(1, cores + 1)] + [("fork", cores), ("call", 0),
-                                                              ("mm", torch.float32), ("mm", torch.bfloat16)]
     cal = {"stream_gbps": {}, "call_overhead_us": 0.0, "fork_overhead_us": 0.0, "peak_tflops": {}}
-    for kind, arg in steps:
+    for attempt in range(attempts):
+        runs = {}
+        for t in range(1, cores + 1):
+            if progress:
+                progress(f"stream {t}" + (f" (again: attempt {attempt + 1})" if attempt else ""))
+            runs[t] = _stream_runs(t)
+        warnings = implausible(runs)
+        if not warnings:
+            break
+    cal["stream_gbps"] = {str(t): round(statistics.median(r), 3) for t, r in runs.items()}
+    if progress:
+        progress(f"fork {cores}")
+    cal["fork_overhead_us"] = round(fork_overhead_us(cores), 3)
+    if progress:
+        progress("call")
+    cal["call_overhead_us"] = round(call_overhead_us(), 3)
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         if progress:
-            progress(f"{kind} {arg if kind != 'call' else ''}".strip())
-        if kind == "stream":
-            cal["stream_gbps"][str(arg)] = round(stream_gbps(arg), 3)
-        elif kind == "fork":
-            cal["fork_overhead_us"] = round(fork_overhead_us(arg), 3)
-        elif kind == "call":
-            cal["call_overhead_us"] = round(call_overhead_us(), 3)
-        else:
-            name = "fp32" if arg == torch.float32 else "bf16"
-            cal["peak_tflops"][name] = round(matmul_tflops(arg), 4)
+            progress(f"mm {name}")
+        cal["peak_tflops"][name] = round(matmul_tflops(dtype), 4)
     cal["peak_tflops"]["fp16"] = cal["peak_tflops"]["bf16"]
+    cal["no_fast_path"] = [d for d in ("bf16", "fp16") if cal["peak_tflops"][d] < NO_FAST_PATH * cal["peak_tflops"]["fp32"]]
+    cal["warnings"] = warnings
     cal["measured_at"] = time.time()
     # coefficients fitted to the tuning DB (`calibrate --fit`) survive a re-measure: they are scales
     # on top of these figures, still the best estimate until the next fit
@@ -105,3 +159,14 @@ def calibrate(progress=None) -> dict:
     return cal
 
 
+def describe(cal: dict | None) -> str:
+    """One line on the calibration in use: when it was taken and what to distrust in it."""
+    if not cal:
+        return "calibration: none yet (the first tune or train measures this machine)"
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(cal["measured_at"])) if "measured_at" in cal else "unknown time"
+    line = f"calibration: taken {when} ({cal.get('path', 'cache')})"
+    if cal.get("no_fast_path"):
+        line += f"; no fast matmul path for {', '.join(cal['no_fast_path'])}"
+    if cal.get("warnings"):
+        line += f"; IMPLAUSIBLE ({'; '.join(cal['warnings'])}): re-run `aurakernel calibrate` on an idle machine"
+    return line

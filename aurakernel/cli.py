@@ -44,6 +44,14 @@ def _fmt(v, digits=1, suffix=""):
     return "-" if v is None else f"{v:,.{digits}f}{suffix}"
 
 
+def _print_calibration() -> None:
+    """Which calibration the MFU and the cost model used, when it was taken, what to distrust in it."""
+    from .calibrate import describe
+    from .hardware import load_calibration
+    cal = load_calibration()
+    out.print(("[yellow]" if cal and cal.get("warnings") else "") + escape(describe(cal)))
+
+
 def _ensure_calibrated(target: str) -> None:
     from .hardware import load_calibration
     if target == "host" and load_calibration() is None:
@@ -372,6 +380,7 @@ def train(
     if result["checkpoint"]:
         out.print(f"checkpoint: {result['checkpoint']}" + (f" (resumed at step {result['start_step']})"
                                                            if result["start_step"] else ""))
+    _print_calibration()
     if result["export"]:
         out.print(f"exported to {result['export']}")
 
@@ -409,6 +418,7 @@ def show(
                   _fmt(r["measured_us"]), _fmt(r["eager_us"]), _fmt(r["compiled_us"]),
                   "yes" if r["verified"] else "no", r["status"])
     out.print(t)
+    _print_calibration()
 
 
 @app.command()
@@ -442,8 +452,10 @@ def calibrate(
     t.add_row("call overhead", f"{cal['call_overhead_us']:.2f} us")
     t.add_row("fork/join overhead", f"{cal['fork_overhead_us']:.2f} us")
     for k, v in cal["peak_tflops"].items():
-        t.add_row(f"matmul peak {k}", f"{v:.3f} TFLOP/s")
+        t.add_row(f"matmul peak {k}", f"{v:.3f} TFLOP/s" + (" (no fast path on this CPU)" if k in cal["no_fast_path"] else ""))
     out.print(t)
+    for w in cal["warnings"]:
+        out.print(f"[yellow]implausible after 3 attempts[/] {escape(w)}: the machine looks busy; re-run on an idle one")
 
 
 def _calibrate_fit(target: str, db: str | None, samples: int | None, as_json: bool) -> None:

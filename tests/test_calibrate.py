@@ -1,0 +1,74 @@
+"""`aurakernel calibrate`: a calibration taken on a busy machine is measured again, or kept with a
+warning that show / train print; the matmul probe is bounded in time and reports a dtype without a
+fast path. The probes themselves are replaced by stand-ins that play a busy or an AVX2-only machine."""
+
+import pytest
+
+from aurakernel import calibrate
+from aurakernel.hardware import host_cores, load_calibration
+
+
+def test_implausible_names_more_threads_slower_and_spread_repeats():
+    assert calibrate.implausible({1: [15.0] * 5, 2: [27.0, 27.5, 26.8, 27.1, 27.2]}) == []
+    slower = calibrate.implausible({1: [15.1] * 5, 2: [8.3] * 5})
+    assert len(slower) == 1 and "on 2 threads (8.3 GB/s) is slower than on 1 (15.1 GB/s)" in slower[0]
+    spread = calibrate.implausible({1: [15.0, 15.0, 4.0, 15.0, 15.0]})
+    assert len(spread) == 1 and "repeats spread 3.8x" in spread[0]
+
+
+@pytest.fixture
+def stand_ins(tmp_path, monkeypatch):
+    monkeypatch.setenv("AURAKERNEL_CACHE_DIR", str(tmp_path / "cache"))   # keep the session's calibration
+    for probe, value in (("fork_overhead_us", 2.5), ("call_overhead_us", 0.5)):
+        monkeypatch.setattr(calibrate, probe, lambda *a, value=value, **k: value)
+    monkeypatch.setattr(calibrate, "matmul_tflops", lambda dtype, **k: 1.0 if dtype.itemsize == 4 else 0.01)
+    return monkeypatch
+
+
+def _busy_then_idle(busy_attempts: int):
+    """Stream repeats that spread apart (another process competing) for the first attempts."""
+    calls = []
+
+    def runs(threads, mbytes=256):
+        calls.append(threads)
+        attempt = (len(calls) - 1) // host_cores()
+        return [10.0 * threads, 3.0, 10.0 * threads] if attempt < busy_attempts else [10.0 * threads] * 5
+    return runs, calls
+
+
+def test_a_busy_first_measurement_is_measured_again(stand_ins):
+    runs, calls = _busy_then_idle(busy_attempts=1)
+    stand_ins.setattr(calibrate, "_stream_runs", runs)
+    cal = calibrate.calibrate()
+    assert len(calls) == 2 * host_cores()   # every thread count measured twice
+    assert cal["warnings"] == [] and cal["stream_gbps"]["1"] == 10.0
+    assert load_calibration()["stream_gbps"] == cal["stream_gbps"]
+    assert cal["no_fast_path"] == ["bf16", "fp16"]
+    assert "no fast matmul path for bf16, fp16" in calibrate.describe(cal) and "IMPLAUSIBLE" not in calibrate.describe(cal)
+
+
+def test_a_machine_that_stays_busy_is_kept_with_its_warning(stand_ins):
+    runs, calls = _busy_then_idle(busy_attempts=99)
+    stand_ins.setattr(calibrate, "_stream_runs", runs)
+    cal = calibrate.calibrate()
+    assert len(calls) == 3 * host_cores()
+    assert cal["warnings"] and all("repeats spread" in w for w in cal["warnings"])
+    line = calibrate.describe(load_calibration())
+    assert "IMPLAUSIBLE" in line and "re-run `aurakernel calibrate` on an idle machine" in line
+    assert "none yet" in calibrate.describe(None)
+
+
+def test_the_matmul_probe_stays_small_where_a_dtype_is_slow(monkeypatch):
+    sizes = []
+
+    def seconds(dtype, n, reps, per_flop):
+        sizes.append(n)
+        return 2 * n**3 * per_flop
+
+    monkeypatch.setattr(calibrate, "_mm_seconds", lambda dtype, n, reps: seconds(dtype, n, reps, 1e-9))   # 1 GFLOP/s
+    slow = calibrate.matmul_tflops(None)
+    assert set(sizes) == {512} and slow == pytest.approx(1e-3)   # one 0.27 s product: no larger size tried
+    sizes.clear()
+    monkeypatch.setattr(calibrate, "_mm_seconds", lambda dtype, n, reps: seconds(dtype, n, reps, 1e-12))   # 1 TFLOP/s
+    fast = calibrate.matmul_tflops(None)
+    assert max(sizes) == 4096 and fast == pytest.approx(1.0)
