@@ -123,7 +123,7 @@ def _cross_entropy_call():
     """A cross_entropy kernel and one call's args (the trainer's loss, not a model module)."""
     spec = get_op("cross_entropy")
     problem = Problem("cross_entropy", "default", (40, 512), DType.fp32)
-    kernel = build_kernel(spec, problem, {"tile_rows": 4, "threads": 2})
+    kernel = build_kernel(spec, problem, {"tile_rows": 4, "col_chunk": 128, "threads": 2})   # 4 chunks a row
     g = torch.Generator().manual_seed(3)
     labels = torch.randint(0, 512, (40,), generator=g)
     labels[::7] = -100
