@@ -20,7 +20,7 @@ import time
 import torch
 
 from .codegen import render
-from .hardware import host_cores, load_calibration, save_calibration
+from .hardware import _cpu_flags, host_cores, host_profile, load_calibration, save_calibration
 from .targets.host.library import Entry, compile_source
 
 _ENTRIES = {
@@ -119,6 +119,20 @@ def matmul_tflops(dtype: torch.dtype, n: int = 4096, budget_s: float = MATMUL_BU
     return 2 * size**3 / seconds / 1e12
 
 
+def theoretical_tflops(cores: int, clock_ghz: float, simd_bytes: int, flags: set[str]) -> dict[str, float]:
+    """The peak the ISA allows, an estimate stated beside the measured one: two FMA pipes of the
+    SIMD width per core (2 x lanes x 2 FLOP per cycle); bf16 through AMX tiles where the CPU has them
+    (1024 FLOP per cycle per core), through AVX512-BF16 dot products (twice fp32's), else fp32's rate."""
+    fp32 = cores * clock_ghz * 2 * (simd_bytes // 4) * 2 / 1e3
+    if "amx_bf16" in flags:
+        bf16 = cores * clock_ghz * 1024 / 1e3
+    elif "avx512_bf16" in flags:
+        bf16 = 2 * fp32
+    else:
+        bf16 = fp32
+    return {"fp32": round(fp32, 4), "bf16": round(bf16, 4)}
+
+
 def calibrate(progress=None, attempts: int = 3) -> dict:
     """Run every probe; returns (and caches) the calibration overlay. Streams that look measured on
     a busy machine are measured again (up to `attempts` times); `warnings` lists what stayed wrong."""
@@ -146,6 +160,9 @@ def calibrate(progress=None, attempts: int = 3) -> dict:
             progress(f"mm {name}")
         cal["peak_tflops"][name] = round(matmul_tflops(dtype), 4)
     cal["peak_tflops"]["fp16"] = cal["peak_tflops"]["bf16"]
+    hw = host_profile(calibrated=False)
+    cal["theoretical_tflops"] = theoretical_tflops(cores, hw.clock_ghz, hw.simd_bytes, _cpu_flags())
+    cal["theoretical_clock_ghz"] = round(hw.clock_ghz, 3)   # the OS's reported clock: turbo can exceed it
     cal["no_fast_path"] = [d for d in ("bf16", "fp16") if cal["peak_tflops"][d] < NO_FAST_PATH * cal["peak_tflops"]["fp32"]]
     cal["warnings"] = warnings
     cal["measured_at"] = time.time()

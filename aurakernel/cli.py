@@ -452,7 +452,9 @@ def calibrate(
     t.add_row("call overhead", f"{cal['call_overhead_us']:.2f} us")
     t.add_row("fork/join overhead", f"{cal['fork_overhead_us']:.2f} us")
     for k, v in cal["peak_tflops"].items():
-        t.add_row(f"matmul peak {k}", f"{v:.3f} TFLOP/s" + (" (no fast path on this CPU)" if k in cal["no_fast_path"] else ""))
+        ideal = cal["theoretical_tflops"].get(k)
+        t.add_row(f"matmul peak {k}", f"{v:.3f} TFLOP/s" + (f" (ISA peak ~{ideal:.2f} at the reported {cal['theoretical_clock_ghz']} GHz: an estimate)" if ideal else "")
+                  + (" (no fast path on this CPU)" if k in cal["no_fast_path"] else ""))
     out.print(t)
     for w in cal["warnings"]:
         out.print(f"[yellow]implausible after 3 attempts[/] {escape(w)}: the machine looks busy; re-run on an idle one")

@@ -72,3 +72,12 @@ def test_the_matmul_probe_stays_small_where_a_dtype_is_slow(monkeypatch):
     monkeypatch.setattr(calibrate, "_mm_seconds", lambda dtype, n, reps: seconds(dtype, n, reps, 1e-12))   # 1 TFLOP/s
     fast = calibrate.matmul_tflops(None)
     assert max(sizes) == 4096 and fast == pytest.approx(1.0)
+
+
+def test_the_theoretical_peak_follows_the_isa():
+    avx2 = calibrate.theoretical_tflops(2, 2.0, 32, {"avx2", "fma"})
+    assert avx2 == {"fp32": pytest.approx(0.128), "bf16": pytest.approx(0.128)}   # 2 cores x 2 GHz x 32 FLOP/cycle
+    avx512 = calibrate.theoretical_tflops(2, 2.0, 64, {"avx512f", "avx512_bf16"})
+    assert avx512 == {"fp32": pytest.approx(0.256), "bf16": pytest.approx(0.512)}
+    amx = calibrate.theoretical_tflops(2, 2.0, 64, {"avx512f", "amx_bf16"})
+    assert amx["bf16"] == pytest.approx(4.096)
