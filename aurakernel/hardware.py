@@ -199,8 +199,25 @@ def _parse_size(text: str) -> int:
     return int(text.rstrip("KMG")) * mult
 
 
+def _cache_override() -> dict[str, int]:
+    """AURAKERNEL_HOST_CACHES=L1=32K,L2=512K: plan for another machine's cache sizes (the AVX2 EPYC
+    this project also runs on), e.g. to test there from here."""
+    text = os.environ.get("AURAKERNEL_HOST_CACHES", "").strip()
+    out = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        level, _, size = item.partition("=")
+        try:
+            out[level.strip().upper()] = _parse_size(size)
+        except ValueError:
+            size = ""
+        if level.strip().upper() not in ("L1", "L2", "L3") or not size:
+            raise UserError(f"AURAKERNEL_HOST_CACHES={text!r}: accepted is a list like L1=32K,L2=512K")
+    return out
+
+
 def _caches() -> dict[str, int]:
-    """Data/unified cache sizes of cpu0 by level name (L1, L2, L3), from sysfs."""
+    """Data/unified cache sizes of cpu0 by level name (L1, L2, L3), from sysfs, with those
+    AURAKERNEL_HOST_CACHES sets in their place."""
     found: dict[str, int] = {}
     for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
         try:
@@ -210,7 +227,7 @@ def _caches() -> dict[str, int]:
             found[level] = _parse_size((index / "size").read_text())
         except (OSError, ValueError):
             continue
-    return found
+    return {**found, **_cache_override()}
 
 
 def machine_id() -> str:

@@ -70,7 +70,8 @@ def test_l1_limits_the_column_chunk(host):
     """On a machine with ample bandwidth the loop overhead of small chunks is what costs, so the
     L1 that caps the chunk is the binding constraint."""
     problem = SPEC.problem("1024x16384", "fp32", "weighted")
-    tiny_l1 = shrink(host, "L1", 8 * 1024)
+    # an L2 that holds a tile of these 64 KB rows on any machine (512 KB ones included): the L1 binds
+    tiny_l1 = shrink(shrink(host, "L1", 8 * 1024), "L2", max(host.memory["L2"].capacity, 2 * 2**20))
     tiny_l1 = dataclasses.replace(tiny_l1, stream_gbps={t: v * 100 for t, v in host.stream_gbps.items()})
     plan = solve_tiling(host_kernel(SPEC).tiling_problem(problem, tiny_l1), op="rms_norm", variant="weighted",
                         shape=problem.shape, dtype="fp32", target="host")
