@@ -25,8 +25,8 @@ from .profiler import ProfileReport, Workload, profile_training
 from .targets import target_for
 from .targets.result import TuneResult
 
-__all__ = ["AutotuneResult", "TuneResult", "autotune", "check_fits_in_memory", "problems_from_profile", "tune",
-           "tune_problem"]
+__all__ = ["AutotuneResult", "TuneResult", "autotune", "check_fits_in_memory", "distinct_problems", "kernel_identity",
+           "plan_entry", "problems_from_profile", "tune", "tune_problem"]
 
 
 def check_fits_in_memory(spec: OpSpec, problem: Problem) -> None:
@@ -75,20 +75,37 @@ class AutotuneResult:
         return {"projects": [r.to_json() for r in self.tuned], "skipped": self.skipped}
 
 
-def problems_from_profile(report: ProfileReport) -> list[Problem]:
-    """One problem per (op, variant, compile-time extents, dtype) seen: the call with the most work
-    (largest leading extents) stands for all of them (the kernel takes any leading extents)."""
+def kernel_identity(problem: Problem) -> tuple:
+    """What one kernel of a plan covers: (op, variant, compile-time extents, dtype)."""
+    return (problem.op, problem.variant, tuple(OPS[problem.op].kernel_key(problem)), problem.dtype)
+
+
+def distinct_problems(problems) -> list[Problem]:
+    """One problem per kernel identity: the call with the most work (largest leading extents) stands
+    for all of them (the kernel takes any leading extents)."""
     found: dict[tuple, Problem] = {}
-    for group in report.groups:
-        for s in group.shapes:
-            spec = OPS[s["op"]]
-            problem = Problem(s["op"], s["variant"], tuple(s["shape"]), DType.parse(s["dtype"]))
-            key = (problem.op, problem.variant, spec.kernel_key(problem), problem.dtype)
-            lead = len(problem.shape) - len(spec.kernel_key(problem))
-            size = math.prod(problem.shape[:lead])
-            if key not in found or size > math.prod(found[key].shape[:lead]):
-                found[key] = problem
+    for problem in problems:
+        key = kernel_identity(problem)
+        lead = len(problem.shape) - len(key[2])
+        if key not in found or math.prod(problem.shape[:lead]) > math.prod(found[key].shape[:lead]):
+            found[key] = problem
     return list(found.values())
+
+
+def problems_from_profile(report: ProfileReport) -> list[Problem]:
+    """The distinct problems of a profiled step."""
+    return distinct_problems(Problem(s["op"], s["variant"], tuple(s["shape"]), DType.parse(s["dtype"]))
+                             for group in report.groups for s in group.shapes)
+
+
+def plan_entry(result: TuneResult) -> PlanEntry:
+    """The plan's entry for a usable tuning result."""
+    p = result.problem
+    return PlanEntry(op=p.op, variant=p.variant, kernel_key=list(OPS[p.op].kernel_key(p)), dtype=p.dtype.value,
+                     shape=p.shape_text, knobs=result.plan.knobs, source_hash=result.source_hash,
+                     predicted_us=result.plan.predicted_us, measured_us=result.measured_us,
+                     eager_us=result.eager_us, compiled_us=result.compiled_us,
+                     binding_constraint=result.plan.binding_constraint)
 
 
 def autotune(workload: Workload, *, target: str = "host", solver: str = "highs", db_path=None,
@@ -132,11 +149,7 @@ def autotune(workload: Workload, *, target: str = "host", solver: str = "highs",
         if not r.usable:
             skipped.append(where | {"reason": "; ".join(r.reasons) or r.status})
         elif tgt.swappable:
-            plan.kernels.append(PlanEntry(
-                op=problem.op, variant=problem.variant, kernel_key=list(spec.kernel_key(problem)),
-                dtype=problem.dtype.value, shape=problem.shape_text, knobs=r.plan.knobs,
-                source_hash=r.source_hash, predicted_us=r.plan.predicted_us, measured_us=r.measured_us,
-                eager_us=r.eager_us, compiled_us=r.compiled_us, binding_constraint=r.plan.binding_constraint))
+            plan.kernels.append(plan_entry(r))
     plan.skipped.extend(skipped)
     result = AutotuneResult(plan, report, tuned, skipped)
     if tgt.writes_projects:

@@ -163,11 +163,13 @@ def autotune(
     compiled: Annotated[bool, typer.Option("--compiled/--no-compiled", help="also time torch.compile")] = False,
     chart: Annotated[str | None, typer.Option(help="write the profile's PNG bar chart here")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the plan as JSON")] = False,
+    model_dir: Annotated[str | None, typer.Option(help="tune for this Hugging Face checkpoint directory's widths "
+                                                        "(its config.json replaces the model section)")] = None,
 ):
     """Profile a few training steps, rank op groups, tune what can be tuned, write a kernel plan.
     For an Ascend target (--target ascend910b2 ...): --out is a directory that receives one
     verified AscendC op project per group that has an AscendC kernel, and summary.json."""
-    from trainer.config import load_config
+    from trainer.config import load_config, use_model_dir
     from trainer.train import workload
 
     from .agent import autotune as run_autotune
@@ -175,6 +177,8 @@ def autotune(
     from .targets import target_for
 
     cfg = load_config(config)
+    if model_dir:
+        use_model_dir(cfg, model_dir)
     tgt = target_for(load_profile(target))   # unknown targets: one line naming the accepted ones
     if tgt.writes_projects:   # a folder of op projects (AscendC), not a plan file
         out_path = "ascend_projects" if out_path == "plan.json" else out_path
@@ -365,14 +369,17 @@ def train(
                   f"{len(a['rejected'])} plan entries rejected")
         for r in a["rejected"]:
             out.print(f"  [yellow]rejected[/] {_op_name(r['op'], r['variant'])} {r['kernel_key']} {r['dtype']}: {r['reason']}")
+    isa = result.get("isa_peak_tflops")
     t = Table(title=f"{result['steps']} steps, {result['tokens_per_step']} tokens/step, {result['dtype']}, "
                     f"{result['world_size']} process(es), peak {result['peak_tflops']:.3f} TFLOP/s per device "
-                    f"({result['peak_source']})")
-    for col in ("run", "median step ms", "tokens/s", "MFU", "final loss", "skipped steps"):
+                    f"({result['peak_source']})" + (f", ISA peak ~{isa:.2f} TFLOP/s (an estimate)" if isa else ""))
+    for col in ("run", "median step ms", "tokens/s", "MFU", *(("MFU of ISA peak",) if isa else ()), "final loss",
+                "skipped steps"):
         t.add_column(col)
     for label, r in result["runs"].items():
+        of_isa = (f"{r['mfu_of_isa_peak'] * 100:.2f}%",) if isa else ()
         t.add_row(label, _fmt(r["median_step_s"] * 1e3), _fmt(r["tokens_per_s"], 0), f"{r['mfu'] * 100:.2f}%",
-                  f"{r['final_loss']:.4f}", str(r["skipped_steps"]))
+                  *of_isa, f"{r['final_loss']:.4f}", str(r["skipped_steps"]))
     out.print(t)
     if "speedup" in result:
         out.print(f"step time with AuraKernel kernels: [bold]{result['speedup']:.3f}x[/] faster than without "

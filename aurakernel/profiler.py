@@ -248,6 +248,21 @@ def profile_training(workload: Workload, steps: int = 3, warmup: int = 1,
     return _report(times, counts, total, steps, hooks, hw)
 
 
+def problems_of_forward(model: nn.Module, input_ids: torch.Tensor) -> list[Problem]:
+    """The problems one forward of `model` on `input_ids` poses (no gradients, nothing timed): what a
+    plan must cover for this model to run on kernels."""
+    from .patch import attn_softmax, rope
+
+    hooks = _Hooks(model)
+    try:
+        with torch.no_grad(), rope.SWAP.recording(hooks.record, rope.call_problem), \
+                attn_softmax.SWAP.recording(hooks.record, attn_softmax.call_problem):
+            model(input_ids=input_ids)
+    finally:
+        hooks.remove()
+    return [problem for _, problem in hooks.problems]
+
+
 def _planned_us(problem, hw: HardwareProfile) -> float | None:
     from .errors import UserError
     from .planner import solve_tiling

@@ -8,9 +8,11 @@ the reference otherwise. The report says what was swapped, and what stayed on th
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +37,8 @@ class ApplyReport:
     swapped: list[dict] = field(default_factory=list)     # {"module", "op", "variant", "kernel_key", "dtypes"}
     reference: list[dict] = field(default_factory=list)   # {"module", "op", "reason"}
     rejected: list[dict] = field(default_factory=list)    # plan entries not used: {"op", ..., "reason"}
+    tuned: list[dict] = field(default_factory=list)       # kernels tuned on demand (tune_missing): {"op", ..., "status"}
+    plan: KernelPlan | None = None                         # the plan applied, with the kernels tuned on demand
     optimizer_kernel: str | None = None                    # the verified adamw kernel, for FusedAdamW
     loss_kernels: dict = field(default_factory=dict)       # (vocab, torch dtype) -> cross_entropy kernel
 
@@ -43,13 +47,14 @@ class ApplyReport:
         return self.loss_kernels.get((vocab, dtype))
 
     def to_dict(self) -> dict:
-        return {"swapped": self.swapped, "reference": self.reference, "rejected": self.rejected,
+        return {"swapped": self.swapped, "reference": self.reference, "rejected": self.rejected, "tuned": self.tuned,
                 "optimizer": "FusedAdamW (adamw kernel)" if self.optimizer_kernel else "torch AdamW",
                 "loss": [f"cross_entropy V={v} {str(d).removeprefix('torch.')}" for v, d in self.loss_kernels]}
 
     def summary(self) -> str:
+        tuned = f", {len(self.tuned)} kernels tuned on demand" if self.tuned else ""
         return (f"{len(self.swapped)} modules swapped, {len(self.reference)} on the reference, "
-                f"{len(self.rejected)} plan entries rejected")
+                f"{len(self.rejected)} plan entries rejected{tuned}")
 
 
 _ADMISSIONS: dict[tuple, tuple[str | None, str | None]] = {}
@@ -123,12 +128,67 @@ def _plan_of(plan: KernelPlan | dict | str | Path) -> KernelPlan:
     return plan
 
 
-def apply(model: torch.nn.Module, plan: KernelPlan | dict | str | Path, target: str = "host") -> ApplyReport:
+def _tune_missing(model: torch.nn.Module, plan: KernelPlan, hw, target: str, ops: set[str] | None, tokens: int,
+                  db_path, report: ApplyReport) -> KernelPlan:
+    """`plan` plus a kernel, tuned here, for every problem one forward of `model` poses that no usable
+    entry covers (restricted to `ops` when given): a plan tuned on one model's widths serves another."""
+    from .agent import check_fits_in_memory, distinct_problems, kernel_identity, plan_entry, tune_problem
+    from .db import TuningDB
+    from .paths import default_db_path
+    from .profiler import problems_of_forward
+    from .targets import target_for
+
+    if target != "host":
+        raise UserError(f"tune_missing tunes kernels on this machine: target {target!r} is not accepted (use 'host')")
+    param = next(model.parameters(), None)
+    if param is None or param.device.type == "meta":
+        raise UserError("tune_missing runs one forward of the model to find the problems it poses, and this model "
+                        "has no weights (meta device): materialise it first, or tune its checkpoint with "
+                        "`aurakernel autotune --model-dir`")
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
+        raise UserError(f"tokens={tokens!r}: expected a positive number of tokens for the forward that finds the problems")
+    covered = {(e.op, e.variant, tuple(e.kernel_key), DType.parse(e.dtype)) for e in plan.kernels
+               if _admit(e, hw)[1] is None}
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens), device=param.device)
+    tgt, db, added = target_for(hw), TuningDB(db_path or default_db_path()), []
+    for problem in distinct_problems(problems_of_forward(model, ids)):
+        spec = get_op(problem.op)
+        if kernel_identity(problem) in covered or (ops is not None and problem.op not in ops) \
+                or not tgt.supported(spec):
+            continue
+        where = {"op": problem.op, "variant": problem.variant, "shape": problem.shape_text,
+                 "dtype": problem.dtype.value}
+        try:
+            check_fits_in_memory(spec, problem)
+            r = tune_problem(spec, problem, hw, target=target, solver="highs", db=db, with_compiled=False)
+        except (UserError, BuildError) as exc:   # PlanInfeasible is a UserError: this problem stays on the reference
+            report.tuned.append(where | {"status": "not tuned", "reason": str(exc).splitlines()[0]})
+            continue
+        report.tuned.append(where | {"status": r.status, "reason": "; ".join(r.reasons)})
+        if r.usable:
+            added.append(plan_entry(r))
+    return dataclasses.replace(plan, kernels=[*plan.kernels, *added])
+
+
+def apply(model: torch.nn.Module, plan: KernelPlan | dict | str | Path, target: str = "host", *,
+          tune_missing: bool | Iterable[str] = False, tokens: int = 256, db_path=None) -> ApplyReport:
     """Patch `model` with the verified kernels of `plan`: a KernelPlan, its dict (as json.load gives
-    it) or a plan file's path."""
+    it) or a plan file's path.
+
+    tune_missing: tune here (and record in the tuning DB at `db_path`) a kernel for every problem the
+    model poses that the plan does not cover, e.g. the widths of a model the plan was not tuned on
+    (True: every operator; or a collection of operator names). The problems are those of one forward
+    on `tokens` random tokens, in the dtypes it runs in (call apply inside `torch.autocast` to find
+    the autocast ones). `report.plan` is the plan with the new kernels, to save for the next run."""
     plan = _plan_of(plan)
     report = ApplyReport()
     hw = load_profile(target)
+    if tune_missing:
+        ops = None if tune_missing is True else {tune_missing} if isinstance(tune_missing, str) else set(tune_missing)
+        for name in ops or ():
+            get_op(name)   # an unknown name: one line naming the known operators
+        plan = _tune_missing(model, plan, hw, target, ops, tokens, db_path, report)
+    report.plan = plan
 
     # (op, variant, kernel_key) -> {torch dtype: source hash}
     table: dict[tuple, dict[torch.dtype, str]] = defaultdict(dict)
@@ -180,8 +240,8 @@ class ClassPatch:
     their constructors or from_pretrained) is patched with the plan once its outermost constructor
     returns; `reports` holds one ApplyReport per model. A context manager; `undo()` ends it."""
 
-    def __init__(self, plan: KernelPlan, target: str):
-        self.plan, self.target = plan, target
+    def __init__(self, plan: KernelPlan, target: str, **options):
+        self.plan, self.target, self.options = plan, target, options   # options: apply's keywords
         self.reports: list[ApplyReport] = []
         self._saved: dict[type, object] = {}
         self._depth = threading.local()
@@ -201,7 +261,9 @@ class ClassPatch:
             finally:
                 patch._depth.n = depth
             if depth == 0:   # the outermost model: its submodels are patched with it, once
-                patch.reports.append(apply(model, patch.plan, patch.target))
+                report = apply(model, patch.plan, patch.target, **patch.options)
+                patch.plan = report.plan   # kernels tuned on demand serve the next model too
+                patch.reports.append(report)
         return __init__
 
     def undo(self) -> None:
@@ -231,7 +293,11 @@ def _deepseek_v4_model_classes() -> list[type]:
     return found
 
 
-def patch_deepseek_v4(plan: KernelPlan | dict | str | Path, target: str = "host") -> ClassPatch:
+def patch_deepseek_v4(plan: KernelPlan | dict | str | Path, target: str = "host", **options) -> ClassPatch:
     """Liger's `apply_liger_kernel_to_<model>()`: patch every DeepSeek-V4 model built from now on
-    with `plan` (checked now: a bad plan is an error here, not at the first model)."""
-    return ClassPatch(_plan_of(plan), target)
+    with `plan` (checked now: a bad plan is an error here, not at the first model). `options` are
+    apply's (tune_missing, tokens, db_path)."""
+    unknown = set(options) - {"tune_missing", "tokens", "db_path"}
+    if unknown:
+        raise UserError(f"patch_deepseek_v4: unknown option(s) {sorted(unknown)}; accepted are tune_missing, tokens, db_path")
+    return ClassPatch(_plan_of(plan), target, **options)

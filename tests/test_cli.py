@@ -97,12 +97,24 @@ def test_ops_lists_rms_norm():
     assert {"fp32", "bf16"} <= set(ops["rms_norm"]["dtypes"])
 
 
-def test_autotune_then_train_with_the_plan(tmp_path, db_path):
+def test_autotune_then_train_with_the_plan_for_a_checkpoints_widths(tmp_path, db_path):
+    """autotune --model-dir tunes the widths of a checkpoint (not the config's model section), and
+    training from that checkpoint runs on the plan's kernels."""
+    from trainer.config import load_config
+    from trainer.model import build_model
+
+    cfg = load_config(TINY)
+    build_model({**cfg.model, "hidden_size": 192}, seed=0).save_pretrained(tmp_path / "ckpt")
     plan = tmp_path / "plan.json"
-    proc = run("autotune", "--config", TINY, "--out", str(plan), "--db", db_path, "--json")
+    proc = run("autotune", "--config", TINY, "--model-dir", str(tmp_path / "ckpt"), "--out", str(plan),
+               "--db", db_path, "--json")
     assert proc.returncode == 0, proc.stderr
     d = json.loads(plan.read_text())
     assert d["kernels"], d["skipped"]
+    norms = {k["kernel_key"][-1] for k in d["kernels"] + d["skipped"] if k["op"] == "rms_norm" and "kernel_key" in k}
+    shapes = {s["shape"] for s in d["skipped"] if s["op"] == "rms_norm"}
+    assert 192 in norms or any(s.endswith("x192") for s in shapes), (norms, shapes)
+    assert 256 not in norms   # the config's own hidden size is not what was tuned
     # every operator the profile found was tuned: it is in the plan, or skipped with its reason
     # (a kernel measured no faster than eager is left out: timing decides, so either is valid)
     decided = {k["op"] for k in d["kernels"]} | {s["op"] for s in d["skipped"] if "shape" in s}
@@ -110,8 +122,8 @@ def test_autotune_then_train_with_the_plan(tmp_path, db_path):
     assert all(s["reason"] for s in d["skipped"])
     assert any(g["name"] == "rms_norm" for g in d["profile"])
     log = tmp_path / "train.jsonl"
-    proc = run("train", "--config", TINY, "--kernels", str(plan), "--steps", "3", "--compare",
-               "--log", str(log), "--json")
+    proc = run("train", "--config", TINY, "--model-dir", str(tmp_path / "ckpt"), "--kernels", str(plan),
+               "--steps", "3", "--compare", "--log", str(log), "--json")
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     assert set(result["runs"]) == {"reference", "aurakernel"}

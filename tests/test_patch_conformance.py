@@ -238,3 +238,42 @@ def test_a_plan_with_a_knob_outside_its_domain_is_refused_before_anything_is_bui
     report = apply(build_model(cfg.model, 0), plan)
     rejected = [r for r in report.rejected if r["kernel_key"] == entry.kernel_key]
     assert len(rejected) == 1 and f"knob {knob}={value} is outside rms_norm's domain" in rejected[0]["reason"]
+
+
+def test_tune_missing_tunes_the_widths_a_plan_lacks_and_the_model_still_computes_the_same(tmp_path):
+    """A plan tuned on one model's widths, applied to a wider model: without tune_missing the new
+    widths stay on the reference (and the report says which extents are missing); with it they are
+    tuned here, recorded in the DB, swapped in, and the extended plan serves the next model as is."""
+    from aurakernel.db import TuningDB
+    from aurakernel.swap import deepseek_v4_sites
+
+    cfg = _cfg()
+    plan = plan_for(build_model(cfg.model, 0), ops={"rms_norm"})
+    wider = {**cfg.model, "hidden_size": 192}
+    reference = build_model(wider, 0)
+    before = apply(build_model(wider, 0), plan)
+    missing = [r for r in before.reference if r["op"] == "rms_norm"]
+    assert missing and all("extents" in r["reason"] for r in missing) and not before.tuned
+
+    model = build_model(wider, 0)
+    db = tmp_path / "tuning.sqlite"
+    report = apply(model, plan, tune_missing={"rms_norm"}, db_path=db)
+    assert {(t["op"], t["shape"].split("x")[-1]) for t in report.tuned} == {("rms_norm", "192"), ("rms_norm", "768")}
+    assert all(t["status"] == "ok" for t in report.tuned), report.tuned
+    assert not [r for r in report.reference if r["op"] == "rms_norm"]
+    assert len(report.plan.kernels) == len(plan.kernels) + 2 and len(TuningDB(db).frame()) == 2
+    ids = torch.randint(0, cfg.model["vocab_size"], (2, 160))
+    torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+    again = apply(build_model(wider, 0), report.plan, tune_missing=True, db_path=db)
+    assert [t for t in again.tuned if t["op"] == "rms_norm"] == []   # covered now: nothing tuned again
+    assert len([s for s in again.swapped if s["op"] == "rms_norm"]) == \
+        len([s for s in deepseek_v4_sites(model) if s.op == "rms_norm"])
+    with pytest.raises(UserError, match="accepted are"):
+        apply(build_model(wider, 0), plan, tune_missing={"layer_norm"})
+    with torch.device("meta"):
+        from transformers import DeepseekV4ForCausalLM
+        from trainer.model import model_config
+        on_meta = DeepseekV4ForCausalLM(model_config(wider))
+    with pytest.raises(UserError, match="meta device"):
+        apply(on_meta, plan, tune_missing=True)

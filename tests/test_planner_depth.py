@@ -264,9 +264,11 @@ def test_v4_flash_groups_on_ascend_and_host(graph, host):
 
 
 def test_host_pads_an_unaligned_intermediate(host):
-    """Two row kernels over a 1000-wide fp32 tensor: the intermediate is padded to the cache line
-    (a few bytes per row) rather than paying the unaligned tail twice; the ends stay row-major."""
-    t = {n.name: n for n in (TensorNode("a", 4096, 1000, 4), TensorNode("b", 4096, 1000, 4), TensorNode("c", 4096, 1000, 4))}
+    """Two row kernels over a 1004-wide fp32 tensor: the intermediate is padded to the cache line
+    (16 bytes per row) rather than paying the unaligned tail twice; the ends stay row-major."""
+    cols = 1004   # not a multiple of 8 or 16 lanes: a tail on AVX2 and on AVX-512
+    assert cols % (host.simd_bytes // 4)
+    t = {n.name: n for n in (TensorNode("a", 4096, cols, 4), TensorNode("b", 4096, cols, 4), TensorNode("c", 4096, cols, 4))}
     g = TensorGraph("pair", t, [OpNode("f", "rowwise", ("a",), ("b",)), OpNode("g", "rowwise", ("b",), ("c",))])
     sol = solve_layout(host_costs(g, host), "highs")
     assert sol.stored == {"a": "RM", "b": "RM_PAD", "c": "RM"}

@@ -67,9 +67,12 @@ def test_rank_correlation_improves_on_a_mis_set_model(tmp_path, host):
     db = synthetic_db(tmp_path / "synthetic.sqlite", host, TRUE_HOST, seed=1)
     report = fit.fit_host(db.path, hw=mis_set, write=False)
     assert report.before["vector_cycles_per_elem"] == 4.0 and report.problems_ranked == len(HOST_PROBLEMS)
-    # across problems size carries the ranking; within one (what the MILP's pick rests on) it fails
-    assert report.spearman_within_before < 0.7 and report.spearman_before < 0.96
+    # across problems size carries the ranking; within one (what the MILP's pick rests on) the mis-set model
+    # ranks poorly (how poorly depends on the machine's caches, which decide the feasible choices) and the fit
+    # mends it
     assert report.spearman_within_after > 0.8 and report.spearman_after > 0.98 and report.spearman_cv > 0.98
+    assert report.spearman_within_after > report.spearman_within_before + 0.05
+    assert report.spearman_after > report.spearman_before + 0.02
     # the DRAM pipe bounds no record at the mis-set start: the fit still finds its true scale
     assert report.after["dram_time_scale"] == pytest.approx(TRUE_HOST["dram_time_scale"], rel=0.1)
 
@@ -88,10 +91,17 @@ def test_fitted_host_coefficients_reach_the_planner(tmp_path, monkeypatch, host)
     spec = OPS["rms_norm"]
     problem = spec.problem("32x128", "fp32", "weighted")
     choice = fit.feasible_choices(host_kernel(spec).tiling_problem(problem, host))[0]
-    before = host_kernel(spec).tiling_problem(problem, host).evaluate(choice)[0]
-    after = host_kernel(spec).tiling_problem(problem, fitted).evaluate(choice)[0]
-    # a tiny problem is all fixed costs: the fitted 25 us per phase shows in the prediction
-    assert after - before == pytest.approx(2 * report.after["phase_overhead_us"] * 1e-6, rel=0.2)
+
+    def predicted(hw, **coefficients) -> float:
+        hw = dataclasses.replace(hw, costmodel={**hw.costmodel, **coefficients})
+        return host_kernel(spec).tiling_problem(problem, hw).evaluate(choice)[0]
+
+    # the planner prices with the fitted coefficients (and only those changed), whatever machine this is
+    assert predicted(fitted) == pytest.approx(predicted(host, **report.after), rel=1e-9)
+    assert predicted(fitted) != pytest.approx(predicted(host), rel=1e-3)
+    # the fitted per-phase cost is charged once per phase (forward and backward)
+    later = report.after["phase_overhead_us"] + 10.0
+    assert predicted(fitted, phase_overhead_us=later) - predicted(fitted) == pytest.approx(2 * 10e-6, rel=1e-6)
 
 
 def test_recalibrating_keeps_the_fitted_coefficients(tmp_path, monkeypatch):

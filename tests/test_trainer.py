@@ -73,7 +73,13 @@ def test_synthetic_data_is_deterministic():
     assert (a == b).all()
 
 
-def test_train_logs_every_step_and_learns(tmp_path):
+def test_train_logs_every_step_and_learns(tmp_path, monkeypatch):
+    from aurakernel.hardware import calibration_path
+    from conftest import FIXED_CALIBRATION
+
+    monkeypatch.setenv("AURAKERNEL_CACHE_DIR", str(tmp_path / "cache"))
+    isa = {"fp32": 0.8, "bf16": 3.2}   # the ISA's theoretical peak, as calibrate states it beside the measured one
+    calibration_path().write_text(json.dumps({**FIXED_CALIBRATION, "theoretical_tflops": isa}))
     cfg = load_config(TINY)
     cfg.data.seq_len, cfg.data.batch_size = 128, 2
     log = tmp_path / "log.jsonl"
@@ -84,6 +90,9 @@ def test_train_logs_every_step_and_learns(tmp_path):
     run = result["runs"]["reference"]
     assert run["losses"][-1] < run["losses"][0]
     assert 0 < run["mfu"] < 1
+    # MFU against the measured peak (what the machine reaches) and against the ISA's (what it could)
+    assert result["peak_tflops"] == FIXED_CALIBRATION["peak_tflops"]["fp32"] and result["isa_peak_tflops"] == isa["fp32"]
+    assert run["mfu_of_isa_peak"] == pytest.approx(run["mfu"] * result["peak_tflops"] / isa["fp32"])
 
 
 def test_flops_count_active_parameters_and_attention():

@@ -56,7 +56,7 @@ from torch.profiler import record_function
 from transformers import DeepseekV4ForCausalLM
 
 from aurakernel.errors import UserError
-from aurakernel.hardware import load_profile
+from aurakernel.hardware import load_calibration, load_profile
 from aurakernel.paths import write_text_atomic
 
 from .config import TrainConfig
@@ -168,6 +168,7 @@ class RunSummary:
     median_step_s: float
     tokens_per_s: float
     mfu: float
+    mfu_of_isa_peak: float | None   # against the ISA's theoretical peak (host calibration), when known
     final_loss: float
     losses: list[float]
     skipped_steps: int
@@ -460,13 +461,16 @@ def export_model(run: Run, out_dir: str, world: Dist, tokenizer_dir: str | None 
 # -- the loop
 
 
-def summarize(run: Run, tokens_per_step: int, flops_token: float, peak: float, world_size: int = 1) -> RunSummary:
-    """tokens_per_step and tokens/s over all ranks; MFU per device."""
+def summarize(run: Run, tokens_per_step: int, flops_token: float, peak: float, world_size: int = 1,
+              isa_peak: float | None = None) -> RunSummary:
+    """tokens_per_step and tokens/s over all ranks; MFU per device, against the measured peak and
+    (when known) the ISA's theoretical one."""
     timed = run.step_s[2:] if len(run.step_s) > 4 else run.step_s  # the first steps warm caches up
     med = statistics.median(timed)
     tps = tokens_per_step / med
-    return RunSummary(run.label, med, tps, mfu(tps / world_size, flops_token, peak), run.losses[-1], run.losses,
-                      run.skipped_steps)
+    return RunSummary(run.label, med, tps, mfu(tps / world_size, flops_token, peak),
+                      mfu(tps / world_size, flops_token, isa_peak) if isa_peak else None,
+                      run.losses[-1], run.losses, run.skipped_steps)
 
 
 def _status(run: Run) -> str:
@@ -548,6 +552,7 @@ def _train(cfg, world, kernels, steps, compare, log_path, show_progress, console
     tokens_per_step = cfg.data.seq_len * cfg.data.batch_size * t.grad_accum * world.world_size
     hw = load_profile(cfg.hardware.target)
     peak = hw.peak_tflops.get(t.dtype, hw.peak_tflops.get("fp32", 0.0))
+    isa_peak = (load_calibration() or {}).get("theoretical_tflops", {}).get(t.dtype) if hw.kind == "host" else None
     progress = Progress(TextColumn("[bold]train"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                         TextColumn("{task.fields[status]}"), TimeRemainingColumn(),
                         console=console, disable=not (show_progress and world.main), transient=False)
@@ -625,9 +630,10 @@ def _train(cfg, world, kernels, steps, compare, log_path, show_progress, console
         "grad_accum": t.grad_accum, "tokens_per_step": tokens_per_step, "dtype": t.dtype,
         "total_params": total_params, "active_params": active_params, "flops_per_token": flops_token,
         "peak_tflops": peak, "peak_source": f"{hw.name} profile" + (" (calibrated)" if hw.calibrated else " (estimate)"),
-        "peak_mem_gib": peak_memory_gib(world.device),
+        "isa_peak_tflops": isa_peak, "peak_mem_gib": peak_memory_gib(world.device),
         "checkpoint": str(checkpoint) if checkpoint else None, "export": export_dir,
-        "runs": {r.label: vars(summarize(r, tokens_per_step, flops_token, peak, world.world_size)) for r in runs},
+        "runs": {r.label: vars(summarize(r, tokens_per_step, flops_token, peak, world.world_size, isa_peak))
+                 for r in runs},
     }
     if len(runs) == 2:
         ref, tuned = result["runs"]["reference"], result["runs"]["aurakernel"]
