@@ -249,6 +249,11 @@ def _print_modeled(result) -> None:
         t.add_row(g.name, g.kind, _fmt(g.time_us / 1e3, 2), f"{g.share * 100:.1f}%", _fmt(g.time_after_us / 1e3, 2),
                   g.basis, _fmt(g.calls, 0), _fmt(g.ops, 0))
     out.print(t)
+    mm = next((g for g in result.groups if g.kind == "matmul"), None)
+    if mm is not None and mm.flops_after is not None and mm.flops_after < mm.flops:
+        out.print(f"matmuls execute {mm.flops / 1e12:,.1f} TFLOP -> {mm.flops_after / 1e12:,.1f} TFLOP with the kernels "
+                  f"(the dense attention's scores and weighted sums run inside the sparse attention kernel) for "
+                  f"{result.model_flops / 1e12:,.1f} TFLOP of model FLOPs")
     out.print(f"step {result.step_us / 1e3:.1f} ms -> {result.step_after_us / 1e3:.1f} ms with the planned kernels; "
               f"MFU {result.mfu_before:.1%} -> {result.mfu_after:.1%} (of {result.peak_tflops:g} TFLOP/s)")
 
@@ -313,6 +318,8 @@ def train(
     config: Annotated[str, typer.Option(help="trainer YAML config")] = "trainer/configs/tiny.yaml",
     kernels: Annotated[str | None, typer.Option(help="kernel plan from `aurakernel autotune`")] = None,
     steps: Annotated[int | None, typer.Option(min=1, help="optimizer steps in all (default: from the config)")] = None,
+    seq_len: Annotated[int | None, typer.Option("--seq-len", min=1, help="tokens per sequence (default: "
+                                                                          "data.seq_len)")] = None,
     compare: Annotated[bool, typer.Option("--compare", help="also train the reference, alternating steps")] = False,
     log: Annotated[str | None, typer.Option(help="JSONL log path (default: from the config)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the summary (or the dry run) as JSON")] = False,
@@ -337,6 +344,8 @@ def train(
     cfg = load_config(config)
     if model_dir:
         use_model_dir(cfg, model_dir)
+    if seq_len is not None:
+        cfg.data.seq_len = seq_len
     if checkpoint_dir:
         cfg.train.checkpoint_dir = checkpoint_dir
     if world_size is not None and not dry_run:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from . import __version__
+from .version import __version__
 from .errors import UserError
 
 SCHEMA = """

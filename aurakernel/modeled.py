@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Experts
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Attention, DeepseekV4Experts
 
 from .errors import UserError
 from .hardware import HardwareProfile
@@ -65,6 +65,7 @@ class ModeledGroup:
     time_after_us: float       # with the planned kernels
     basis: str                 # planned | roofline | - : what time_after_us rests on
     shapes: list[dict] = field(default_factory=list)
+    flops_after: float | None = None   # the matmul bucket: what still runs with the kernels (fused ones out)
 
 
 @dataclass
@@ -117,6 +118,7 @@ class _GroupTracker(_Hooks):
         self.weight = 1          # how many layers of the full model the running layer stands for
         self.probing = False     # the tracer ignores the probe's own ops
         self.layer_handles = []
+        self.attention_problem = None   # the sparse attention problem of the attention module running
         for layer, w in zip(model.model.layers, layer_weights, strict=True):   # before the group hooks: set first
             self.layer_handles.append(layer.register_forward_pre_hook(lambda m, a, w=w: setattr(self, "weight", w)))
             self.layer_handles.append(layer.register_forward_hook(lambda m, a, o: setattr(self, "weight", 1)))
@@ -161,8 +163,24 @@ class _GroupTracker(_Hooks):
         return hook
 
     def enter_scope(self, module, problem):
-        # the experts' swiglu kernel replaces only the gate: its scope opens in _apply_gate
-        self.scopes.append(None if isinstance(module, DeepseekV4Experts) else problem)
+        # the experts' swiglu kernel replaces only the gate: its scope opens in _apply_gate; the sparse
+        # attention kernel only the attention call between the projections: its scope opens there
+        if isinstance(module, DeepseekV4Attention):
+            self.attention_problem = problem
+        self.scopes.append(None if isinstance(module, DeepseekV4Experts | DeepseekV4Attention) else problem)
+
+    def attention_call_problem(self, module, *args, **kwargs):
+        """The problem of an eager attention call: the sparse attention its module poses, else the
+        attention softmax between its matmuls."""
+        from .patch import attn_softmax
+        if isinstance(module, DeepseekV4Attention) and self.attention_problem is not None:
+            return self.attention_problem
+        return attn_softmax.call_problem(module, *args, **kwargs)
+
+    def record_call(self, problem) -> None:
+        """Record a function call's problem; the sparse attention's was recorded by its module."""
+        if problem.op != "sparse_attention":
+            self.record(problem)
 
     def exit_scope(self, module):
         self.scopes.pop()
@@ -257,7 +275,7 @@ class _Tracer(TorchDispatchMode):
         self.tracker = tracker
         self.bytes: dict[tuple, float] = defaultdict(float)   # (group, problem or None) -> bytes
         self.ops: dict[tuple, int] = defaultdict(int)
-        self.matmuls: list[tuple[float, float, torch.dtype]] = []   # (flops, bytes, dtype)
+        self.matmuls: list[tuple[float, float, torch.dtype, object]] = []   # (flops, bytes, dtype, problem scope)
 
     def _where(self) -> tuple[tuple[str, object], int]:
         node = torch._C._current_autograd_node()
@@ -278,7 +296,7 @@ class _Tracer(TorchDispatchMode):
         where, weight = self._where()
         if name in MATMUL_ATEN:
             flops = _matmul_flops(name, args, out)
-            self.matmuls.append((flops * weight, moved * weight, next(_tensors(out)).dtype))
+            self.matmuls.append((flops * weight, moved * weight, next(_tensors(out)).dtype, where[1]))
             where = ("matmul", None)
         self.bytes[where] += moved * weight
         self.ops[where] += weight
@@ -287,7 +305,8 @@ class _Tracer(TorchDispatchMode):
 
 def _planned_problem_us(problem, hw: HardwareProfile, bw: float) -> tuple[float, str]:
     """A problem's kernel time on the target, forward + backward: the planner's prediction where
-    the target has a kernel for it, else the roofline of the operator's minimum traffic."""
+    the target has a kernel for it, else the roofline of the operator's Work: its minimum traffic at
+    the bandwidth or its arithmetic at the dtype's peak, whichever is slower."""
     spec = OPS[problem.op]
     target = target_for(hw)
     try:
@@ -295,8 +314,10 @@ def _planned_problem_us(problem, hw: HardwareProfile, bw: float) -> tuple[float,
             return target.predicted_us(spec, problem, hw), "planned"
     except UserError:
         pass
-    work = spec.work(problem, backward=False).bytes_moved + spec.work(problem, backward=True).bytes_moved
-    return work / bw * 1e6 + 2 * hw.call_overhead_us, "roofline"
+    works = [spec.work(problem, backward=b) for b in (False, True)]
+    peak = (hw.peak_tflops.get(problem.dtype.value) or hw.peak_tflops.get("bf16") or 0.0) * 1e12
+    compute_s = sum(w.flops for w in works) / peak if peak else 0.0
+    return max(sum(w.bytes_moved for w in works) / bw, compute_s) * 1e6 + 2 * hw.call_overhead_us, "roofline"
 
 
 STATE_BYTES_PER_PARAM = 16   # bf16 weight + fp32 master + fp32 m and v + bf16 gradient (trainer.dryrun)
@@ -361,7 +382,7 @@ def modeled_profile(full: torch.nn.Module, target: str, *, seq_len: int, batch_s
     loss_problem = Problem("cross_entropy", "default", (tokens, vocab), DType.bf16)
     try:
         with rope.SWAP.recording(tracker.record, rope.call_problem, tracker.scope), \
-                attn_softmax.SWAP.recording(tracker.record, attn_softmax.call_problem, tracker.scope), \
+                attn_softmax.SWAP.recording(tracker.record_call, tracker.attention_call_problem, tracker.scope), \
                 _gate_scopes(tracker), _one_sequence_per_row(), tracer:
             logits = model(input_ids=ids, use_cache=False).logits
             with tracker.scope(loss_problem, group="cross_entropy"):   # the loss over the vocabulary
@@ -380,6 +401,19 @@ def modeled_profile(full: torch.nn.Module, target: str, *, seq_len: int, batch_s
     def eager_us(key) -> float:
         return tracer.bytes[key] / bw * 1e6 + tracer.ops[key] * hw.call_overhead_us
 
+    dtypes = {d.torch: d.value for d in DType}
+
+    def matmul_us(flops: float, bytes_: float, dtype: torch.dtype, scope=None) -> float:
+        dtype_peak = hw.peak_tflops.get(dtypes.get(dtype, ""), 0.0) or peak   # no fp32 figure: the bf16 rate
+        return max(flops / (dtype_peak * 1e12) * 1e6, bytes_ / bw * 1e6)
+
+    # the matmuls inside the scope of a kernel that fuses them (the dense attention's), per problem
+    scope_mm_us: dict = defaultdict(float)
+    for m in tracer.matmuls:
+        if m[3] is not None and OPS[m[3].op].fuses_matmuls:
+            scope_mm_us[m[3]] += matmul_us(*m)
+    won: set = set()   # problems whose kernel (fusing its scope's matmuls) beats the eager ops
+
     groups: list[ModeledGroup] = []
     for name in sorted({g for g, _ in tracer.bytes} - {"matmul"}):
         keys = [k for k in tracer.bytes if k[0] == name]
@@ -387,8 +421,13 @@ def modeled_profile(full: torch.nn.Module, target: str, *, seq_len: int, batch_s
         problems = sorted(((p, n) for (g, p), n in tracker.problems.items() if g == name), key=lambda pn: pn[0].describe())
         # with the kernels: each problem's scope (its eager ops, forward and backward) runs the kernel
         after = sum(eager_us(k) for k in keys if k[1] is None)
-        after += sum(min(eager_us(k), kernel_us[k[1]][0] * tracker.problems[(name, k[1])])
-                     for k in keys if k[1] is not None)
+        for k in keys:
+            if k[1] is None:
+                continue
+            eager_k, kernel_k = eager_us(k) + scope_mm_us.get(k[1], 0.0), kernel_us[k[1]][0] * tracker.problems[(name, k[1])]
+            after += min(eager_k, kernel_k)
+            if kernel_k < eager_k and k[1] in scope_mm_us:
+                won.add(k[1])
         bases = sorted({kernel_us[k[1]][1] for k in keys if k[1] is not None})
         shapes = [{"op": p.op, "variant": p.variant, "shape": list(p.shape), "dtype": p.dtype.value, "calls": n}
                   for p, n in problems]
@@ -396,15 +435,12 @@ def modeled_profile(full: torch.nn.Module, target: str, *, seq_len: int, batch_s
                                    tracker.calls.get(name, 0), sum(tracer.ops[k] for k in keys),
                                    sum(tracer.bytes[k] for k in keys), 0.0, after, "+".join(bases) or "-", shapes))
 
-    dtypes = {d.torch: d.value for d in DType}
-
-    def matmul_us(flops: float, bytes_: float, dtype: torch.dtype) -> float:
-        dtype_peak = hw.peak_tflops.get(dtypes.get(dtype, ""), 0.0) or peak   # no fp32 figure: the bf16 rate
-        return max(flops / (dtype_peak * 1e12) * 1e6, bytes_ / bw * 1e6)
-
     mm_us = sum(matmul_us(*m) for m in tracer.matmuls)
+    kept = [m for m in tracer.matmuls if m[3] not in won]   # the fused ones run inside their kernels
     groups.append(ModeledGroup("matmul", "matmul", mm_us, 0.0, 0, tracer.ops[("matmul", None)], tracer.bytes[("matmul", None)],
-                               sum(f for f, _, _ in tracer.matmuls), mm_us, "-"))
+                               sum(m[0] for m in tracer.matmuls), sum(matmul_us(*m) for m in kept),
+                               "less the fused attention matmuls" if won else "-",
+                               flops_after=sum(m[0] for m in kept)))
 
     # the optimizer update over this device's share of the parameters
     params = list(full.named_parameters())

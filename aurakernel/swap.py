@@ -206,6 +206,7 @@ def apply(model: torch.nn.Module, plan: KernelPlan | dict | str | Path, target: 
             continue
         table[(entry.op, entry.variant, tuple(entry.kernel_key))][DType.parse(entry.dtype).torch] = source_hash
 
+    patched: dict[str, list[torch.nn.Module]] = defaultdict(list)
     for site in deepseek_v4_sites(model):
         keyed = {k[2]: v for k, v in table.items() if k[0] == site.op and k[1] == site.variant}
         if site.kernel_key is not None and site.kernel_key not in keyed:
@@ -227,11 +228,14 @@ def apply(model: torch.nn.Module, plan: KernelPlan | dict | str | Path, target: 
         except Refused as exc:   # a precondition of the kernel's math does not hold for this module
             report.reference.append({"module": site.name, "op": site.op, "reason": str(exc)})
             continue
+        patched[site.op].append(site.module)
         dtypes = sorted({str(d).removeprefix("torch.") for k, v in keyed.items()
                          if site.kernel_key in (None, k) for d in v})
         report.swapped.append({"module": site.name, "op": site.op, "variant": site.variant,
                                "kernel_key": list(site.kernel_key) if site.kernel_key else "per call",
                                "dtypes": dtypes})
+    for op, modules in patched.items():
+        patch_of(get_op(op)).patch_model(model, modules)
     return report
 
 

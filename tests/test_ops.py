@@ -24,6 +24,8 @@ CASES = {
     "compressor": ["2x9x4x64", "1x3x16x40"],
     "indexer_score": ["2x19x4x32x23", "1x5x8x16x3"],
     "attn_softmax": ["2x4x37x53", "1x3x9x130"],
+    # BxHxSxDxWINDOWxEXTRA: a window longer than the sequence, then a short one; D off the SIMD grid
+    "sparse_attention": ["2x4x37x64x64x16", "1x3x70x40x8x8"],
 }
 
 

@@ -142,9 +142,9 @@ def test_activation_checkpointing_recomputes_patched_layers_through_the_kernels(
         results.append((float(loss.detach()), grads, len(layer_calls), dict(calls)))
     (plain_loss, plain_grads, plain_layer, plain_calls), (ckpt_loss, ckpt_grads, ckpt_layer, ckpt_calls) = results
     assert (plain_layer, ckpt_layer) == (1, 2)   # the patched layer was recomputed in backward
-    # the recompute ran the layers' kernels again (mhc_post is the decoder layer's own forward; rope and
-    # the attention softmax are module-level functions the patched attention calls), none fell back
-    for template in ("host/mhc_post.c.j2", "host/rope.c.j2", "host/attn_softmax.c.j2", "host/swiglu.c.j2"):
+    # the recompute ran the layers' kernels again (mhc_post is the decoder layer's own forward; rope is a
+    # module-level function the patched attention calls, the sparse attention its own), none fell back
+    for template in ("host/mhc_post.c.j2", "host/rope.c.j2", "host/sparse_attention.c.j2", "host/swiglu.c.j2"):
         assert ckpt_calls[(template, "fwd")] == 2 * plain_calls[(template, "fwd")], template
         assert ckpt_calls[(template, "bwd")] == plain_calls[(template, "bwd")], template
     assert ckpt_loss == pytest.approx(plain_loss, rel=1e-6)

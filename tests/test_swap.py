@@ -47,7 +47,10 @@ def plan_for(model, dtypes=("fp32",), skip_cols=(), ops=None):
             lead = {"rope": (64, 2), "compressor": (1, 16), "indexer_score": (1, 16),
                     "attn_softmax": (1, 4, 16, 20)}.get(site.op, (64,))
             shape_tail = (8,) if site.op == "indexer_score" else ()
-            problem = Problem(site.op, site.variant, (*lead, *kernel_key, *shape_tail), DType.parse(dt))
+            shape = (*lead, *kernel_key, *shape_tail)
+            if site.op == "sparse_attention":   # heads, head_dim, window, extra around the batch and sequence
+                shape = (1, kernel_key[0], 160, *kernel_key[1:])
+            problem = Problem(site.op, site.variant, shape, DType.parse(dt))
             knobs = solve_tiling(host_kernel(spec).tiling_problem(problem, hw), op=site.op, variant=site.variant,
                                  shape=problem.shape, dtype=dt, target="host").knobs
             kernel = build_kernel(spec, problem, knobs)

@@ -96,7 +96,7 @@ def test_compiled_fullgraph_model_runs_every_kernel_and_trains_like_eager(applie
 
     # every op of the plan is in the one compiled graph, as often as the eager forward calls it
     expected = {"rms_norm", "mhc_pre", "mhc_head", "mhc_post", "router_select", "router", "swiglu", "rope",
-                "attn_softmax", "compressor", "indexer_score"}
+                "sparse_attention", "compressor", "indexer_score"}
     assert set(eager_ops) == expected
     assert dict(graph_ops) == {name: n // STEPS for name, n in eager_ops.items()}
     # and at run time the kernels do all the work, forward and backward: no call took the reference
@@ -138,6 +138,14 @@ def test_opcheck_passes_for_every_custom_op(applied, monkeypatch):
     monkeypatch.undo()
     calls = dict(counts.args)
     calls["cross_entropy"] = _cross_entropy_call()
+    # the attention softmax runs where the sparse attention has no kernel: a model with only that one
+    cfg = load_config(TINY)
+    softmax_only = build_model(cfg.model, 0)
+    apply(softmax_only, plan_for(softmax_only, ops={"attn_softmax"}))
+    counts = _Counts(monkeypatch)
+    softmax_only(input_ids=ids)
+    monkeypatch.undo()
+    calls["attn_softmax"] = counts.args["attn_softmax"]
     assert set(calls) == set(REGISTRY), "every registered op is exercised"
     for name, args in sorted(calls.items()):
         op = REGISTRY[name]

@@ -169,6 +169,7 @@ class IndexerAlignment:
         self._pending: dict[int, dict] = {}   # id(attention) -> the indexer's scores/selection
         self._handles = []
         self.layers: dict[str, DeepseekV4Indexer] = {}
+        self._weights_of: list[DeepseekV4Attention] = []
         for name, attn in model.named_modules():
             if not isinstance(attn, DeepseekV4Attention):
                 continue
@@ -176,6 +177,9 @@ class IndexerAlignment:
             if not isinstance(indexer, DeepseekV4Indexer):
                 continue   # sliding / HCA layers: no indexer
             self.layers[name] = indexer
+            # aurakernel's sparse-attention kernel returns no probabilities: this layer keeps the reference's
+            attn.aurakernel_needs_weights = True
+            self._weights_of.append(attn)
             key = id(attn)
             self._handles += [
                 indexer.register_forward_pre_hook(_detach_inputs, with_kwargs=True),
@@ -237,6 +241,9 @@ class IndexerAlignment:
         for h in self._handles:
             h.remove()
         self._handles = []
+        for module in self._weights_of:
+            module.__dict__.pop("aurakernel_needs_weights", None)
+        self._weights_of = []
         self.reset()
 
 

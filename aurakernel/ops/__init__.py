@@ -27,11 +27,12 @@ from .mhc import PRE as MHC_PRE
 from .mhc_post import SPEC as MHC_POST
 from .rms_norm import SPEC as RMS_NORM
 from .rope import SPEC as ROPE
+from .sparse_attention import SPEC as SPARSE_ATTENTION
 from .router import SPEC as ROUTER
 from .swiglu import SPEC as SWIGLU
 
 OPS: dict[str, OpSpec] = {spec.name: spec for spec in (RMS_NORM, MHC_PRE, MHC_POST, MHC_HEAD, ROUTER, SWIGLU, ROPE, ATTN_SOFTMAX,
-                                                        COMPRESSOR, INDEXER_SCORE, CROSS_ENTROPY, ADAMW)}
+                                                        COMPRESSOR, INDEXER_SCORE, SPARSE_ATTENTION, CROSS_ENTROPY, ADAMW)}
 
 
 ENTRY_POINT_GROUP = "aurakernel.ops"

@@ -132,6 +132,9 @@ class OpSpec(ABC):
 
     # folders searched for this operator's templates after templates/ (a third-party operator's own)
     template_dirs: ClassVar[tuple] = ()
+    # the kernel replaces the matmuls of its scope too (the sparse attention's q k^T and p v): the
+    # modeled profile takes them out of the matmul bucket where the kernel runs
+    fuses_matmuls: ClassVar[bool] = False
 
     # --- the reference as a module: timing uses the same nn.Module path the trainer runs ---------
     @abstractmethod

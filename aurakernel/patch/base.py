@@ -56,6 +56,10 @@ class Patch(Part, ABC):
         """Make `module` run kernels: lookup(kernel_key, torch dtype) -> source hash or None
         (None: run the reference)."""
 
+    def patch_model(self, model: torch.nn.Module, patched: list[torch.nn.Module]) -> None:
+        """After apply has patched `patched` (this operator's modules of `model`): anything the patch
+        needs at the model's level (e.g. a hook on its forward). Default: nothing."""
+
     def sites(self, model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str, tuple[int, ...] | None]]:
         """(name, module, variant, kernel_key or None: per call) of each module of `model` this operator
         patches beyond the DeepSeek-V4 table (deepseek_v4.py, which covers the built-in operators): how a

@@ -62,7 +62,8 @@ def _pooled(module, kv, gate, ratio: int, head_dim: int, overlap: bool):
     """kv_norm(pooling) through the kernel when one fits, else the reference lines."""
     kernel = None
     if kv.device.type == "cpu" and kv.dtype == gate.dtype:
-        kernel = module._ak_lookup((ratio, head_dim), kv.dtype)
+        lookup = getattr(module, "_ak_lookup", None)   # None: installed by sparse_attention alone
+        kernel = lookup((ratio, head_dim), kv.dtype) if lookup is not None else None
     if kernel is None:
         return module.kv_norm(pool_reference(kv, gate, module.position_bias, ratio, head_dim, overlap))
     return POOL_OP(kv, gate, module.position_bias, module.kv_norm.weight, kernel)
@@ -97,8 +98,8 @@ def _hca_forward(self, hidden_states, q_residual, position_ids, cache, layer_idx
         compressed = kv.new_zeros((batch, 0, self.head_dim))
     compressed_kv = compressed.unsqueeze(1)
     compressed_len, seq_len = compressed_kv.shape[2], position_ids.shape[1]
-    if seq_len == 1 or compressed_len == 0:
-        return compressed_kv, None
+    if seq_len == 1 or compressed_len == 0 or getattr(self, "_ak_selection", False):
+        return compressed_kv, None   # the sparse attention applies the causal rule itself
     entry_indices = torch.arange(compressed_len, device=compressed_kv.device)
     causal_threshold = (position_ids + 1) // self.compress_rate
     block_bias = compressed_kv.new_zeros((batch, 1, seq_len, compressed_len))
@@ -122,6 +123,8 @@ def _csa_forward(self, hidden_states, q_residual, position_ids, cache, layer_idx
         compressed = kv.new_zeros((batch, 0, self.head_dim))
     compressed_kv = compressed.unsqueeze(1)
     top_k_indices = self.indexer(hidden_states, q_residual, position_ids, cache, layer_idx)
+    if getattr(self, "_ak_selection", False):
+        return compressed_kv, top_k_indices   # the sparse attention takes the picks, not a dense bias
     compressed_len = compressed_kv.shape[2]
     valid = top_k_indices >= 0
     safe_indices = torch.where(valid, top_k_indices, torch.full_like(top_k_indices, compressed_len))

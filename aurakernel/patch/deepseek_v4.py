@@ -18,12 +18,12 @@ from torch import nn
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
 
 from . import (adamw, attn_softmax, compressor, cross_entropy, indexer_score, mhc, mhc_post, rms_norm, rope, router,
-               swiglu)
+               sparse_attention, swiglu)
 from ..ops import OPS
 from .base import PATCHES
 
-PATCHES.load(rms_norm, mhc, mhc_post, router, swiglu, rope, attn_softmax, compressor, indexer_score, cross_entropy,
-             adamw)
+PATCHES.load(rms_norm, mhc, mhc_post, router, swiglu, rope, attn_softmax, compressor, indexer_score,
+             sparse_attention, cross_entropy, adamw)
 
 
 patch_of = PATCHES.of
@@ -37,7 +37,7 @@ class Row:
     module: type
     group: str | None             # the profiler's group of its calls; None: part of its parent's group
     op: str | None = None         # the operator whose kernel replaces it; None: profiled only
-    variant: str = "default"
+    variant: str | Callable[[nn.Module], str] = "default"   # or the module -> its variant
     key: Key | None = None        # (name, module, config) -> the kernel's compile-time extents; None: per call
     function: bool = False        # the operator replaces a function the module's code calls (not the module)
 
@@ -75,7 +75,9 @@ TABLE: tuple[Row, ...] = (
     Row(v4.DeepseekV4TopKRouter, "router", "router", "topk", _router),
     Row(v4.DeepseekV4Experts, "moe_experts", "swiglu", key=lambda n, m, c: (m.intermediate_dim,)),
     Row(v4.DeepseekV4MLP, "shared_expert", "swiglu", key=lambda n, m, c: (m.intermediate_size,)),
-    Row(v4.DeepseekV4Attention, "attention"),
+    Row(v4.DeepseekV4Attention, "attention", "sparse_attention",
+        lambda m: sparse_attention.VARIANT_OF_LAYER.get(m.layer_type, "unknown"),
+        lambda n, m, c: sparse_attention.kernel_key(m) if m.layer_type in sparse_attention.VARIANT_OF_LAYER else None),
     # what a layer runs outside its children: the stream mixing
     Row(v4.DeepseekV4DecoderLayer, "mhc_post", "mhc_post", key=_streams),
     Row(nn.Embedding, "embedding"),
@@ -123,6 +125,7 @@ def sites(model: torch.nn.Module) -> list[Site]:
         for row in rows_of(module):
             if row.op is not None:
                 key = row.key(name, module, cfg) if row.key is not None else None
-                found.append(Site(name or "model" if row.function else name, module, row.op, row.variant,
+                variant = row.variant(module) if callable(row.variant) else row.variant
+                found.append(Site(name or "model" if row.function else name, module, row.op, variant,
                                   tuple(key) if key is not None else None))
     return found

@@ -4,6 +4,7 @@ A kernel's torch binding is two plain functions over tensors, with type hints:
 
     forward(*args)  -> (outputs..., residuals...)
     backward(*grad_outputs, *saved_inputs, *residuals, *consts) -> (grads of `grads` inputs...)
+                                       (with save_outputs, the visible outputs after the residuals)
 
 `TorchOp` registers them as `aurakernel::<name>_fwd` and `aurakernel::<name>_bwd` (schemas from the
 type hints), their fake (meta) implementations, and the autograd formula joining them: the forward
@@ -33,8 +34,9 @@ class TorchOp:
 
     def __init__(self, name: str, forward: Callable, backward: Callable | None = None, *,
                  fake_forward: Callable, fake_backward: Callable | None = None, outputs: int = 1,
-                 saved: tuple[str, ...] = (), consts: tuple[str, ...] = (), grads: tuple[str, ...] = ()):
-        self.name, self.outputs = name, outputs
+                 saved: tuple[str, ...] = (), consts: tuple[str, ...] = (), grads: tuple[str, ...] = (),
+                 save_outputs: bool = False):
+        self.name, self.outputs, self.save_outputs = name, outputs, save_outputs
         params = list(inspect.signature(forward).parameters)
         pos = {p: i for i, p in enumerate(params)}
         unknown = [n for n in (*saved, *consts, *grads) if n not in pos]
@@ -65,13 +67,17 @@ class TorchOp:
     def backward_args(self, args: tuple, output, grad_outputs: tuple) -> tuple:
         """The backward op's arguments for one forward call (args -> output) and its output
         gradients: what the autograd formula passes (for opcheck and tests)."""
-        return (*grad_outputs, *(args[i] for i in self._saved), *self._split(output)[1],
+        return (*grad_outputs, *(args[i] for i in self._saved), *self._split(output)[1], *self._kept(output),
                 *(args[i] for i in self._consts))
+
+    def _kept(self, output) -> tuple:
+        """The visible outputs the backward gets too (save_outputs), after the residuals."""
+        return self._split(output)[0] if self.save_outputs else ()
 
     def _save(self, ctx, inputs, output) -> None:
         """The autograd context of one forward call (also the custom op's setup_context, which torch
         calls with these keyword names)."""
-        ctx.save_for_backward(*(inputs[i] for i in self._saved), *self._split(output)[1])
+        ctx.save_for_backward(*(inputs[i] for i in self._saved), *self._split(output)[1], *self._kept(output))
         ctx.consts = tuple(inputs[i] for i in self._consts)
         ctx.none_inputs = tuple(inputs[i] is None for i in self._grads)   # their gradient is None
 

@@ -1,0 +1,180 @@
+"""The host C kernel of sparse_attention (templates/host/sparse_attention.c.j2): its tiling model,
+template values and C calls.
+
+Tiling model (an ESTIMATE, per phase; the coefficients are the profile's, as for the row kernels):
+  tasks        B x ceil(S / tile_rows), split statically over threads
+  compute      the busiest thread's GEMM flops / (the calibrated fp32 matmul rate per core x 0.5):
+               window rows see tile_rows - 1 more keys than they use (the band's waste), which
+               bigger tiles pay; 1.5x when the task's working set overflows L2
+  vector       converting each chunk's keys into both layouts and the softmax's exps, per element,
+               plus a fixed cost per chunk; bigger tiles share the window keys' conversion
+  DRAM         q, out, kv, the compressed kv and lse once, at the stream bandwidth of the threads
+  overhead     call + fork + a fixed cost per task
+Capacity: a task's working set (q rows, the output or gradient accumulators, a key chunk in both
+layouts, the score block) must fit the per-core share of the largest cache.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ....ops.base import Problem, Tensors
+from ....ops.sparse_attention import SPEC, entries_of
+from ....planner.costmodel import DEFAULTS, thread_candidates
+from ....planner.model import ChoiceModel, Constraint, Phase, Term
+from ..kernel import HostKernel
+from ..library import Entry
+
+VARIANT_ID = {"sliding": 0, "csa": 1, "hca": 2}
+GEMM_EFFICIENCY = 0.5     # of the calibrated matmul rate, for these small register-blocked GEMMs (ESTIMATE)
+L2_SPILL = 1.5            # compute slowdown when a task's working set overflows L2 (ESTIMATE)
+
+
+def _args(inputs: Tensors):
+    q, kv = inputs["q"].contiguous(), inputs["kv"].contiguous()
+    ckv = inputs.get("compressed_kv")
+    ckv = ckv.contiguous() if ckv is not None else None
+    idx = inputs.get("indices")
+    if idx is not None:   # ascending, so repeats are adjacent (skipped) and the gathers walk forward
+        idx = torch.sort(idx.to(torch.int64), dim=-1).values.contiguous()
+    return q, kv, ckv, idx
+
+
+def dims(q, ckv, idx) -> tuple[int, int, int, int]:
+    b, _, s, _ = q.shape
+    return b, s, (ckv.shape[1] if ckv is not None else 0), (idx.shape[-1] if idx is not None else 0)
+
+
+def forward(kernel, q, kv, ckv, idx, sinks, out, lse, scaling: float) -> None:
+    b, s, t, k = dims(q, ckv, idx)
+    scratch = kernel.workspace_of(kernel.call("scratch", b, s, t, k, 0))
+    kernel.call("fwd", q, kv, ckv if ckv is not None else 0, idx if idx is not None else 0, sinks, out, lse,
+                scratch, b, s, t, k, scaling)
+
+
+def backward(kernel, q, kv, ckv, idx, sinks, out, lse, dout, dq, dkv, dckv, dsinks, scaling: float) -> None:
+    b, s, t, k = dims(q, ckv, idx)
+    scratch = kernel.workspace_of(kernel.call("scratch", b, s, t, k, 1))
+    kernel.call("bwd", q, kv, ckv if ckv is not None else 0, idx if idx is not None else 0, sinks, out, lse,
+                dout, dq, dkv, dckv if dckv is not None else 0, dsinks, scratch, b, s, t, k, scaling)
+
+
+class SparseAttentionHost(HostKernel):
+    knob_docs = {"tile_rows": "query positions per task (their heads share the window's keys)",
+                 "key_chunk": "keys per online-softmax chunk", "threads": "OpenMP threads"}
+    entries = {"fwd": Entry("ak_sparse_attention_fwd", ("ptr",) * 8 + ("i64",) * 4 + ("f32",)),
+               "bwd": Entry("ak_sparse_attention_bwd", ("ptr",) * 13 + ("i64",) * 4 + ("f32",)),
+               "scratch": Entry("ak_sparse_attention_scratch", ("i64",) * 5, "i64")}
+
+    def tiling_problem(self, problem: Problem, hw):
+        batch, heads, seq, dim, window, extra = problem.shape
+        e = problem.dtype.itemsize
+        entries = entries_of(problem)
+        cm = {**DEFAULTS, **hw.costmodel}
+        clock = hw.clock_ghz * 1e9
+        vec = max(hw.simd_bytes // 4, 4)
+        widest = window + 16 + (min(extra, entries) if problem.variant == "csa" else entries)
+        domains = {"tile_rows": [v for v in (1, 2, 4, 8, 16) if v <= max(seq, 1)],
+                   "key_chunk": [c for c in (16, 32, 64, 128, 256, 512) if c % vec == 0 and c < 2 * widest] or [vec],
+                   "threads": thread_candidates(hw.cores), "vec": [vec]}
+        per_core_rate = hw.peak_tflops.get("fp32", 0.1) * 1e12 / max(hw.cores, 1) * GEMM_EFFICIENCY
+        l2 = hw.memory["L2"].capacity * (1 if hw.memory["L2"].per_core else 1 / max(hw.cores, 1))
+        last = hw.memory["L3"] if "L3" in hw.memory else hw.memory["L2"]
+        last_share = last.capacity / (1 if last.per_core else max(hw.cores, 1))
+
+        def working_set(qb, kb, backward):
+            m = qb * heads
+            return 4 * ((5 if backward else 2) * m * dim + 2 * kb * dim + (3 if backward else 1) * m * kb)
+
+        def keys_of_task(qb):
+            """(keys every row of a task is scored against, keys gathered per task)."""
+            band = min(window + qb - 1, seq)
+            if problem.variant == "csa":
+                k = min(extra, entries)
+                return band + k, band + qb * k
+            if problem.variant == "hca":
+                return band + entries / 2, band + entries / 2
+            return band, band
+
+        def tasks(qb, th):
+            return math.ceil(batch * math.ceil(seq / qb) / th)
+
+        constraints = [Constraint(
+            f"{last.name} capacity (task)", Term.of(("tile_rows", "key_chunk"), domains,
+                                                    lambda qb, kb: working_set(qb, kb, True)),
+            last_share, f"4 B x (5 tile_rows x {heads} x {dim} + 2 key_chunk x {dim} + 3 tile_rows x {heads} x key_chunk)")]
+        phases = []
+        for name, backward, gemms in (("forward", False, 2), ("backward", True, 5)):
+            def compute(qb, kb, th, backward=backward, gemms=gemms):
+                scored, _ = keys_of_task(qb)
+                spill = L2_SPILL if working_set(qb, kb, backward) > l2 else 1.0
+                return tasks(qb, th) * 2 * gemms * qb * heads * scored * dim / per_core_rate * spill
+
+            def vector(qb, kb, th, backward=backward):
+                scored, gathered = keys_of_task(qb)
+                elems = 2 * gathered * dim + (3 if backward else 2) * qb * heads * scored
+                chunks = math.ceil(gathered / kb) + (qb if problem.variant == "csa" else 0)
+                return tasks(qb, th) * (elems * cm["vector_cycles_per_elem"] + chunks * cm["chunk_overhead_cycles"]) / clock
+
+            traffic = (2 * batch * heads * seq * dim + batch * (seq + entries) * dim) * e * (2 if backward else 1)
+
+            def dram(th, traffic=traffic):
+                return traffic / hw.stream_bandwidth(th) * cm["dram_time_scale"]
+
+            def overhead(qb, th):
+                return ((hw.call_overhead_us + cm["phase_overhead_us"] + (hw.fork_overhead_us if th > 1 else 0.0)) * 1e-6
+                        + tasks(qb, th) * cm["tile_overhead_ns"] * 1e-9)
+
+            phases.append(Phase(name, {
+                "compute": [Term.of(("tile_rows", "key_chunk", "threads"), domains, compute)],
+                "vector": [Term.of(("tile_rows", "key_chunk", "threads"), domains, vector)],
+                "DRAM": [Term.of(("threads",), domains, dram)]},
+                [Term.of(("tile_rows", "threads"), domains, overhead)]))
+        return ChoiceModel(domains, constraints, phases)
+
+    def render_params(self, problem: Problem, knobs: dict[str, int]) -> dict:
+        _, heads, _, dim, window, extra = problem.shape
+        return {"dtype": problem.dtype, "variant_id": VARIANT_ID[problem.variant],
+                "heads": int(heads), "dim": int(dim), "window": int(window), "extra": int(extra),
+                "tile_rows": int(knobs["tile_rows"]), "key_chunk": int(knobs["key_chunk"]),
+                "threads": int(knobs["threads"]), "vec": int(knobs["vec"])}
+
+    def empty_outputs(self, problem: Problem, inputs: Tensors) -> Tensors:
+        q = inputs["q"]
+        b, h, s, d = q.shape
+        return {"y": q.new_empty(b, s, h, d), "lse": q.new_empty(b, h, s, dtype=torch.float32)}
+
+    def run_forward(self, kernel, inputs: Tensors, outputs: Tensors) -> None:
+        q, kv, ckv, idx = _args(inputs)
+        forward(kernel, q, kv, ckv, idx, inputs["sinks"].float().contiguous(), outputs["y"], outputs["lse"],
+                q.shape[-1] ** -0.5)
+
+    def run_backward(self, kernel, inputs: Tensors, outputs: Tensors, grad_outputs: Tensors, grads: Tensors) -> None:
+        q, kv, ckv, idx = _args(inputs)
+        dsinks = torch.empty(q.shape[1])
+        dckv = torch.empty_like(ckv) if ckv is not None else None
+        dq, dkv = torch.empty_like(q), torch.empty_like(kv)
+        backward(kernel, q, kv, ckv, idx, inputs["sinks"].float().contiguous(), outputs["y"], outputs["lse"],
+                 grad_outputs["y"].to(q.dtype).contiguous(), dq, dkv, dckv, dsinks, q.shape[-1] ** -0.5)
+        grads["q"].copy_(dq)
+        grads["kv"].copy_(dkv)
+        grads["sinks"].copy_(dsinks)
+        if dckv is not None:
+            grads["compressed_kv"].copy_(dckv)
+
+    def verification_problems(self, problem: Problem, knobs: dict[str, int], simd_elems: int) -> list[Problem]:
+        """The tuned shape, and a short one with two batch rows whose length is not a multiple of the
+        task (and, for hca, ends inside a compression window)."""
+        batch, heads, seq, dim, window, extra = problem.shape
+        tail = knobs["tile_rows"] * 3 + 1
+        if problem.variant == "hca":
+            tail = max(tail, 2 * extra + 5)
+        elif problem.variant == "csa":
+            tail = max(tail, window + 4 * min(extra, 8) + 3)
+        return [problem, Problem(problem.op, problem.variant, (2, heads, min(seq, tail), dim, window, extra),
+                                 problem.dtype)]
+
+
+PARTS = (SparseAttentionHost(SPEC),)

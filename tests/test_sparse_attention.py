@@ -1,0 +1,218 @@
+"""sparse_attention: V4's attention over the window and the selected (csa) or ready (hca) compressed
+entries, forward and backward, against transformers' own dense attention; and in the model, where it
+replaces the dense attention of every layer without changing the loss or any gradient."""
+
+import copy
+
+import pytest
+import torch
+
+from aurakernel import apply
+from aurakernel.dtypes import DType
+from aurakernel.hardware import host_profile
+from aurakernel.ops import get_op
+from aurakernel.ops.base import Problem
+from aurakernel.planfile import KernelPlan, PlanEntry
+from aurakernel.planner import solve_tiling
+from aurakernel.swap import deepseek_v4_sites
+from aurakernel.targets.host.build import build_kernel
+from aurakernel.targets.host.library import Kernel
+from aurakernel.targets.host.ops import kernel_of
+from aurakernel.targets.host.target import verify
+from trainer.config import load_config
+from trainer.model import build_model
+
+from conftest import TINY
+
+SPEC = get_op("sparse_attention")
+TEMPLATE = "host/sparse_attention.c.j2"
+
+
+# --- the kernel --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("variant", ["csa", "hca", "sliding"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("knobs", [{"tile_rows": 1, "key_chunk": 16, "threads": 2},
+                                   {"tile_rows": 4, "key_chunk": 32, "threads": 2},
+                                   {"tile_rows": 16, "key_chunk": 256, "threads": 1}], ids=["t1k16", "t4k32", "t16k256"])
+def test_kernel_matches_dense_attention_at_tails(variant, dtype, knobs):
+    """Sequences not a multiple of the task, windows longer than the sequence and shorter, keys in
+    several chunks (the online softmax rescales), csa rows whose picks are all -1 (the first
+    positions) or repeated, hca sequences ending inside a compression window, D off the SIMD grid."""
+    vec = max(host_profile().simd_bytes // 4, 4)
+    shapes = ["2x4x45x64x64x16", "1x3x83x40x8x8"]   # BxHxSxDxWINDOWxEXTRA
+    for shape in shapes:
+        problem = SPEC.problem(shape, dtype, variant)
+        kernel = build_kernel(SPEC, problem, {**knobs, "vec": vec})
+        result = verify(SPEC, [(problem, kernel)], seeds=(0, 1))
+        assert result.passed, f"{shape}: {result.summary}"
+        assert {c.tensor for c in result.checks} >= {"y", "grad_q", "grad_kv", "grad_sinks"}
+
+
+def test_the_inputs_have_what_the_tails_need():
+    """The csa inputs the tests verify on: early rows with no valid pick, rows with a repeated pick."""
+    problem = SPEC.problem("1x2x83x16x8x8", "fp32", "csa")
+    idx = SPEC.make_inputs(problem, seed=0)["indices"]
+    assert (idx[0, :3] == -1).all()                                   # positions 0-2: nothing ready
+    assert any(len(set(r.tolist()) - {-1}) < (r >= 0).sum() for r in idx[0])   # some row repeats a pick
+
+
+def test_backward_is_deterministic_and_keeps_no_dense_scores():
+    problem = SPEC.problem("2x4x300x64x64x16", "fp32", "csa")
+    knobs = solve_tiling(kernel_of(SPEC).tiling_problem(problem, host_profile()), op=problem.op, variant="csa",
+                         shape=problem.shape, dtype="fp32", target="host").knobs
+    kernel = build_kernel(SPEC, problem, knobs)
+    inputs = SPEC.make_inputs(problem, seed=3)
+    impl = kernel_of(SPEC)
+    outputs = impl.empty_outputs(problem, inputs)
+    impl.run_forward(kernel, inputs, outputs)
+    # what the forward keeps for the backward: the output and one logsumexp per row
+    assert outputs["lse"].shape == (2, 4, 300) and set(outputs) == {"y", "lse"}
+    g = {"y": torch.randn(outputs["y"].shape, generator=torch.Generator().manual_seed(0))}
+    runs = []
+    for _ in range(2):
+        grads = {k: torch.empty_like(inputs[k]) for k in SPEC.differentiable(problem)}
+        impl.run_backward(kernel, inputs, outputs, g, grads)
+        runs.append(grads)
+    for k in runs[0]:
+        assert torch.equal(runs[0][k], runs[1][k]), k
+
+
+def test_the_planner_sizes_tasks_to_the_cache_and_the_window():
+    """A wide head (V4-Flash: 64 heads of 512) leaves no room for big tasks; the tiny model's heads
+    do; the plan always fits the cache it was planned for."""
+    hw = host_profile()
+    for shape in ("1x64x4096x512x128x512", "1x4x4096x64x64x16"):
+        problem = SPEC.problem(shape, "bf16", "csa")
+        model = kernel_of(SPEC).tiling_problem(problem, hw)
+        plan = solve_tiling(model, op=problem.op, variant="csa", shape=problem.shape, dtype="bf16", target="host")
+        assert model.feasible(plan.knobs)
+        for c in model.constraints:
+            assert c.usage.value(plan.knobs) <= c.limit
+
+
+# --- in the model ------------------------------------------------------------------------------------------
+
+def _cfg(seq: int):
+    cfg = load_config(TINY)
+    cfg.data.seq_len, cfg.data.batch_size = seq, 1
+    return cfg
+
+
+def sparse_plan(model, seq: int, dtypes=("fp32",)) -> KernelPlan:
+    """A plan with a planned sparse_attention kernel for every attention layer of `model`."""
+    hw = host_profile()
+    entries, seen = [], set()
+    for site in deepseek_v4_sites(model):
+        if site.op != "sparse_attention":
+            continue
+        for dt in dtypes:
+            if (site.variant, site.kernel_key, dt) in seen:
+                continue
+            seen.add((site.variant, site.kernel_key, dt))
+            heads, dim, window, extra = site.kernel_key
+            problem = Problem("sparse_attention", site.variant, (1, heads, seq, dim, window, extra), DType.parse(dt))
+            knobs = solve_tiling(kernel_of(SPEC).tiling_problem(problem, hw), op=problem.op, variant=site.variant,
+                                 shape=problem.shape, dtype=dt, target="host").knobs
+            entries.append(PlanEntry("sparse_attention", site.variant, list(site.kernel_key), dt, problem.shape_text,
+                                     knobs, build_kernel(SPEC, problem, knobs).source_hash))
+    return KernelPlan(target="host", kernels=entries)
+
+
+def _kernel_calls(monkeypatch) -> list[str]:
+    calls = []
+    call = Kernel.call
+
+    def counting(kernel, name, *args):
+        if kernel.source.template == TEMPLATE:
+            calls.append(name)
+        return call(kernel, name, *args)
+    monkeypatch.setattr(Kernel, "call", counting)
+    return calls
+
+
+@pytest.mark.parametrize("seq", [256, 1024])
+def test_swapped_model_matches_the_dense_one_over_three_optimizer_steps(seq, monkeypatch):
+    cfg = _cfg(seq)
+    ref = build_model(cfg.model, seed=0)
+    ours = copy.deepcopy(ref)
+    report = apply(ours, sparse_plan(ours, seq))
+    assert {s["module"] for s in report.swapped if s["op"] == "sparse_attention"} == {
+        f"model.layers.{i}.self_attn" for i in range(len(cfg.model["layer_types"]))}
+    calls = _kernel_calls(monkeypatch)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (ref, ours)]
+    g = torch.Generator().manual_seed(0)
+    for step in range(3):
+        ids = torch.randint(0, cfg.model["vocab_size"], (1, seq), generator=g)
+        losses = []
+        for model, opt in zip((ref, ours), opts):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            losses.append(loss)
+        assert float(losses[1]) == pytest.approx(float(losses[0]), rel=1e-5), step
+        for (name, a), b in zip(ref.named_parameters(), ours.parameters()):
+            if a.grad is not None:
+                torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        ours.load_state_dict(ref.state_dict())   # the same weights at every step: compare the step itself
+    layers = len(cfg.model["layer_types"])
+    assert calls.count("fwd") == 3 * layers and calls.count("bwd") == 3 * layers
+
+
+def test_nothing_of_size_s_by_s_is_kept_for_the_backward():
+    """Under the kernel the attention saves q, kv, the compressed kv, the picks, the output and one
+    logsumexp per row; the dense path keeps [B, H, S, S + T] probabilities. No tensor saved for the
+    backward of the patched model has two extents of at least S (the vocabulary, 512, and the mHC
+    streams, 4 x 256, are below it)."""
+    seq = 1536
+    cfg = _cfg(seq)
+    model = build_model(cfg.model, seed=0)
+    dense = copy.deepcopy(model)
+    apply(model, sparse_plan(model, seq))
+    ids = torch.randint(0, cfg.model["vocab_size"], (1, seq))
+
+    def square_saves(m) -> list[tuple[int, ...]]:
+        shapes = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
+            m(input_ids=ids, labels=ids).loss.backward()
+        return [s for s in shapes if sum(e >= seq for e in s) >= 2]
+
+    assert square_saves(dense)   # the dense attention's scores and probabilities
+    assert square_saves(model) == []
+
+
+def test_what_the_kernel_does_not_compute_stays_on_the_reference(monkeypatch):
+    """A padding mask, a cache (generation), the indexer KL objective's need for the attention
+    weights, or a dtype without a kernel: the dense reference lines run (with the compressor's picks
+    turned back into its block bias), and the outputs are the unpatched model's."""
+    from trainer.objectives import IndexerAlignment
+
+    seq = 160
+    cfg = _cfg(seq)
+    ref = build_model(cfg.model, seed=0)
+    ours = copy.deepcopy(ref)
+    apply(ours, sparse_plan(ours, seq))
+    calls = _kernel_calls(monkeypatch)
+    ids = torch.randint(0, cfg.model["vocab_size"], (2, seq))
+    padding = torch.ones(2, seq, dtype=torch.long)
+    padding[1, :7] = 0
+    with torch.no_grad():
+        for kwargs in ({"attention_mask": padding}, {"use_cache": True}):
+            torch.testing.assert_close(ours(input_ids=ids, **kwargs).logits, ref(input_ids=ids, **kwargs).logits)
+        assert calls == []
+        with torch.autocast("cpu", dtype=torch.bfloat16):   # bf16 calls: the plan has fp32 kernels only
+            torch.testing.assert_close(ours(input_ids=ids).logits, ref(input_ids=ids).logits)
+        assert calls == []
+        torch.testing.assert_close(ours(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+        assert calls.count("fwd") == len(cfg.model["layer_types"])
+    calls.clear()
+    aligner = IndexerAlignment(ours, 1.0)
+    csa = sum(t == "compressed_sparse_attention" for t in cfg.model["layer_types"])
+    ours(input_ids=ids).logits.sum().backward()
+    assert calls.count("fwd") == len(cfg.model["layer_types"]) - csa and len(aligner.records) == csa
+    aligner.remove()
+    calls.clear()
+    ours(input_ids=ids)
+    assert calls.count("fwd") == len(cfg.model["layer_types"])
