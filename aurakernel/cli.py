@@ -165,6 +165,8 @@ def autotune(
     as_json: Annotated[bool, typer.Option("--json", help="print the plan as JSON")] = False,
     model_dir: Annotated[str | None, typer.Option(help="tune for this Hugging Face checkpoint directory's widths "
                                                         "(its config.json replaces the model section)")] = None,
+    seq_len: Annotated[int | None, typer.Option("--seq-len", min=1, help="tokens per sequence of the profiled "
+                                                                          "steps (default: data.seq_len)")] = None,
 ):
     """Profile a few training steps, rank op groups, tune what can be tuned, write a kernel plan.
     For an Ascend target (--target ascend910b2 ...): --out is a directory that receives one
@@ -179,6 +181,8 @@ def autotune(
     cfg = load_config(config)
     if model_dir:
         use_model_dir(cfg, model_dir)
+    if seq_len is not None:
+        cfg.data.seq_len = seq_len
     tgt = target_for(load_profile(target))   # unknown targets: one line naming the accepted ones
     if tgt.writes_projects:   # a folder of op projects (AscendC), not a plan file
         out_path = "ascend_projects" if out_path == "plan.json" else out_path

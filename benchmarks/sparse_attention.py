@@ -62,11 +62,14 @@ def _sdpa(module, q, kv, ckv, idx):
 
 
 def _flex_forward(variant: str, extra: int, q, kv, ckv, idx, sinks):
+    """FlexAttention over [kv; ckv; a zero sink key]: a block mask of what V4 attends to, and a score
+    mod that gives the sink key its logit (CPU flex has no return_lse to fold the sink in after)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     batch, heads, seq, dim = q.shape
     entries = ckv.shape[1]
-    k = torch.cat([kv, ckv], dim=1).unsqueeze(1)
+    sink = seq + entries
+    k = torch.cat([kv, ckv, kv.new_zeros(batch, 1, dim)], dim=1).unsqueeze(1)
     if variant == "csa":
         picked = torch.zeros(batch, seq, entries + 1, dtype=torch.bool)
         picked.scatter_(-1, torch.where(idx >= 0, idx, entries), True)
@@ -75,20 +78,16 @@ def _flex_forward(variant: str, extra: int, q, kv, ckv, idx, sinks):
     def visible(b, h, s, j):
         in_window = (j <= s) & (j > s - WINDOW)
         e = (j - seq).clamp(min=0, max=max(entries - 1, 0))
-        if variant == "csa":
-            compressed = picked[b, s, e]
-        else:
-            compressed = e < (s + 1) // extra
-        return torch.where(j < seq, in_window, compressed & (j >= seq))
+        compressed = picked[b, s, e] if variant == "csa" else (e + 1) * extra <= s + 1   # e < (s + 1) // extra
+        return torch.where(j < seq, in_window, torch.where(j < sink, compressed, j == sink))
 
-    block = create_block_mask(visible, batch, None, seq, seq + entries, device="cpu")
+    def with_sink(score, b, h, s, j):
+        return torch.where(j == sink, sinks[h], score)
+
+    block = create_block_mask(visible, batch, None, seq, sink + 1, device="cpu")
     compiled = torch.compile(flex_attention)
-
-    def run():
-        out, lse = compiled(q, k.expand(batch, heads, -1, -1), k.expand(batch, heads, -1, -1), block_mask=block,
-                            scale=dim ** -0.5, return_lse=True)
-        return out * torch.sigmoid(lse - sinks.view(1, -1, 1)).unsqueeze(-1)   # the sink in the denominator
-    return run
+    keys = k.expand(batch, heads, -1, -1)
+    return lambda: compiled(q, keys, keys, score_mod=with_sink, block_mask=block, scale=dim ** -0.5)
 
 
 def bench(seq: int, variant: str, dtype: DType, hw) -> dict:
@@ -168,7 +167,7 @@ def main(argv=None) -> int:
             return f"{table[peer] / table['aurakernel']:.1f}x" if peer in table else "-"
         t.add_row(str(r["seq"]), r["variant"], f"{us['aurakernel'] / 1e3:.2f}", ratio("eager"), ratio("compiled"),
                   ratio("sdpa"), ratio("flex", f), "; ".join(f"{k}: {v}" for k, v in r["skipped"].items()))
-    Console().print(t)
+    Console(width=220).print(t)
     return 0
 
 

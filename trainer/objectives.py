@@ -177,8 +177,9 @@ class IndexerAlignment:
             if not isinstance(indexer, DeepseekV4Indexer):
                 continue   # sliding / HCA layers: no indexer
             self.layers[name] = indexer
-            # aurakernel's sparse-attention kernel returns no probabilities: this layer keeps the reference's
-            attn.aurakernel_needs_weights = True
+            # only the compressed entries' mass, heads summed, is read: aurakernel's sparse attention gives
+            # that ([B, 1, S, T]) instead of the dense weights
+            attn.aurakernel_wants_compressed_mass = True
             self._weights_of.append(attn)
             key = id(attn)
             self._handles += [
@@ -242,7 +243,7 @@ class IndexerAlignment:
             h.remove()
         self._handles = []
         for module in self._weights_of:
-            module.__dict__.pop("aurakernel_needs_weights", None)
+            module.__dict__.pop("aurakernel_wants_compressed_mass", None)
         self._weights_of = []
         self.reset()
 

@@ -14,8 +14,9 @@ when the call is one it computes exactly:
   - a verified kernel for the layer's (heads, head_dim, window, top-k or ratio) and dtype.
 Otherwise the module runs the reference lines, with the compressor's selection turned back into
 transformers' block bias (and attn_softmax, where patched, in its eager attention).
-Modules whose attention weights a caller reads (the indexer KL objective sets
-`aurakernel_needs_weights`) stay on the reference path: the kernel returns no probabilities.
+The kernel returns no attention weights; a module whose caller reads only the probability mass on
+the compressed entries (the indexer KL objective sets `aurakernel_wants_compressed_mass`) gets that
+from the kernel's logsumexp instead (compressed_mass).
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ VARIANT_OF_LAYER = {"sliding_attention": "sliding", "compressed_sparse_attention
 
 def _forward(q: torch.Tensor, kv: torch.Tensor, compressed_kv: torch.Tensor | None, indices: torch.Tensor | None,
              sinks: torch.Tensor, scaling: float, kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [B, S, H, D], lse [B, H, S]): lse is the backward's residual. `indices` come sorted."""
+    """(out [B, S, H, D], lse [B, H, S]): the backward needs both; lse is not differentiated (it is
+    an output for what reads the attention's probabilities: compressed_mass). `indices` come sorted."""
     b, h, s, d = q.shape
     out, lse = q.new_empty(b, s, h, d), q.new_empty(b, h, s, dtype=torch.float32)
     forward(built_kernel(kernel), q.contiguous(), kv.contiguous(),
@@ -56,7 +58,7 @@ def _fake_forward(q, kv, compressed_kv, indices, sinks, scaling, kernel):
 
 
 def _backward(dy: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, compressed_kv: torch.Tensor | None,
-              indices: torch.Tensor | None, sinks: torch.Tensor, lse: torch.Tensor, y: torch.Tensor, scaling: float,
+              indices: torch.Tensor | None, sinks: torch.Tensor, y: torch.Tensor, lse: torch.Tensor, scaling: float,
               kernel: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     q, kv = q.contiguous(), kv.contiguous()
     ckv = compressed_kv.contiguous() if compressed_kv is not None else None
@@ -68,9 +70,28 @@ def _backward(dy: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, compressed_kv
     return dq, dkv, dckv, dsinks.to(sinks.dtype)
 
 
-OP = torch_op("sparse_attention", _forward, _backward, fake_forward=_fake_forward, outputs=1, save_outputs=True,
+OP = torch_op("sparse_attention", _forward, _backward, fake_forward=_fake_forward, outputs=2, differentiable=1, save_outputs=True,
               saved=("q", "kv", "compressed_kv", "indices", "sinks"), consts=("scaling", "kernel"),
               grads=("q", "kv", "compressed_kv", "sinks"))
+
+
+@torch.no_grad()
+def compressed_mass(q, compressed_kv, indices, lse, scaling: float) -> torch.Tensor:
+    """What a reader of the attention probabilities over the compressed entries needs (the indexer
+    KL objective: `weights[..., -T:].sum(dim=1)`), without the dense weights: the probability of
+    each selected entry, summed over heads, as [B, 1, S, T] (0 where not selected), from the kernel's
+    logsumexp. `indices` sorted ascending; a repeated pick counts once, as in the dense mask."""
+    batch, _, seq, _ = q.shape
+    entries = compressed_kv.shape[1]
+    valid = (indices >= 0) & (indices < entries)
+    valid[..., 1:] &= indices[..., 1:] != indices[..., :-1]
+    safe = torch.where(valid, indices, 0)
+    picked = torch.gather(compressed_kv.float().unsqueeze(1).expand(batch, seq, entries, -1), 2,
+                          safe.unsqueeze(-1).expand(-1, -1, -1, compressed_kv.shape[-1]))   # [B, S, k, D]
+    scores = torch.einsum("bhsd,bskd->bhsk", q.float(), picked) * scaling
+    mass = (torch.exp(scores - lse.unsqueeze(-1)).sum(dim=1) * valid).float()               # [B, S, k]
+    out = mass.new_zeros(batch, seq, entries)
+    return out.scatter_add_(-1, safe, mass).unsqueeze(1)
 
 
 def _sorted(indices: torch.Tensor | None) -> torch.Tensor | None:
@@ -103,8 +124,7 @@ def kernel_key(module) -> tuple[int, int, int, int]:
 
 
 def _kernel_for(self, q, kv, compressed_kv, cache, kwargs) -> str | None:
-    if (cache is not None or not kwargs.get(PLAIN) or getattr(self, "aurakernel_needs_weights", False)
-            or q.device.type != "cpu" or (self.training and self.attention_dropout > 0)
+    if (cache is not None or not kwargs.get(PLAIN) or q.device.type != "cpu" or (self.training and self.attention_dropout > 0)
             or kwargs.get("output_attentions") or self.config._attn_implementation not in ("eager", "sdpa")
             or (compressed_kv is not None and compressed_kv.dtype != q.dtype) or kv.dtype != q.dtype):
         return None
@@ -139,8 +159,10 @@ def _attention_forward(self, hidden_states, position_embeddings, position_ids, a
     kwargs.pop(PLAIN, None)   # not the attention interface's
     if kernel is not None:
         indices = _sorted(selection) if ckv is not None and self.layer_type == "compressed_sparse_attention" else None
-        attn_output = OP(q, kv[:, 0], ckv, indices, self.sinks, float(self.scaling), kernel)
+        attn_output, lse = OP(q, kv[:, 0], ckv, indices, self.sinks, float(self.scaling), kernel)
         attn_weights = None
+        if getattr(self, "aurakernel_wants_compressed_mass", False) and indices is not None:
+            attn_weights = compressed_mass(q, ckv, indices, lse, float(self.scaling))
     else:
         block = selection
         if compressed_kv is not None and not dense_bias and compressed_kv.shape[2] > 0 and q.shape[2] > 1:
@@ -172,7 +194,7 @@ def _reference_forward(self: SparseAttention, q, kv, compressed_kv=None, indices
     kernel = self._ak_lookup((q.shape[1], q.shape[3], self.window, self.extra), q.dtype)
     if kernel is None:
         return sparse_attention_reference(self, q, kv, compressed_kv, indices, q.shape[-1] ** -0.5)
-    return OP(q, kv, compressed_kv, _sorted(indices), self.sinks, q.shape[-1] ** -0.5, kernel)
+    return OP(q, kv, compressed_kv, _sorted(indices), self.sinks, q.shape[-1] ** -0.5, kernel)[0]
 
 
 class SparseAttentionPatch(Patch):

@@ -4,7 +4,8 @@ A kernel's torch binding is two plain functions over tensors, with type hints:
 
     forward(*args)  -> (outputs..., residuals...)
     backward(*grad_outputs, *saved_inputs, *residuals, *consts) -> (grads of `grads` inputs...)
-                                       (with save_outputs, the visible outputs after the residuals)
+                                       (with save_outputs, the visible outputs after the residuals;
+                                        with differentiable=k, only the first k outputs' gradients)
 
 `TorchOp` registers them as `aurakernel::<name>_fwd` and `aurakernel::<name>_bwd` (schemas from the
 type hints), their fake (meta) implementations, and the autograd formula joining them: the forward
@@ -35,8 +36,11 @@ class TorchOp:
     def __init__(self, name: str, forward: Callable, backward: Callable | None = None, *,
                  fake_forward: Callable, fake_backward: Callable | None = None, outputs: int = 1,
                  saved: tuple[str, ...] = (), consts: tuple[str, ...] = (), grads: tuple[str, ...] = (),
-                 save_outputs: bool = False):
+                 save_outputs: bool = False, differentiable: int | None = None):
         self.name, self.outputs, self.save_outputs = name, outputs, save_outputs
+        # the first `differentiable` outputs take gradients; the rest (a statistic a caller may read)
+        # are not differentiated and their gradients never reach the backward
+        self.differentiable = outputs if differentiable is None else differentiable
         params = list(inspect.signature(forward).parameters)
         pos = {p: i for i, p in enumerate(params)}
         unknown = [n for n in (*saved, *consts, *grads) if n not in pos]
@@ -67,7 +71,8 @@ class TorchOp:
     def backward_args(self, args: tuple, output, grad_outputs: tuple) -> tuple:
         """The backward op's arguments for one forward call (args -> output) and its output
         gradients: what the autograd formula passes (for opcheck and tests)."""
-        return (*grad_outputs, *(args[i] for i in self._saved), *self._split(output)[1], *self._kept(output),
+        return (*grad_outputs[: self.differentiable], *(args[i] for i in self._saved), *self._split(output)[1],
+                *self._kept(output),
                 *(args[i] for i in self._consts))
 
     def _kept(self, output) -> tuple:
@@ -78,6 +83,8 @@ class TorchOp:
         """The autograd context of one forward call (also the custom op's setup_context, which torch
         calls with these keyword names)."""
         ctx.save_for_backward(*(inputs[i] for i in self._saved), *self._split(output)[1], *self._kept(output))
+        if self.differentiable < self.outputs:
+            ctx.mark_non_differentiable(*self._split(output)[0][self.differentiable:])
         ctx.consts = tuple(inputs[i] for i in self._consts)
         ctx.none_inputs = tuple(inputs[i] is None for i in self._grads)   # their gradient is None
 
@@ -90,12 +97,12 @@ class TorchOp:
         return tuple(out)
 
     def _custom_backward(self, ctx, *grad_outputs):
-        grads = self.bwd(*grad_outputs[: self.outputs], *ctx.saved_tensors, *ctx.consts)
+        grads = self.bwd(*grad_outputs[: self.differentiable], *ctx.saved_tensors, *ctx.consts)
         return self._place(grads, ctx.none_inputs)
 
     def _default_fake_backward(self, *args):
         """Each gradient shaped and typed like its (saved) input; an empty tensor for a None input."""
-        saved = dict(zip(self._saved, args[self.outputs: self.outputs + len(self._saved)]))
+        saved = dict(zip(self._saved, args[self.differentiable: self.differentiable + len(self._saved)]))
         if any(i not in saved for i in self._grads):
             raise TypeError(f"{self.name}: give a fake_backward (a gradient input is not saved)")
         grads = tuple(saved[i].new_empty(saved[i].shape) if saved[i] is not None else args[0].new_empty(0)
@@ -111,12 +118,13 @@ class TorchOp:
                 output = op._forward_impl(*args)
                 op._save(ctx, args, output)
                 outs = op._split(output)[0]
-                ctx.mark_non_differentiable(*(o for o in outs if not o.is_floating_point()))
+                ctx.mark_non_differentiable(*(o for i, o in enumerate(outs)
+                                              if not o.is_floating_point() or i >= op.differentiable))
                 return op._result(outs)
 
             @staticmethod
             def backward(ctx, *grad_outputs):
-                grads = op._backward_impl(*grad_outputs, *ctx.saved_tensors, *ctx.consts)
+                grads = op._backward_impl(*grad_outputs[: op.differentiable], *ctx.saved_tensors, *ctx.consts)
                 return op._place(grads, ctx.none_inputs)
 
         _Eager.__name__ = f"{self.name}_kernel"
