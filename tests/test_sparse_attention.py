@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
 
 from aurakernel import apply
 from aurakernel.dtypes import DType
@@ -181,6 +182,14 @@ def test_nothing_of_size_s_by_s_is_kept_for_the_backward():
 
     assert square_saves(dense)   # the dense attention's scores and probabilities
     assert square_saves(model) == []
+    # nor is the model's dense [B, 1, S, S] window mask built: its layers get none
+    masks = []
+    for m in model.modules():
+        if isinstance(m, v4.DeepseekV4Attention):
+            m.register_forward_pre_hook(lambda mod, a, k: masks.append(k.get("attention_mask")), with_kwargs=True)
+    with torch.no_grad():
+        model(input_ids=ids)
+    assert masks == [None] * len(cfg.model["layer_types"])
 
 
 def test_what_the_kernel_does_not_compute_stays_on_the_reference(monkeypatch):

@@ -6,10 +6,11 @@ instead of a dense mask: the window's kv, the compressed kv and the indexer's pi
 compressors, patched too, return their selection instead of the dense block bias). The kernel runs
 when the call is one it computes exactly:
   - the model was called without a padding mask, position ids or cache (training on packed
-    sequences, as the trainer does): then the mask it builds is its plain sliding-window causal mask
-    over positions 0..S-1. A pre-hook on the model says so to every layer's attention call (the
-    `aurakernel_plain_window` keyword, handed down with the model's **kwargs); a call with a 2-D
-    attention_mask, even all ones, keeps the reference;
+    sequences, as the trainer does): then the mask it would build is its plain sliding-window causal
+    mask over positions 0..S-1. A pre-hook on the model says so to every layer's attention call (the
+    `aurakernel_plain_window` keyword, handed down with the model's **kwargs) and, when every
+    attention of the model is patched, keeps the model from building that dense [B, 1, S, S] mask at
+    all; a call with a 2-D attention_mask, even all ones, keeps the reference;
   - no dropout, no attention weights asked for, the eager (or sdpa) attention implementation;
   - a verified kernel for the layer's (heads, head_dim, window, top-k or ratio) and dtype.
 Otherwise the module runs the reference lines, with the compressor's selection turned back into
@@ -28,7 +29,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import ALL_ATTENTION_F
 
 from ..dtypes import DType
 from ..ops.base import Problem
-from ..ops.sparse_attention import SPEC, SparseAttention, block_bias, sparse_attention_reference
+from ..ops.sparse_attention import SPEC, SparseAttention, block_bias, sparse_attention_reference, window_mask
 from ..targets.host.library import built_kernel
 from ..targets.host.ops.sparse_attention import backward, forward
 from .base import Patch
@@ -105,13 +106,24 @@ PLAIN = "aurakernel_plain_window"   # the keyword the model's pre-hook hands its
 
 
 def _mark_plain_calls(model, args, kwargs):
-    """DeepseekV4Model forward pre-hook: a call without a padding mask, position ids or cache builds
-    the plain sliding-window causal mask over positions 0..S-1, which the kernel computes; the flag
-    reaches every layer's attention through the **kwargs the model hands down (checkpoint recompute
-    included), and is a static fact torch.compile can guard on."""
+    """DeepseekV4Model forward pre-hook: a call without a padding mask, position ids or cache would
+    build the plain sliding-window causal mask over positions 0..S-1, which the kernel computes; the
+    flag reaches every layer's attention through the **kwargs the model hands down (checkpoint
+    recompute included), and is a static fact torch.compile can guard on."""
     plain = (kwargs.get("attention_mask") is None and kwargs.get("position_ids") is None
              and kwargs.get("cache") is None and not kwargs.get("use_cache"))
     return args, {**kwargs, PLAIN: plain}
+
+
+def _mark_plain_calls_without_mask(model, args, kwargs):
+    """_mark_plain_calls for a model whose every attention runs the patched forward: a plain call
+    also skips building the dense [B, 1, S, S] mask (1 GB of fp32 at 16K tokens, 16 GB at 64K). The
+    model takes a dict of prebuilt masks as is; the layers get None, and an attention that falls
+    back to the reference lines builds the mask itself."""
+    args, kwargs = _mark_plain_calls(model, args, kwargs)
+    if kwargs[PLAIN]:
+        kwargs["attention_mask"] = {"sliding_attention": None}
+    return args, kwargs
 
 
 # --- the patched forward -------------------------------------------------------------------------
@@ -156,6 +168,9 @@ def _attention_forward(self, hidden_states, position_embeddings, position_ids, a
     ckv = compressed_kv[:, 0] if compressed_kv is not None and compressed_kv.shape[2] > 0 else None
     dense_bias = selection is not None and selection.is_floating_point()
     kernel = None if dense_bias else _kernel_for(self, q, kv, ckv, cache, kwargs)
+    if kernel is None and kwargs.get(PLAIN) and attention_mask is None:   # the model skipped building it
+        attention_mask = window_mask(q.shape[2], self.sliding_window, hidden_states.dtype, q.device).expand(
+            q.shape[0], 1, q.shape[2], q.shape[2])
     kwargs.pop(PLAIN, None)   # not the attention interface's
     if kernel is not None:
         indices = _sorted(selection) if ckv is not None and self.layer_type == "compressed_sparse_attention" else None
@@ -212,7 +227,9 @@ class SparseAttentionPatch(Patch):
     def patch_model(self, model: torch.nn.Module, patched: list[torch.nn.Module]) -> None:
         for sub in model.modules():
             if isinstance(sub, v4.DeepseekV4Model) and not getattr(sub, "_ak_marks_plain_calls", False):
-                sub.register_forward_pre_hook(_mark_plain_calls, with_kwargs=True)
+                every = all(any(a is p for p in patched) for a in sub.modules() if isinstance(a, v4.DeepseekV4Attention))
+                sub.register_forward_pre_hook(_mark_plain_calls_without_mask if every else _mark_plain_calls,
+                                              with_kwargs=True)
                 sub._ak_marks_plain_calls = True
 
     def patch(self, module: torch.nn.Module, lookup) -> None:
