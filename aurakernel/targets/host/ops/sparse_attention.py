@@ -6,8 +6,9 @@ Tiling model (an ESTIMATE, per phase; the coefficients are the profile's, as for
   compute      the busiest thread's GEMM flops / (the calibrated fp32 matmul rate per core x 0.5):
                window rows see tile_rows - 1 more keys than they use (the band's waste), which
                bigger tiles pay; 1.5x when the task's working set overflows L2
-  vector       converting each chunk's keys into both layouts and the softmax's exps, per element,
-               plus a fixed cost per chunk; bigger tiles share the window keys' conversion
+  vector       converting each chunk's keys into both layouts (the transposed one a scalar store per
+               element) and the softmax's exps, plus a fixed cost per chunk; bigger tiles share the
+               window keys' conversion; bf16's backward loads every chunk twice (its exact dO . O pass)
   DRAM         q, out, kv, the compressed kv and lse once, at the stream bandwidth of the threads
   overhead     call + fork + a fixed cost per task
 Capacity: a task's working set (q rows, the output or gradient accumulators, a key chunk in both
@@ -29,6 +30,7 @@ from ..library import Entry
 
 VARIANT_ID = {"sliding": 0, "csa": 1, "hca": 2}
 GEMM_EFFICIENCY = 0.5     # of the calibrated matmul rate, for these small register-blocked GEMMs (ESTIMATE)
+TRANSPOSE_CYCLES = 1.0    # per key element of the transposed copy of each chunk: a scalar strided store (ESTIMATE)
 L2_SPILL = 1.5            # compute slowdown when a task's working set overflows L2 (ESTIMATE)
 
 
@@ -106,17 +108,21 @@ class SparseAttentionHost(HostKernel):
                                                     lambda qb, kb: working_set(qb, kb, True)),
             last_share, f"4 B x (5 tile_rows x {heads} x {dim} + 2 key_chunk x {dim} + 3 tile_rows x {heads} x key_chunk)")]
         phases = []
-        for name, backward, gemms in (("forward", False, 2), ("backward", True, 5)):
+        # bf16's backward sums dO . O exactly in a first pass over the chunks: two more GEMMs, a second load
+        exact = problem.dtype.value != "fp32"
+        for name, backward, gemms, loads in (("forward", False, 2, 1), ("backward", True, 7 if exact else 5,
+                                                                            2 if exact else 1)):
             def compute(qb, kb, th, backward=backward, gemms=gemms):
                 scored, _ = keys_of_task(qb)
                 spill = L2_SPILL if working_set(qb, kb, backward) > l2 else 1.0
                 return tasks(qb, th) * 2 * gemms * qb * heads * scored * dim / per_core_rate * spill
 
-            def vector(qb, kb, th, backward=backward):
+            def vector(qb, kb, th, backward=backward, loads=loads):
                 scored, gathered = keys_of_task(qb)
-                elems = 2 * gathered * dim + (3 if backward else 2) * qb * heads * scored
-                chunks = math.ceil(gathered / kb) + (qb if problem.variant == "csa" else 0)
-                return tasks(qb, th) * (elems * cm["vector_cycles_per_elem"] + chunks * cm["chunk_overhead_cycles"]) / clock
+                elems = 2 * loads * gathered * dim + (3 if backward else 2) * qb * heads * scored
+                chunks = loads * (math.ceil(gathered / kb) + (qb if problem.variant == "csa" else 0))
+                return tasks(qb, th) * (elems * cm["vector_cycles_per_elem"] + chunks * cm["chunk_overhead_cycles"]
+                                        + loads * gathered * dim * TRANSPOSE_CYCLES) / clock
 
             traffic = (2 * batch * heads * seq * dim + batch * (seq + entries) * dim) * e * (2 if backward else 1)
 
