@@ -6,7 +6,7 @@ Tiling model (an ESTIMATE, per phase; the coefficients are the profile's, as for
   compute      the busiest thread's GEMM flops / (the calibrated fp32 matmul rate per core x 0.5):
                window rows see tile_rows - 1 more keys than they use (the band's waste), which
                bigger tiles pay; 1.5x when the task's working set overflows L2
-  vector       converting each chunk's keys into both layouts (the transposed one a scalar store per
+  vector       converting each chunk's keys into both layouts (the transposed one an 8 x 8 blocked copy per
                element) and the softmax's exps, plus a fixed cost per chunk; bigger tiles share the
                window keys' conversion; bf16's backward loads every chunk twice (its exact dO . O pass)
   DRAM         q, out, kv, the compressed kv and lse once, at the stream bandwidth of the threads
@@ -30,7 +30,7 @@ from ..library import Entry
 
 VARIANT_ID = {"sliding": 0, "csa": 1, "hca": 2}
 GEMM_EFFICIENCY = 0.5     # of the calibrated matmul rate, for these small register-blocked GEMMs (ESTIMATE)
-TRANSPOSE_CYCLES = 1.0    # per key element of the transposed copy of each chunk: a scalar strided store (ESTIMATE)
+TRANSPOSE_CYCLES = 0.25   # per key element of the transposed copy of each chunk, in 8 x 8 blocks (ESTIMATE)
 L2_SPILL = 1.5            # compute slowdown when a task's working set overflows L2 (ESTIMATE)
 
 
