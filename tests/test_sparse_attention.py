@@ -247,7 +247,7 @@ def test_the_indexer_kl_objective_reads_its_attention_mass_from_the_kernel(monke
     assert not any("aurakernel_wants_compressed_mass" in m.__dict__ for m in ours.modules())   # removed with it
 
 
-def test_a_4096_token_sequence_trains_on_the_kernel(tmp_path):
+def test_a_4096_token_sequence_trains_on_the_kernel(tmp_path, monkeypatch):
     """Two optimizer steps of the tiny model on 4096-token sequences with the sparse attention
     swapped in: the dense attention's [1, 4, 4096, 5120] scores never exist; the loss is finite and
     every layer's attention ran the kernel, forward and backward."""
@@ -257,17 +257,8 @@ def test_a_4096_token_sequence_trains_on_the_kernel(tmp_path):
     cfg = _cfg(seq)
     plan = sparse_plan(build_model(cfg.model, seed=0), seq)
     apply(build_model(cfg.model, seed=0), plan)   # admitted (rebuilt, re-verified) now: not counted below
-    calls = []
-    call = Kernel.call
-
-    def counting(kernel, name, *args):
-        if kernel.source.template == TEMPLATE:
-            calls.append(name)
-        return call(kernel, name, *args)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(Kernel, "call", counting)
-        result = train(cfg, kernels=plan, steps=2, show_progress=False, log_path=str(tmp_path / "log.jsonl"))
+    calls = _kernel_calls(monkeypatch)
+    result = train(cfg, kernels=plan, steps=2, show_progress=False, log_path=str(tmp_path / "log.jsonl"))
     run = result["runs"]["aurakernel"]
     assert len(run["losses"]) == 2 and all(torch.isfinite(torch.tensor(run["losses"])))
     layers = len(cfg.model["layer_types"])

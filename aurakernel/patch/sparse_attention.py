@@ -31,7 +31,7 @@ from ..dtypes import DType
 from ..ops.base import Problem
 from ..ops.sparse_attention import SPEC, SparseAttention, block_bias, sparse_attention_reference, window_mask
 from ..targets.host.library import built_kernel
-from ..targets.host.ops.sparse_attention import backward, forward
+from ..targets.host.ops.sparse_attention import backward, forward, sorted_indices
 from .base import Patch
 from .compressor import _csa_forward, _hca_forward
 from .install import copied_from, install, require
@@ -93,11 +93,6 @@ def compressed_mass(q, compressed_kv, indices, lse, scaling: float) -> torch.Ten
     mass = (torch.exp(scores - lse.unsqueeze(-1)).sum(dim=1) * valid).float()               # [B, S, k]
     out = mass.new_zeros(batch, seq, entries)
     return out.scatter_add_(-1, safe, mass).unsqueeze(1)
-
-
-def _sorted(indices: torch.Tensor | None) -> torch.Tensor | None:
-    """The kernel's picks: ascending, so repeats are adjacent (seen once, as the dense mask sees them)."""
-    return torch.sort(indices.to(torch.int64), dim=-1).values.contiguous() if indices is not None else None
 
 
 # --- what the model was called with -------------------------------------------------------------
@@ -173,7 +168,7 @@ def _attention_forward(self, hidden_states, position_embeddings, position_ids, a
             q.shape[0], 1, q.shape[2], q.shape[2])
     kwargs.pop(PLAIN, None)   # not the attention interface's
     if kernel is not None:
-        indices = _sorted(selection) if ckv is not None and self.layer_type == "compressed_sparse_attention" else None
+        indices = sorted_indices(selection) if ckv is not None and self.layer_type == "compressed_sparse_attention" else None
         attn_output, lse = OP(q, kv[:, 0], ckv, indices, self.sinks, float(self.scaling), kernel)
         attn_weights = None
         if getattr(self, "aurakernel_wants_compressed_mass", False) and indices is not None:
@@ -209,7 +204,7 @@ def _reference_forward(self: SparseAttention, q, kv, compressed_kv=None, indices
     kernel = self._ak_lookup((q.shape[1], q.shape[3], self.window, self.extra), q.dtype)
     if kernel is None:
         return sparse_attention_reference(self, q, kv, compressed_kv, indices, q.shape[-1] ** -0.5)
-    return OP(q, kv, compressed_kv, _sorted(indices), self.sinks, q.shape[-1] ** -0.5, kernel)[0]
+    return OP(q, kv, compressed_kv, sorted_indices(indices), self.sinks, q.shape[-1] ** -0.5, kernel)[0]
 
 
 class SparseAttentionPatch(Patch):

@@ -34,14 +34,17 @@ TRANSPOSE_CYCLES = 0.25   # per key element of the transposed copy of each chunk
 L2_SPILL = 1.5            # compute slowdown when a task's working set overflows L2 (ESTIMATE)
 
 
+def sorted_indices(indices: torch.Tensor | None) -> torch.Tensor | None:
+    """The picks as the kernel takes them: ascending, so repeats are adjacent (seen once, as the dense
+    mask sees them) and the gathers walk forward."""
+    return torch.sort(indices.to(torch.int64), dim=-1).values.contiguous() if indices is not None else None
+
+
 def _args(inputs: Tensors):
     q, kv = inputs["q"].contiguous(), inputs["kv"].contiguous()
     ckv = inputs.get("compressed_kv")
     ckv = ckv.contiguous() if ckv is not None else None
-    idx = inputs.get("indices")
-    if idx is not None:   # ascending, so repeats are adjacent (skipped) and the gathers walk forward
-        idx = torch.sort(idx.to(torch.int64), dim=-1).values.contiguous()
-    return q, kv, ckv, idx
+    return q, kv, ckv, sorted_indices(inputs.get("indices"))
 
 
 def dims(q, ckv, idx) -> tuple[int, int, int, int]:
@@ -158,17 +161,10 @@ class SparseAttentionHost(HostKernel):
                 q.shape[-1] ** -0.5)
 
     def run_backward(self, kernel, inputs: Tensors, outputs: Tensors, grad_outputs: Tensors, grads: Tensors) -> None:
-        q, kv, ckv, idx = _args(inputs)
-        dsinks = torch.empty(q.shape[1])
-        dckv = torch.empty_like(ckv) if ckv is not None else None
-        dq, dkv = torch.empty_like(q), torch.empty_like(kv)
+        q, kv, ckv, idx = _args(inputs)   # grads: fresh contiguous buffers of the inputs' shapes, written in place
         backward(kernel, q, kv, ckv, idx, inputs["sinks"].float().contiguous(), outputs["y"], outputs["lse"],
-                 grad_outputs["y"].to(q.dtype).contiguous(), dq, dkv, dckv, dsinks, q.shape[-1] ** -0.5)
-        grads["q"].copy_(dq)
-        grads["kv"].copy_(dkv)
-        grads["sinks"].copy_(dsinks)
-        if dckv is not None:
-            grads["compressed_kv"].copy_(dckv)
+                 grad_outputs["y"].to(q.dtype).contiguous(), grads["q"], grads["kv"], grads.get("compressed_kv"),
+                 grads["sinks"], q.shape[-1] ** -0.5)
 
     def verification_problems(self, problem: Problem, knobs: dict[str, int], simd_elems: int) -> list[Problem]:
         """The tuned shape, and a short one with two batch rows whose length is not a multiple of the
