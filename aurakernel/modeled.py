@@ -15,10 +15,17 @@ Time model (per op, on the target; every figure from the profile, estimates mark
     other ops   bytes / HBM bandwidth + one launch (call_overhead_us)          -> their group
     optimizer   one AdamW pass over the device's share of the parameters: 16 B read + 12 B written
                 per parameter (fp32 param, grad, m, v in; param, m, v out), one launch per tensor
+    experts     expert parallelism over the world (min(world, experts) ranks): each device holds
+                its share of the routed experts' weights, so a grouped matmul moves that share of
+                the stacked expert weights (and of their gradients) and every routed token row
     comm        world_size > 1: FSDP all-gather of the bf16 non-expert weights (forward and
                 backward), reduce-scatter of their fp32 gradients, and the MoE expert-parallel
                 all-to-all of the routed tokens (dispatch and combine, forward and backward), at the
-                profile's collective bandwidth, not overlapped with compute (an upper bound)
+                profile's collective bandwidth. Overlap, as FSDP2 schedules it: a layer's gathers
+                and reduce-scatter run beside the compute of its neighbours (prefetch), so per layer
+                only what exceeds the layer's compute is exposed, plus the first layer's forward
+                gather; the all-to-all is exposed in full (it sits between the router and the experts
+                on the critical path)
 After the planned kernels: a group whose calls pose problems of the operator library runs the
 planner's predicted time for each problem (forward + backward; the AscendC plan on an Ascend target
 where the operator has an AscendC kernel, the host plan on the host), other ops with an OpSpec run
@@ -270,9 +277,10 @@ def _matmul_flops(name: str, args, out) -> float:
 
 
 class _Tracer(TorchDispatchMode):
-    def __init__(self, tracker: _GroupTracker):
+    def __init__(self, tracker: _GroupTracker, n_experts: int = 0, expert_share: float = 1.0):
         super().__init__()
         self.tracker = tracker
+        self.n_experts, self.expert_share = n_experts, expert_share   # this device's share of the experts
         self.bytes: dict[tuple, float] = defaultdict(float)   # (group, problem or None) -> bytes
         self.ops: dict[tuple, int] = defaultdict(int)
         self.matmuls: list[tuple[float, float, torch.dtype, object]] = []   # (flops, bytes, dtype, problem scope)
@@ -283,6 +291,12 @@ class _Tracer(TorchDispatchMode):
             return self.tracker.owner_of_seq(node._sequence_nr())
         return self.tracker.where()
 
+    def _nbytes(self, name: str, t: torch.Tensor) -> float:
+        """A grouped matmul's stacked expert weights (or their gradient) are this device's share."""
+        if name == "_grouped_mm" and t.dim() == 3 and t.shape[0] == self.n_experts:
+            return _nbytes(t) * self.expert_share
+        return _nbytes(t)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if self.tracker.probing:
@@ -291,8 +305,7 @@ class _Tracer(TorchDispatchMode):
         if any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns):
             return out   # a view: no data moves
         name = func.__name__.split(".")[0]
-        moved = sum(_nbytes(t) for t in _tensors(args)) + sum(_nbytes(t) for t in _tensors(kwargs or {}))
-        moved += sum(_nbytes(t) for t in _tensors(out))
+        moved = sum(self._nbytes(name, t) for t in (*_tensors(args), *_tensors(kwargs or {}), *_tensors(out)))
         where, weight = self._where()
         if name in MATMUL_ATEN:
             flops = _matmul_flops(name, args, out)
@@ -375,7 +388,9 @@ def modeled_profile(full: torch.nn.Module, target: str, *, seq_len: int, batch_s
         raise UserError(f"target {target}: its profile has no collective_gbps to model --world-size {world_size} with")
     model, layer_weights = _representative_model(full.config)
     tracker = _GroupTracker(model, layer_weights)
-    tracer = _Tracer(tracker)
+    n_experts = int(getattr(full.config, "n_routed_experts", 0) or 0)
+    local_experts = math.ceil(n_experts / min(world_size, n_experts)) if n_experts else 0
+    tracer = _Tracer(tracker, n_experts, local_experts / n_experts if n_experts else 1.0)
     ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
     tokens = batch_size * seq_len
     vocab = model.config.vocab_size
@@ -456,11 +471,23 @@ def modeled_profile(full: torch.nn.Module, target: str, *, seq_len: int, batch_s
     if world_size > 1:
         frac = (world_size - 1) / world_size
         dense = n_params - sum(p.numel() for n, p in params if EXPERT_PARAMS in n)
-        fsdp = (2 * dense * 2 + dense * 4) * frac   # bf16 gathers fwd + bwd, fp32 gradient reduce-scatter
+        gather, scatter = dense * 2 * frac, dense * 4 * frac   # bf16 weights gathered (fwd, bwd), fp32 grads
         moe_layers = sum(1 for t in full.config.mlp_layer_types if "moe" in t)
         a2a = 4 * tokens * full.config.num_experts_per_tok * full.config.hidden_size * 2 * frac * moe_layers
-        comm_us = (fsdp + a2a) / (comm_gbps * 1e9) * 1e6
-        groups.append(ModeledGroup("communication", "comm", comm_us, 0.0, 0, 0, fsdp + a2a, 0.0, comm_us, "-"))
+        layers = full.config.num_hidden_layers
+        us = 1e6 / (comm_gbps * 1e9)
+
+        def exposed_us(compute_us: float) -> float:
+            """FSDP traffic beside the compute (per layer only its excess shows), the first gather and
+            the last reduce-scatter in the open; the all-to-all in full."""
+            fsdp_layer, compute_layer = (2 * gather + scatter) * us / layers, compute_us / layers
+            edges = (gather + scatter) * us / layers
+            return edges + layers * max(0.0, fsdp_layer - compute_layer) + a2a * us
+
+        compute = sum(g.time_us for g in groups if g.kind != "optimizer")
+        compute_after = sum(g.time_after_us for g in groups if g.kind != "optimizer")
+        groups.append(ModeledGroup("communication", "comm", exposed_us(compute), 0.0, 0, 0, 2 * gather + scatter + a2a,
+                                   0.0, exposed_us(compute_after), "FSDP beside compute, all-to-all exposed"))
 
     step = sum(g.time_us for g in groups)
     step_after = sum(g.time_after_us for g in groups)
