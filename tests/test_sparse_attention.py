@@ -50,6 +50,18 @@ def test_kernel_matches_dense_attention_at_tails(variant, dtype, knobs):
         assert {c.tensor for c in result.checks} >= {"y", "grad_q", "grad_kv", "grad_sinks"}
 
 
+def test_bf16_runs_on_the_tile_unit_where_the_cpu_has_one():
+    """The bf16 build holds the AMX path (tile GEMMs) exactly where the CPU has AMX-BF16: the tails test
+    above verifies that path here, tests/test_portable.py the AVX2 one."""
+    import subprocess
+    from aurakernel.hardware import _cpu_flags
+    vec = max(host_profile().simd_bytes // 4, 4)
+    problem = SPEC.problem("1x4x40x64x16x8", "bf16", "hca")
+    kernel = build_kernel(SPEC, problem, {"tile_rows": 2, "key_chunk": 32, "threads": 1, "vec": vec})
+    code = subprocess.run(["objdump", "-d", str(kernel.artifact)], capture_output=True, text=True, check=True).stdout
+    assert ("tdpbf16ps" in code) == ("amx_bf16" in _cpu_flags())
+
+
 def test_the_inputs_have_what_the_tails_need():
     """The csa inputs the tests verify on: early rows with no valid pick, rows with a repeated pick."""
     problem = SPEC.problem("1x2x83x16x8x8", "fp32", "csa")

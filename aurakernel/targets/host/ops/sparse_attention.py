@@ -5,7 +5,11 @@ Tiling model (an ESTIMATE, per phase; the coefficients are the profile's, as for
   tasks        B x ceil(S / tile_rows), split statically over threads
   compute      the busiest thread's GEMM flops / (the calibrated fp32 matmul rate per core x 0.5):
                window rows see tile_rows - 1 more keys than they use (the band's waste), which
-               bigger tiles pay; 1.5x when the task's working set overflows L2
+               bigger tiles pay; 1.5x when the task's working set overflows L2. bf16 on a CPU with
+               AMX: the tile unit at the calibrated bf16 rate x 0.5, rows padded to 32 (a csa
+               position's heads on their own), p and dz in two bf16 parts (twice their GEMMs), plus
+               packing each chunk for the tiles (same core, so added, not overlapped; no L2 spill
+               measured up to 16 x 16 rows)
   vector       converting each chunk's keys into both layouts (the transposed one an 8 x 8 blocked copy per
                element) and the softmax's exps, plus a fixed cost per chunk; bigger tiles share the
                window keys' conversion; bf16's backward loads every chunk twice (its exact dO . O pass)
@@ -23,6 +27,7 @@ import torch
 
 from ....ops.base import Problem, Tensors
 from ....ops.sparse_attention import SPEC, entries_of
+from ....hardware import _cpu_flags
 from ....planner.costmodel import DEFAULTS, thread_candidates
 from ....planner.model import ChoiceModel, Constraint, Phase, Term
 from ..kernel import HostKernel
@@ -32,6 +37,8 @@ VARIANT_ID = {"sliding": 0, "csa": 1, "hca": 2}
 GEMM_EFFICIENCY = 0.5     # of the calibrated matmul rate, for these small register-blocked GEMMs (ESTIMATE)
 TRANSPOSE_CYCLES = 0.25   # per key element of the transposed copy of each chunk, in 8 x 8 blocks (ESTIMATE)
 L2_SPILL = 1.5            # compute slowdown when a task's working set overflows L2 (ESTIMATE)
+AMX_EFFICIENCY = 0.5      # of the calibrated bf16 matmul rate, for the tile path's 32-row GEMMs (ESTIMATE)
+AMX_PACK_CYCLES = 2.0     # per key element packed for the tiles, both layouts (ESTIMATE, fitted at V4 widths)
 
 
 def sorted_indices(indices: torch.Tensor | None) -> torch.Tensor | None:
@@ -80,11 +87,15 @@ class SparseAttentionHost(HostKernel):
         cm = {**DEFAULTS, **hw.costmodel}
         clock = hw.clock_ghz * 1e9
         vec = max(hw.simd_bytes // 4, 4)
+        # bf16 on a CPU with AMX takes the tile path (the kernel's AK_AMX build): chunks of whole 32-key tiles
+        amx = problem.dtype.value == "bf16" and "amx_bf16" in _cpu_flags()
+        step = 32 if amx else vec
         widest = window + 16 + (min(extra, entries) if problem.variant == "csa" else entries)
         domains = {"tile_rows": [v for v in (1, 2, 4, 8, 16) if v <= max(seq, 1)],
-                   "key_chunk": [c for c in (16, 32, 64, 128, 256, 512) if c % vec == 0 and c < 2 * widest] or [vec],
+                   "key_chunk": [c for c in (16, 32, 64, 128, 256, 512) if c % step == 0 and c < 2 * widest] or [step],
                    "threads": thread_candidates(hw.cores), "vec": [vec]}
-        per_core_rate = hw.peak_tflops.get("fp32", 0.1) * 1e12 / max(hw.cores, 1) * GEMM_EFFICIENCY
+        rate = hw.peak_tflops.get("bf16", 0.0) * AMX_EFFICIENCY if amx else 0.0
+        per_core_rate = (rate or hw.peak_tflops.get("fp32", 0.1) * GEMM_EFFICIENCY) * 1e12 / max(hw.cores, 1)
         l2 = hw.memory["L2"].capacity * (1 if hw.memory["L2"].per_core else 1 / max(hw.cores, 1))
         last = hw.memory["L3"] if "L3" in hw.memory else hw.memory["L2"]
         last_share = last.capacity / (1 if last.per_core else max(hw.cores, 1))
@@ -92,6 +103,9 @@ class SparseAttentionHost(HostKernel):
         def working_set(qb, kb, backward):
             m = qb * heads
             return 4 * ((5 if backward else 2) * m * dim + 2 * kb * dim + (3 if backward else 1) * m * kb)
+
+        def pad(rows):   # the tile path's GEMMs run whole blocks of 32 rows
+            return math.ceil(rows / 32) * 32 if amx else rows
 
         def keys_of_task(qb):
             """(keys every row of a task is scored against, keys gathered per task)."""
@@ -103,6 +117,15 @@ class SparseAttentionHost(HostKernel):
                 return band + entries / 2, band + entries / 2
             return band, band
 
+        def row_keys(qb):
+            """GEMM rows x keys per task: the task's rows against the band (and hca entries), a csa
+            position's heads against its picks."""
+            scored, _ = keys_of_task(qb)
+            if problem.variant == "csa":
+                k = min(extra, entries)
+                return pad(qb * heads) * (scored - k) + qb * pad(heads) * k
+            return pad(qb * heads) * scored
+
         def tasks(qb, th):
             return math.ceil(batch * math.ceil(seq / qb) / th)
 
@@ -113,19 +136,25 @@ class SparseAttentionHost(HostKernel):
         phases = []
         # bf16's backward sums dO . O exactly in a first pass over the chunks: two more GEMMs, a second load
         exact = problem.dtype.value != "fp32"
-        for name, backward, gemms, loads in (("forward", False, 2, 1), ("backward", True, 7 if exact else 5,
-                                                                            2 if exact else 1)):
-            def compute(qb, kb, th, backward=backward, gemms=gemms):
-                scored, _ = keys_of_task(qb)
-                spill = L2_SPILL if working_set(qb, kb, backward) > l2 else 1.0
-                return tasks(qb, th) * 2 * gemms * qb * heads * scored * dim / per_core_rate * spill
+        # the tile path: p (forward) and dz, p (backward) in two bf16 parts, each GEMM taking them twice
+        fwd_gemms, bwd_gemms = (3, 10) if amx else (2, 7 if exact else 5)
+        for name, backward, gemms, loads in (("forward", False, fwd_gemms, 1), ("backward", True, bwd_gemms,
+                                                                                2 if exact else 1)):
+            def compute(qb, kb, th, backward=backward, gemms=gemms, loads=loads):
+                gemm = tasks(qb, th) * 2 * gemms * row_keys(qb) * dim / per_core_rate
+                if amx:   # packing each chunk for the tiles runs on the same core, between the tile ops
+                    return gemm + tasks(qb, th) * loads * keys_of_task(qb)[1] * dim * AMX_PACK_CYCLES / clock
+                return gemm * (L2_SPILL if working_set(qb, kb, backward) > l2 else 1.0)
 
             def vector(qb, kb, th, backward=backward, loads=loads):
                 scored, gathered = keys_of_task(qb)
-                elems = 2 * loads * gathered * dim + (3 if backward else 2) * qb * heads * scored
+                elems = (3 if backward else 2) * qb * heads * scored
+                if not amx:   # the chunk's conversion to fp32 in both layouts (the tile path counts its packing above)
+                    elems += 2 * loads * gathered * dim
                 chunks = loads * (math.ceil(gathered / kb) + (qb if problem.variant == "csa" else 0))
+                transpose = 0.0 if amx else loads * gathered * dim * TRANSPOSE_CYCLES
                 return tasks(qb, th) * (elems * cm["vector_cycles_per_elem"] + chunks * cm["chunk_overhead_cycles"]
-                                        + loads * gathered * dim * TRANSPOSE_CYCLES) / clock
+                                        + transpose) / clock
 
             traffic = (2 * batch * heads * seq * dim + batch * (seq + entries) * dim) * e * (2 if backward else 1)
 
