@@ -85,7 +85,7 @@ def _flex_forward(variant: str, extra: int, q, kv, ckv, idx, sinks):
         return torch.where(j == sink, sinks[h], score)
 
     block = create_block_mask(visible, batch, None, seq, sink + 1, device="cpu")
-    compiled = torch.compile(flex_attention)
+    compiled = torch.compile(flex_attention, dynamic=False)   # a dynamic recompile for the next shape fails on CPU
     keys = k.expand(batch, heads, -1, -1)
     return lambda: compiled(q, keys, keys, score_mod=with_sink, block_mask=block, scale=dim ** -0.5)
 
