@@ -59,7 +59,7 @@ def naive_knobs(model: ChoiceModel) -> dict[str, int]:
 def estimate(spec, problem, knobs, hw) -> dict[str, float]:
     """Emulated fwd and bwd time (us) and their roofline bound for one set of knobs."""
     with tempfile.TemporaryDirectory() as tmp:
-        emu = ascend.Emulated(ascend.render_project(spec, problem, knobs, Path(tmp)), hw, knobs["block_dim"])
+        emu = ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, Path(tmp)), hw, knobs["block_dim"])
         reports = ascend.emulate(spec, problem, knobs, emu)
     errors = [e for r in reports.values() for e in r.errors]
     if errors:

@@ -106,7 +106,19 @@ BROKEN = {
     "queue discipline: AllocTensor": "TQue<TPosition::VECIN, 1> q; pipe.InitBuffer(q, 1, 256);"
                                      " LocalTensor<float> a = q.AllocTensor<float>(); LocalTensor<float> b = q.AllocTensor<float>();",
     "queue discipline: DeQue": "TQue<TPosition::VECIN, 1> q; pipe.InitBuffer(q, 1, 256); LocalTensor<float> a = q.DeQue<float>();",
-    "queue discipline: a SetFlag": "SetFlag<HardEvent::V_S>(EVENT_ID0);",
+    "queue discipline: a SetFlag": "SetFlag<HardEvent::V_S>(GetTPipePtr()->FetchEventID(HardEvent::V_S));",
+    # with a TPipe, IDs come from its pool: a queue's EnQue holds MTE2_V id 0 when the kernel picks it by hand
+    "events: hand-picked": "TQue<TPosition::VECIN, 1> q; pipe.InitBuffer(q, 1, 256); LocalTensor<float> a = q.AllocTensor<float>();"
+                           " DataCopy(a, xg, 64); q.EnQue(a); SetFlag<HardEvent::MTE2_V>(EVENT_ID0);",
+    "events: not taken from the TPipe": "SetFlag<HardEvent::V_S>(EVENT_ID1); WaitFlag<HardEvent::V_S>(EVENT_ID1);",
+    # a fetched ID is free only until a queue takes it: two users of MTE2_V id 0 at once
+    "events: collide": "TQue<TPosition::VECIN, 1> q; pipe.InitBuffer(q, 1, 256); LocalTensor<float> a = q.AllocTensor<float>();"
+                       " SetFlag<HardEvent::MTE2_V>(GetTPipePtr()->FetchEventID(HardEvent::MTE2_V)); DataCopy(a, xg, 64); q.EnQue(a);",
+    "SyncAll: KERNEL_TYPE_MIX_AIV_1_0": "SyncAll();",
+    # a WholeReduceSum result needs 4 B alignment, not 32: one at float 1 passes, one at a byte offset fails
+    "4 B alignment": "TBuf<TPosition::VECCALC> b; pipe.InitBuffer(b, 1024); LocalTensor<float> t = b.Get<float>();"
+                     " WholeReduceSum(t[1], t[64], 64, 1, 1, 1, 8);"
+                     " WholeReduceSum(t.ReinterpretCast<uint8_t>()[2].ReinterpretCast<float>(), t[64], 64, 1, 1, 1, 8);",
     # a level-0 Add whose repeat stride walks past its 256-float tensor (4 repeats of 8 blocks)
     "UB bounds": "TBuf<TPosition::VECCALC> b; pipe.InitBuffer(b, 1024); LocalTensor<float> t = b.Get<float>();"
                  " Add(t, t, t, 64, 5, {1, 1, 1, 8, 8, 8});",
@@ -123,8 +135,52 @@ def test_each_hardware_rule_trips_on_a_broken_kernel(rule):
     report = emulator.run(exe, 2, [bytearray(256), bytearray(256)])
     assert not report.ok
     assert rule.split(":")[0] in report.errors[0], report.errors
-    if rule.startswith("queue discipline:"):
-        assert rule.split(": ")[1] in report.errors[0]
+    if ":" in rule:
+        assert rule.split(": ")[1] in report.errors[0], report.errors
+
+
+def test_the_header_exposes_only_what_an_npu_build_has():
+    """The real kernel_operator.h brings no <cmath> into an NPU build: INFINITY or expf there fails to
+    compile, so it fails here too (the router's -inf is a builtin)."""
+    for use in ("float x = INFINITY;", "float x = expf(1.0f);", "float x = std::exp(1.0f);"):
+        with pytest.raises(emulator.BuildError):
+            emulator.build(KERNEL_HEAD + f"    {use} (void)x;\n}}\n", entry="k", nargs=2, hw=HW, block_dim=1)
+
+
+def _run_kernel(body: str, x: bytearray, block_dim: int = 1, batch_mode: bool = False):
+    y = bytearray(256)
+    exe = emulator.build(KERNEL_HEAD + body + "\n}\n", entry="k", nargs=2, hw=HW, block_dim=block_dim,
+                         batch_mode=batch_mode)
+    return emulator.run(exe, block_dim, [x, y]), y
+
+
+def test_whole_reduce_max_strides_count_value_index_pairs():
+    """dstRepStride 1 with ORDER_VALUE_INDEX: one (value, index) pair after the other, as the NPU
+    writes them (the old element-count reading overlapped pair 1 with pair 0's index)."""
+    import struct
+    x = [float(i % 64) * (1 if i < 64 else -1) for i in range(128)]   # repeat 0: max 63 at lane 63
+    x[64 + 5] = 7.0                                                    # repeat 1: max 7 at lane 5
+    report, y = _run_kernel("""
+    TBuf<TPosition::VECCALC> b; pipe.InitBuffer(b, 1024);
+    GlobalTensor<float> x2; x2.SetGlobalBuffer((__gm__ float*)x, 128);
+    LocalTensor<float> v = b.Get<float>(), r = v[128];
+    DataCopy(v, x2, 128);
+    { const TEventID e = GetTPipePtr()->FetchEventID(HardEvent::MTE2_V); SetFlag<HardEvent::MTE2_V>(e); WaitFlag<HardEvent::MTE2_V>(e); }
+    WholeReduceMax(r, v, 64, 2, 1, 1, 8, ReduceOrder::ORDER_VALUE_INDEX);
+    { const TEventID e = GetTPipePtr()->FetchEventID(HardEvent::V_MTE3); SetFlag<HardEvent::V_MTE3>(e); WaitFlag<HardEvent::V_MTE3>(e); }
+    DataCopy(yg, r, 8);""", bytearray(struct.pack("<128f", *x)))
+    assert report.ok, report.errors
+    v0, i0, v1, i1 = struct.unpack("<ffff", y[:16])
+    assert (v0, v1) == (63.0, 7.0)
+    assert struct.unpack("<II", struct.pack("<ff", i0, i1)) == (63, 5)   # the index in the value's bits
+
+
+def test_sync_all_needs_the_mix_type_and_batch_mode():
+    body = "    KERNEL_TASK_TYPE_DEFAULT(KERNEL_TYPE_MIX_AIV_1_0); SyncAll();"
+    report, _ = _run_kernel(body, bytearray(256), block_dim=2)
+    assert not report.ok and "batch mode" in report.errors[0]
+    report, _ = _run_kernel(body, bytearray(256), block_dim=2, batch_mode=True)
+    assert report.ok, report.errors
 
 
 def test_correct_kernel_passes_and_counts_pipes():

@@ -120,7 +120,7 @@ def test_solved_schedule_beats_the_plain_order_in_the_emulator():
     tail = spec.make_inputs(spec.problem("11x1000", "bf16", "default"), 1)   # a tail core, a short last tile
     cycles = {}
     with tempfile.TemporaryDirectory() as tmp:
-        emus = {name: ascend.Emulated(ascend.render_project(spec, problem, knobs, Path(tmp) / name), ASCEND,
+        emus = {name: ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, Path(tmp) / name), ASCEND,
                                        knobs["block_dim"]) for name, knobs in (("plain", plain), ("solved", solved))}
         assert "FWD_PREFETCH = 1;" in (Path(tmp) / "solved" / "cross_entropy_kernel.cpp").read_text()
         assert "FWD_PREFETCH = 0;" in (Path(tmp) / "plain" / "cross_entropy_kernel.cpp").read_text()
@@ -177,7 +177,7 @@ def test_mhc_pre_solved_schedule_beats_the_plain_order_in_the_emulator():
     ref = spec.reference(problem, inputs)
     cycles = {}
     with tempfile.TemporaryDirectory() as tmp:
-        emus = {name: ascend.Emulated(ascend.render_project(spec, problem, knobs, Path(tmp) / name), ASCEND,
+        emus = {name: ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, Path(tmp) / name), ASCEND,
                                        knobs["block_dim"]) for name, knobs in (("plain", plain), ("solved", solved))}
         assert "FWD_PREFETCH = 0;" in (Path(tmp) / "plain" / "mhc_pre_kernel.cpp").read_text()
         with ThreadPoolExecutor(2) as pool:   # the two g++ builds side by side

@@ -53,14 +53,15 @@ def pipe_defines(hw: HardwareProfile, block_dim: int) -> dict[str, float]:
 
 
 def build(kernel_source: str, *, entry: str, nargs: int, hw: HardwareProfile, block_dim: int,
-          include_dirs: tuple[Path, ...] = ()) -> Path:
-    """Compile kernel + runner into an executable (cached by content hash); BuildError on failure."""
+          include_dirs: tuple[Path, ...] = (), batch_mode: bool = False) -> Path:
+    """Compile kernel + runner into an executable (cached by content hash); BuildError on failure.
+    `batch_mode`: the launch's schedule mode (the tiling's SetScheduleMode(1)), which SyncAll needs."""
     if not _NAME.match(entry) or not 0 < nargs <= 32:
         raise ValueError(f"bad kernel entry {entry!r} / nargs {nargs}")
     cxx = compiler()
     if cxx is None:
         raise BuildError("no C++ compiler found for the AscendC emulator (set CXX or install g++)")
-    defines = {**pipe_defines(hw, block_dim), "AK_KERNEL": entry,
+    defines = {**pipe_defines(hw, block_dim), "AK_KERNEL": entry, "AK_BATCH_MODE": int(bool(batch_mode)),
                "AK_PARAMS": ",".join(["uint8_t*"] * nargs), "AK_ARGS": ",".join(f"gm[{i}]" for i in range(nargs))}
     flags = ["-std=c++20", "-O2", "-pthread", f"-I{INCLUDE}", *(f"-D{k}={v}" for k, v in defines.items())]
     # the kernel's own headers (its tiling struct) are copied beside it, so the cache key holds their

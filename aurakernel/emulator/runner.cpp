@@ -72,9 +72,29 @@ GmBuffer map_arg(const std::string& path) {
 
 }  // namespace
 
+// The hard SyncAll: every block waits for every other. The hardware needs the kernel declared a mix
+// type (vector-only: KERNEL_TYPE_MIX_AIV_1_0 with isAIVOnly; Cube + Vector: MIX_AIC_1_1 / 1_2 without)
+// and the launch in batch mode (SetScheduleMode(1)), or cores another stream holds never arrive.
+#ifndef AK_BATCH_MODE
+#define AK_BATCH_MODE 0
+#endif
+namespace {
+void sync_all(bool aiv_only) {
+    const int type = ak::core().kernel_type;
+    if (aiv_only && type != KERNEL_TYPE_MIX_AIV_1_0)
+        ak::fail("SyncAll", "SyncAll<true> in a kernel not declared KERNEL_TASK_TYPE_DEFAULT(KERNEL_TYPE_MIX_AIV_1_0)"
+                 " (the hard sync of a vector-only kernel needs the mix type; without it the cores hang)");
+    if (!aiv_only && type != KERNEL_TYPE_MIX_AIC_1_1 && type != KERNEL_TYPE_MIX_AIC_1_2)
+        ak::fail("SyncAll", "SyncAll<false> in a kernel not declared KERNEL_TYPE_MIX_AIC_1_1 or KERNEL_TYPE_MIX_AIC_1_2");
+    if (!AK_BATCH_MODE)
+        ak::fail("SyncAll", "SyncAll in a kernel launched without batch mode (the tiling's SetScheduleMode(1)):"
+                 " blocks another stream holds may never start, and the ones waiting hang");
+    g_barrier->arrive_and_wait();
+}
+}  // namespace
 namespace AscendC {
-template <> void SyncAll<true>() { g_barrier->arrive_and_wait(); }
-template <> void SyncAll<false>() { g_barrier->arrive_and_wait(); }
+template <> void SyncAll<true>() { sync_all(true); }
+template <> void SyncAll<false>() { sync_all(false); }
 }
 
 int main(int argc, char** argv) {
@@ -103,9 +123,12 @@ int main(int argc, char** argv) {
             ak::current = cores[b].get();
             try {
                 AK_KERNEL(AK_ARGS);
-                for (int i = 0; i < 64; ++i)
-                    if (cores[b]->flags[i])
-                        ak::fail("queue discipline", "a SetFlag (event slot " + std::to_string(i) + ") never met its WaitFlag");
+                const ak::Core& k = *cores[b];
+                for (int i = 0; i < ak::Core::EVENTS * ak::Core::IDS; ++i)   // a FreeTensor's wait is the TPipe's at exit
+                    if (k.flags[i] && k.flag_by[i].rfind("the FreeTensor", 0) != 0)
+                        ak::fail("queue discipline", k.flag_by[i] + " (event " +
+                                 AscendC::detail::event_str(AscendC::HardEvent(i / ak::Core::IDS), i % ak::Core::IDS) +
+                                 ") never met its WaitFlag");
             } catch (const std::exception& e) {
                 errors[b] = e.what();
                 g_barrier->arrive_and_drop();

@@ -26,7 +26,8 @@
 // as counters.
 #pragma once
 
-#include <cmath>
+// Only what an NPU build of the real kernel_operator.h exposes reaches the kernel: no <cmath> (its
+// INFINITY, expf, std::exp are not there on the device), so the emulator's own math uses builtins.
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
@@ -82,10 +83,23 @@ struct Core {
     int init_count = 0;
     std::vector<Slot*> slots;
     Counters c;
-    int flags[64] = {0};
-    double flag_at[64] = {0};   // when the pipe that set each flag had finished what preceded the SetFlag
+    // Events: every (HardEvent, ID) flag, set by a SetFlag or a queue and cleared by its WaitFlag, with
+    // who set it and when; the TPipe's pool of IDs per HardEvent (taken by AllocEventID and by the queues'
+    // EnQue / FreeTensor) and the ID FetchEventID last handed out, good for one SetFlag.
+    static constexpr int EVENTS = 64, IDS = 8;
+    int flags[EVENTS * IDS] = {0};
+    double flag_at[EVENTS * IDS] = {0};   // when the pipe that set each flag had finished what preceded the SetFlag
+    std::string flag_by[EVENTS * IDS];
+    uint8_t pool[EVENTS] = {0};
+    std::string pool_by[EVENTS * IDS];
+    int fetched[EVENTS];
+    void* pipe = nullptr;      // the kernel's TPipe (GetTPipePtr), once constructed
+    int kernel_type = -1;      // KERNEL_TASK_TYPE_DEFAULT's value, -1 when not declared
     std::vector<std::pair<std::string, uint32_t>> allocs;   // every InitBuffer, for the UB report
-    Core() { ub_base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(ub.data()) + 63) & ~uintptr_t(63)); }
+    Core() {
+        ub_base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(ub.data()) + 63) & ~uintptr_t(63));
+        for (int& f : fetched) f = -1;
+    }
     ~Core() { for (auto* s : slots) delete s; }
     Slot* new_slot(const std::string& name) { slots.push_back(new Slot{name}); return slots.back(); }
     uint8_t* alloc(uint32_t bytes, const std::string& what) {
@@ -116,6 +130,14 @@ inline thread_local Core* current = nullptr;
 inline Core& core() { return *current; }
 
 }  // namespace ak
+
+// ---- kernel type ---------------------------------------------------------------------------------
+// KERNEL_TASK_TYPE_DEFAULT(type) in the kernel body declares which cores it launches on; the hard
+// SyncAll needs a mix type (KERNEL_TYPE_MIX_AIV_1_0 for a vector-only kernel), so it is recorded.
+enum KernelMetaType : uint8_t { KERNEL_TYPE_AIV_ONLY, KERNEL_TYPE_AIC_ONLY, KERNEL_TYPE_MIX_AIV_1_0, KERNEL_TYPE_MIX_AIC_1_0,
+                                KERNEL_TYPE_MIX_AIC_1_1, KERNEL_TYPE_MIX_AIC_1_2, KERNEL_TYPE_AICORE, KERNEL_TYPE_VECTORCORE,
+                                KERNEL_TYPE_MIX_AICORE, KERNEL_TYPE_MIX_VECTOR_CORE, KERNEL_TYPE_MAX };
+#define KERNEL_TASK_TYPE_DEFAULT(value) (::ak::core().kernel_type = int(value))
 
 // ---- element types ---------------------------------------------------------------------------
 using half = _Float16;
@@ -226,13 +248,14 @@ template <typename T> class LocalTensor {
     uint32_t GetSize() const { return len_; }
     T* GetPhyAddr() const { return ptr_; }
     ak::Slot* slot() const { return slot_; }
-    // the 32 B rule and the extent of an access of n elements
-    void check(uint32_t n, const char* api) const {
+    // the alignment rule (32 B for most operands; a reduction's result needs only its element or
+    // value-index pair) and the extent of an access of n elements
+    void check(uint32_t n, const char* api, uint32_t align = 32) const {
         if (ptr_ == nullptr) ak::fail("queue discipline", std::string(api) + " on an unallocated LocalTensor");
         const uintptr_t off = reinterpret_cast<uintptr_t>(ptr_) - reinterpret_cast<uintptr_t>(ak::core().ub_base);
-        if (off % 32 != 0)
-            ak::fail("32 B alignment", std::string(api) + " on a LocalTensor at UB offset " + std::to_string(off) +
-                     " (" + slot_->name + ")");
+        if (off % align != 0)
+            ak::fail(align == 32 ? "32 B alignment" : std::to_string(align) + " B alignment", std::string(api) +
+                     " on a LocalTensor at UB offset " + std::to_string(off) + " (" + slot_->name + ")");
         if (n > len_)
             ak::fail("UB bounds", std::string(api) + " of " + std::to_string(n) + " elements on a LocalTensor of " +
                      std::to_string(len_) + " (" + slot_->name + ")");
@@ -243,18 +266,137 @@ template <typename T> class LocalTensor {
     ak::Slot* slot_ = nullptr;
 };
 
+// ---- events (SetFlag / WaitFlag and the TPipe's pool of IDs) ----------------------------------
+namespace detail {
+inline const char* event_name(HardEvent e) {
+    static const char* names[] = {"MTE2_MTE1", "MTE1_MTE2", "MTE1_M", "M_MTE1", "MTE2_V", "V_MTE2", "MTE3_V", "V_MTE3", "M_V",
+        "V_M", "V_V", "MTE3_MTE1", "MTE1_MTE3", "MTE1_V", "MTE2_M", "M_MTE2", "V_MTE1", "M_FIX", "FIX_M", "MTE3_MTE2",
+        "MTE2_MTE3", "S_V", "V_S", "S_MTE2", "MTE2_S", "S_MTE3", "MTE3_S", "MTE2_FIX", "FIX_MTE2", "FIX_S", "M_S", "FIX_MTE3",
+        "MTE1_FIX", "FIX_MTE1", "FIX_FIX", "MAX"};
+    return names[int(e)];
+}
+inline std::string event_str(HardEvent e, int32_t id) { return std::string(event_name(e)) + " id " + std::to_string(id); }
+inline int flag_slot(HardEvent e, int32_t id) {
+    if (id < 0 || id >= ak::Core::IDS) ak::fail("events", event_str(e, id) + " outside 0..7");
+    return int(e) * ak::Core::IDS + id;
+}
+}  // namespace detail
+
+inline ak::Pipe event_src(HardEvent e) {
+    switch (e) {
+        case HardEvent::MTE2_V: case HardEvent::MTE2_S: case HardEvent::MTE2_MTE3: return ak::MTE2;
+        case HardEvent::MTE3_V: case HardEvent::MTE3_S: case HardEvent::MTE3_MTE2: return ak::MTE3;
+        case HardEvent::V_MTE2: case HardEvent::V_MTE3: case HardEvent::V_S: case HardEvent::V_V: return ak::VEC;
+        default: return ak::SCALAR;
+    }
+}
+inline ak::Pipe event_dst(HardEvent e) {
+    switch (e) {
+        case HardEvent::V_MTE2: case HardEvent::S_MTE2: case HardEvent::MTE3_MTE2: return ak::MTE2;
+        case HardEvent::V_MTE3: case HardEvent::S_MTE3: case HardEvent::MTE2_MTE3: return ak::MTE3;
+        case HardEvent::MTE2_V: case HardEvent::MTE3_V: case HardEvent::S_V: case HardEvent::V_V: return ak::VEC;
+        default: return ak::SCALAR;
+    }
+}
+
+namespace detail {
+// Raise flag (e, id) for `who`: one already raised is a collision (two users of one ID), a hang or a
+// wrong wakeup on the hardware.
+inline void raise_flag(HardEvent e, int32_t id, const std::string& who) {
+    auto& k = ak::core();
+    const int f = flag_slot(e, id);
+    if (k.flags[f])
+        ak::fail("events", "event " + event_str(e, id) + " set by " + who + " while " + k.flag_by[f] +
+                 " still holds it (no WaitFlag between): the two collide on the hardware");
+    k.flags[f] = 1;
+    k.flag_by[f] = who;
+    k.flag_at[f] = std::max(k.c.at[event_src(e)], k.c.at[ak::SCALAR]);
+}
+// Clear flag (e, id); when the signalling pipe reached the SetFlag.
+inline double lower_flag(HardEvent e, int32_t id) {
+    auto& k = ak::core();
+    const int f = flag_slot(e, id);
+    if (k.flags[f] == 0) ak::fail("queue discipline", "WaitFlag on event " + event_str(e, id) + " that was never set");
+    k.flags[f] = 0;
+    return k.flag_at[f];
+}
+// An ID of e from the pipe's pool, held for `who` until given back.
+inline int32_t take_id(HardEvent e, const std::string& who) {
+    auto& k = ak::core();
+    for (int32_t id = 0; id < ak::Core::IDS; ++id)
+        if (!(k.pool[int(e)] & (1u << id))) {
+            k.pool[int(e)] |= uint8_t(1u << id);
+            k.pool_by[flag_slot(e, id)] = who;
+            return id;
+        }
+    ak::fail("events", "all 8 IDs of " + std::string(event_name(e)) + " are taken (" + who + "): release one first");
+}
+inline void give_id(HardEvent e, int32_t id, const char* api) {
+    auto& k = ak::core();
+    flag_slot(e, id);   // the ID's range
+    if (!(k.pool[int(e)] & (1u << id)))
+        ak::fail("events", std::string(api) + " of " + event_str(e, id) + ", which the pool had not handed out");
+    k.pool[int(e)] &= uint8_t(~(1u << id));
+}
+}  // namespace detail
+
+// With a TPipe its queues take IDs from the pipe's pool for their own SetFlag/WaitFlag, so the kernel
+// must take its IDs from the same pool (AllocEventID, or FetchEventID for one SetFlag): a hand-picked
+// ID can be one a queue holds (the documented rule; without a TPipe IDs are the kernel's to manage).
+template <HardEvent event> inline void SetFlag(int32_t eventID) {
+    auto& k = ak::core();
+    const int f = detail::flag_slot(event, eventID);
+    if (k.pipe) {
+        const bool held = k.pool[int(event)] & (1u << eventID);
+        if (held && k.pool_by[f] != "AllocEventID")
+            ak::fail("events", "SetFlag on " + detail::event_str(event, eventID) + ", a hand-picked ID that " + k.pool_by[f] +
+                     " holds: take IDs from GetTPipePtr()->AllocEventID / FetchEventID");
+        if (!held && k.fetched[int(event)] != eventID)
+            ak::fail("events", "SetFlag on " + detail::event_str(event, eventID) + ", an ID not taken from the TPipe's pool: "
+                     "its queues draw theirs from it (GetTPipePtr()->AllocEventID<" + detail::event_name(event) +
+                     ">() or FetchEventID)");
+        if (!held) k.fetched[int(event)] = -1;   // a fetched ID is good for one SetFlag
+    }
+    detail::raise_flag(event, eventID, "a SetFlag of the kernel");
+}
+template <HardEvent event> inline void WaitFlag(int32_t eventID) {
+    const double set_at = detail::lower_flag(event, eventID);
+    auto& c = ak::core().c;   // the waiting pipe resumes when the signalling pipe got to the SetFlag
+    c.at[event_dst(event)] = std::max({c.at[event_dst(event)], c.at[ak::SCALAR], set_at});
+}
+
 // ---- TPipe / TQue / TBuf -----------------------------------------------------------------------
-template <TPosition pos, int32_t depth, auto mask = 0> class TQue {
+namespace detail {
+inline const char* position_name(TPosition p) {
+    return p == TPosition::VECIN ? "VECIN" : p == TPosition::VECOUT ? "VECOUT" : p == TPosition::VECCALC ? "VECCALC" : "other";
+}
+// The events a queue between two positions synchronises with: EnQue sets `enque` (DeQue waits on it),
+// FreeTensor sets `free` (the next AllocTensor of that buffer waits on it); each with an ID from the
+// pipe's pool, held until the wait. VECCALC queues stay on the vector pipe: no events.
+struct QueueEvents { bool synced; HardEvent enque, free; };
+constexpr QueueEvents queue_events(TPosition src, TPosition dst) {
+    return src == TPosition::VECIN && dst == TPosition::VECOUT ? QueueEvents{true, HardEvent::MTE2_MTE3, HardEvent::MTE3_MTE2}
+         : src == TPosition::VECIN ? QueueEvents{true, HardEvent::MTE2_V, HardEvent::V_MTE2}
+         : src == TPosition::VECOUT ? QueueEvents{true, HardEvent::V_MTE3, HardEvent::MTE3_V}
+         : QueueEvents{false, HardEvent::V_V, HardEvent::V_V};
+}
+}  // namespace detail
+
+// A queue of `num` UB buffers between positions src and dst (TQue: src = dst = pos).
+template <TPosition src, TPosition dst, int32_t depth> class TQueImpl {
+    static constexpr detail::QueueEvents ev = detail::queue_events(src, dst);
  public:
     void init(uint8_t num, uint32_t len, int index) {
         num_ = num; len_ = len;
         for (int i = 0; i < num; ++i) {
-            std::string name = "InitBuffer #" + std::to_string(index) + " (TQue " + (pos == TPosition::VECIN ? "VECIN" :
-                               pos == TPosition::VECOUT ? "VECOUT" : "VECCALC") + ", buffer " + std::to_string(i) + " of " +
+            std::string name = "InitBuffer #" + std::to_string(index) + " (" + (src == dst ? std::string("TQue ") +
+                               detail::position_name(src) : std::string("TQueBind ") + detail::position_name(src) + "->" +
+                               detail::position_name(dst)) + ", buffer " + std::to_string(i) + " of " +
                                std::to_string(num) + ", " + std::to_string(len) + " B)";
             bufs_.push_back(ak::core().alloc(len, name));
             slots_.push_back(ak::core().new_slot(name));
             busy_.push_back(false);
+            free_id_.push_back(-1);
         }
     }
     // Buffers are handed out round robin from a cursor (skipping busy ones), as AscendC's TQue does:
@@ -266,6 +408,11 @@ template <TPosition pos, int32_t depth, auto mask = 0> class TQue {
             if (!busy_[i]) {
                 busy_[i] = true;
                 cursor_ = (i + 1) % bufs_.size();
+                if (free_id_[i] >= 0) {   // the wait on this buffer's FreeTensor
+                    detail::lower_flag(ev.free, free_id_[i]);
+                    detail::give_id(ev.free, free_id_[i], "AllocTensor");
+                    free_id_[i] = -1;
+                }
                 return LocalTensor<T>(reinterpret_cast<T*>(bufs_[i]), len_ / sizeof(T), slots_[i]);
             }
         }
@@ -276,14 +423,26 @@ template <TPosition pos, int32_t depth, auto mask = 0> class TQue {
         for (size_t i = 0; i < bufs_.size(); ++i)
             if (slots_[i] == t.slot()) {
                 if (!busy_[i]) ak::fail("queue discipline", "FreeTensor of a buffer that is not allocated (" + slots_[i]->name + ")");
-                busy_[i] = false; return;
+                busy_[i] = false;
+                if constexpr (ev.synced) {
+                    const std::string who = "the FreeTensor of " + slots_[i]->name;
+                    free_id_[i] = detail::take_id(ev.free, who);
+                    detail::raise_flag(ev.free, free_id_[i], who);
+                }
+                return;
             }
         ak::fail("queue discipline", "FreeTensor of a tensor from another queue");
     }
     template <typename T> bool EnQue(const LocalTensor<T>& t) {
         if (depth > 0 && int32_t(queued_.size()) >= std::max<int32_t>(depth, 1) && int32_t(queued_.size()) >= num_)
             ak::fail("queue discipline", "EnQue beyond the queue depth " + std::to_string(depth) + " (" + t.slot()->name + ")");
-        queued_.push_back({reinterpret_cast<uint8_t*>(t.GetPhyAddr()), t.slot(), t.GetSize() * uint32_t(sizeof(T))});
+        int32_t id = -1;
+        if constexpr (ev.synced) {
+            const std::string who = "the EnQue of " + t.slot()->name;
+            id = detail::take_id(ev.enque, who);
+            detail::raise_flag(ev.enque, id, who);
+        }
+        queued_.push_back({reinterpret_cast<uint8_t*>(t.GetPhyAddr()), t.slot(), t.GetSize() * uint32_t(sizeof(T)), id});
         return true;
     }
     template <typename T> LocalTensor<T> DeQue() {
@@ -291,22 +450,28 @@ template <TPosition pos, int32_t depth, auto mask = 0> class TQue {
             ak::fail("queue discipline", "DeQue of an empty queue (" + (slots_.empty() ? std::string("uninitialised") : slots_[0]->name) + ")");
         auto e = queued_.front();
         queued_.erase(queued_.begin());
+        if constexpr (ev.synced) {
+            detail::lower_flag(ev.enque, e.id);
+            detail::give_id(ev.enque, e.id, "DeQue");
+        }
         return LocalTensor<T>(reinterpret_cast<T*>(e.ptr), e.bytes / sizeof(T), e.slot);
     }
     template <typename T> void DeQue(LocalTensor<T>& t) { t = DeQue<T>(); }
     bool VacantInQue() { return std::any_of(busy_.begin(), busy_.end(), [](bool b) { return !b; }); }
     bool HasTensorInQue() { return !queued_.empty(); }
  private:
-    struct Entry { uint8_t* ptr; ak::Slot* slot; uint32_t bytes; };
+    struct Entry { uint8_t* ptr; ak::Slot* slot; uint32_t bytes; int32_t id; };
     int32_t num_ = 0;
     uint32_t len_ = 0;
     std::vector<uint8_t*> bufs_;
     std::vector<ak::Slot*> slots_;
     std::vector<bool> busy_;
+    std::vector<int32_t> free_id_;   // per buffer: the ID its FreeTensor holds until the next AllocTensor
     size_t cursor_ = 0;
     std::vector<Entry> queued_;
 };
-template <TPosition src, TPosition dst, int32_t depth, auto mask = 0> class TQueBind : public TQue<src, depth, mask> {};
+template <TPosition pos, int32_t depth, auto mask = 0> class TQue : public TQueImpl<pos, pos, depth> {};
+template <TPosition src, TPosition dst, int32_t depth, auto mask = 0> class TQueBind : public TQueImpl<src, dst, depth> {};
 
 template <TPosition pos = TPosition::VECCALC> class TBuf {
  public:
@@ -341,10 +506,33 @@ class TPipe {
         buf.init((len + 31) / 32 * 32, ++ak::core().init_count);
         return true;
     }
+    TPipe() {
+        if (ak::core().pipe) ak::fail("queue discipline", "a second TPipe in one kernel");
+        ak::core().pipe = this;
+    }
+    ~TPipe() { if (ak::core().pipe == this) ak::core().pipe = nullptr; }
+    template <HardEvent evt> TEventID AllocEventID() { return TEventID(detail::take_id(evt, "AllocEventID")); }
+    template <HardEvent evt> void ReleaseEventID(TEventID id) {
+        if (ak::core().flags[detail::flag_slot(evt, id)])
+            ak::fail("events", "ReleaseEventID of " + detail::event_str(evt, id) + " while its SetFlag still waits for a WaitFlag");
+        detail::give_id(evt, id, "ReleaseEventID");
+    }
+    // the first ID of evt the pool has free, not taken: good for the next SetFlag<evt> only
+    TEventID FetchEventID(HardEvent evt) {
+        auto& k = ak::core();
+        for (int32_t id = 0; id < ak::Core::IDS; ++id)
+            if (!(k.pool[int(evt)] & (1u << id))) { k.fetched[int(evt)] = id; return TEventID(id); }
+        ak::fail("events", std::string("FetchEventID: all 8 IDs of ") + detail::event_name(evt) + " are taken");
+    }
+    template <HardEvent evt> TEventID FetchEventID() { return FetchEventID(evt); }
     void Init() {}
     void Destroy() {}
     void Reset() {}
 };
+inline TPipe* GetTPipePtr() {
+    if (!ak::core().pipe) ak::fail("queue discipline", "GetTPipePtr before the kernel's TPipe exists");
+    return static_cast<TPipe*>(ak::core().pipe);
+}
 
 // ---- core indexing and synchronisation ---------------------------------------------------------
 inline int64_t GetBlockIdx() { return ak::core().block_idx; }
@@ -355,40 +543,6 @@ template <pipe_t pipe> inline void PipeBarrier() {
     static_assert(pipe != PIPE_S, "PipeBarrier takes PIPE_V, PIPE_MTE2, PIPE_MTE3, PIPE_M, PIPE_MTE1, PIPE_FIX or PIPE_ALL");
     auto& c = ak::core().c;
     if (pipe == PIPE_ALL) { const double t = c.makespan(); for (double& a : c.at) a = t; }
-}
-inline int event_slot(HardEvent e, int32_t id) { return (int(e) * 8 + id) % 64; }
-inline ak::Pipe event_src(HardEvent e) {
-    switch (e) {
-        case HardEvent::MTE2_V: case HardEvent::MTE2_S: case HardEvent::MTE2_MTE3: return ak::MTE2;
-        case HardEvent::MTE3_V: case HardEvent::MTE3_S: case HardEvent::MTE3_MTE2: return ak::MTE3;
-        case HardEvent::V_MTE2: case HardEvent::V_MTE3: case HardEvent::V_S: case HardEvent::V_V: return ak::VEC;
-        default: return ak::SCALAR;
-    }
-}
-inline ak::Pipe event_dst(HardEvent e) {
-    switch (e) {
-        case HardEvent::V_MTE2: case HardEvent::S_MTE2: case HardEvent::MTE3_MTE2: return ak::MTE2;
-        case HardEvent::V_MTE3: case HardEvent::S_MTE3: case HardEvent::MTE2_MTE3: return ak::MTE3;
-        case HardEvent::MTE2_V: case HardEvent::MTE3_V: case HardEvent::S_V: case HardEvent::V_V: return ak::VEC;
-        default: return ak::SCALAR;
-    }
-}
-template <HardEvent event> inline void SetFlag(int32_t eventID) {
-    if (eventID < 0 || eventID > 7) ak::fail("events", "event id " + std::to_string(eventID) + " outside 0..7");
-    int& f = ak::core().flags[event_slot(event, eventID)];
-    if (f > 0) ak::fail("queue discipline", "SetFlag twice on event " + std::to_string(int(event)) + " id " +
-                        std::to_string(eventID) + " without a WaitFlag between");
-    f = 1;
-    ak::core().flag_at[event_slot(event, eventID)] = std::max(ak::core().c.at[event_src(event)], ak::core().c.at[ak::SCALAR]);
-}
-template <HardEvent event> inline void WaitFlag(int32_t eventID) {
-    int& f = ak::core().flags[event_slot(event, eventID)];
-    if (f == 0) ak::fail("queue discipline", "WaitFlag on event " + std::to_string(int(event)) + " id " +
-                         std::to_string(eventID) + " that was never set");
-    f = 0;
-    auto& c = ak::core().c;   // the waiting pipe resumes when the signalling pipe got to the SetFlag
-    const double set_at = ak::core().flag_at[event_slot(event, eventID)];
-    c.at[event_dst(event)] = std::max({c.at[event_dst(event)], c.at[ak::SCALAR], set_at});
 }
 template <bool isAIVOnly = true> void SyncAll();   // defined by the runner (a barrier across blocks)
 
@@ -491,7 +645,7 @@ template <typename T> void DataCopyPad(const GlobalTensor<T>& dst, const LocalTe
 // ---- vector compute (count form and level-0 form) ----------------------------------------------
 namespace detail {
 inline double vec_cycles(uint64_t bytes, double factor) {
-    const double repeats = std::ceil(double(bytes) / ONE_REPEAT_BYTE_SIZE);
+    const double repeats = __builtin_ceil(double(bytes) / ONE_REPEAT_BYTE_SIZE);
     ak::core().c.vec_repeats += uint64_t(repeats);
     return AK_VEC_ISSUE + repeats * factor;
 }
@@ -605,12 +759,12 @@ AK_SCALAR_BINARY(Mins, (x < s ? x : s))
         });                                                                                                    \
         ak::core().issue(ak::VEC, detail::vec_cycles(uint64_t(repeatTime) * 256, FACTOR), {src.slot()}, {dst.slot()}); \
     }
-AK_UNARY(Exp, std::exp(x), AK_VEC_SLOW_FACTOR)
-AK_UNARY(Ln, std::log(x), AK_VEC_SLOW_FACTOR)
-AK_UNARY(Sqrt, std::sqrt(x), AK_VEC_SLOW_FACTOR)
-AK_UNARY(Rsqrt, 1.0f / std::sqrt(x), AK_VEC_SLOW_FACTOR)
+AK_UNARY(Exp, __builtin_expf(x), AK_VEC_SLOW_FACTOR)
+AK_UNARY(Ln, __builtin_logf(x), AK_VEC_SLOW_FACTOR)
+AK_UNARY(Sqrt, __builtin_sqrtf(x), AK_VEC_SLOW_FACTOR)
+AK_UNARY(Rsqrt, 1.0f / __builtin_sqrtf(x), AK_VEC_SLOW_FACTOR)
 AK_UNARY(Reciprocal, 1.0f / x, AK_VEC_SLOW_FACTOR)
-AK_UNARY(Abs, std::fabs(x), 1.0)
+AK_UNARY(Abs, __builtin_fabsf(x), 1.0)
 AK_UNARY(Relu, (x > 0.0f ? x : 0.0f), 1.0)
 #undef AK_UNARY
 
@@ -619,14 +773,14 @@ template <typename T> float to_f(T v) { return float(v); }
 template <typename T> T from_f(float f, RoundMode mode) {
     float r = f;
     switch (mode) {
-        case RoundMode::CAST_FLOOR: r = std::floor(f); break;
-        case RoundMode::CAST_CEIL: r = std::ceil(f); break;
-        case RoundMode::CAST_ROUND: r = std::round(f); break;
-        case RoundMode::CAST_TRUNC: r = std::trunc(f); break;
+        case RoundMode::CAST_FLOOR: r = __builtin_floorf(f); break;
+        case RoundMode::CAST_CEIL: r = __builtin_ceilf(f); break;
+        case RoundMode::CAST_ROUND: r = __builtin_roundf(f); break;
+        case RoundMode::CAST_TRUNC: r = __builtin_truncf(f); break;
         default: break;
     }
     if constexpr (std::is_integral_v<T>) {
-        if (mode == RoundMode::CAST_NONE || mode == RoundMode::CAST_RINT) r = std::nearbyint(f);
+        if (mode == RoundMode::CAST_NONE || mode == RoundMode::CAST_RINT) r = __builtin_nearbyintf(f);
         return T(r);
     } else {
         return T(r);   // float -> half / bfloat16_t: round to nearest even (CAST_NONE, CAST_RINT)
@@ -678,7 +832,7 @@ template <typename T> T tree_sum(const T* v, uint32_t n) {
 template <typename T, bool isSetMask = true> void ReduceSum(const LocalTensor<T>& dst, const LocalTensor<T>& src,
                                                             const LocalTensor<T>& sharedTmpBuffer, const int32_t count) {
     detail::check_dtype_arith<T>();
-    dst.check(1, "ReduceSum"); src.check(count, "ReduceSum");
+    dst.check(1, "ReduceSum", sizeof(T)); src.check(count, "ReduceSum");
     sharedTmpBuffer.check(std::min<uint32_t>(uint32_t(count), (uint32_t(count) * sizeof(T) + 255) / 256), "ReduceSum");
     const uint32_t per_rep = 256 / sizeof(T);
     std::vector<T> partial;
@@ -691,7 +845,7 @@ template <typename T, bool isSetMask = true> void ReduceSum(const LocalTensor<T>
 template <typename T> void ReduceMax(const LocalTensor<T>& dst, const LocalTensor<T>& src, const LocalTensor<T>& sharedTmpBuffer,
                                      const int32_t count, bool calIndex = 0) {
     detail::check_dtype_arith<T>();
-    dst.check(calIndex ? 2 : 1, "ReduceMax"); src.check(count, "ReduceMax");
+    dst.check(calIndex ? 2 : 1, "ReduceMax", 2 * sizeof(T)); src.check(count, "ReduceMax");
     uint32_t best = 0;
     for (uint32_t i = 1; i < uint32_t(count); ++i) if (src.GetPhyAddr()[i] > src.GetPhyAddr()[best]) best = i;
     dst.GetPhyAddr()[0] = src.GetPhyAddr()[best];
@@ -707,7 +861,7 @@ template <typename T, bool isSetMask = true> void WholeReduceSum(const LocalTens
     const uint32_t per_blk = 32 / sizeof(T);
     if (uint32_t(mask) > 8 * per_blk) ak::fail("mask", "WholeReduceSum mask " + std::to_string(mask) + " > " + std::to_string(8 * per_blk));
     src.check(detail::l0_extent<T>(uint64_t(mask), repeatTime, srcBlkStride, srcRepStride), "WholeReduceSum");
-    if (repeatTime > 0) dst.check(uint32_t((repeatTime - 1) * dstRepStride + 1), "WholeReduceSum");
+    if (repeatTime > 0) dst.check(uint32_t((repeatTime - 1) * dstRepStride + 1), "WholeReduceSum", sizeof(T));
     for (int32_t r = 0; r < repeatTime; ++r) {
         std::vector<T> v(mask);
         for (int32_t lane = 0; lane < mask; ++lane)
@@ -724,7 +878,11 @@ template <typename T, bool isSetMask = true> void WholeReduceMax(const LocalTens
     const uint32_t per_blk = 32 / sizeof(T);
     if (uint32_t(mask) > 8 * per_blk) ak::fail("mask", "WholeReduceMax mask " + std::to_string(mask) + " > " + std::to_string(8 * per_blk));
     src.check(detail::l0_extent<T>(uint64_t(mask), repeatTime, srcBlkStride, srcRepStride), "WholeReduceMax");
-    if (repeatTime > 0) dst.check(uint32_t((repeatTime - 1) * dstRepStride + (order == ReduceOrder::ORDER_ONLY_VALUE || order == ReduceOrder::ORDER_ONLY_INDEX ? 1 : 2)), "WholeReduceMax");
+    // dstRepStride counts what one repeat writes: a value-index pair (2 elements), a value (1), or an
+    // index, which is a uint32_t (4 B)
+    const uint32_t unit = order == ReduceOrder::ORDER_ONLY_VALUE ? 1 : order == ReduceOrder::ORDER_ONLY_INDEX ? 4 / sizeof(T) : 2;
+    const uint32_t width = order == ReduceOrder::ORDER_ONLY_VALUE ? 1 : order == ReduceOrder::ORDER_ONLY_INDEX ? 4 / sizeof(T) : 2;
+    if (repeatTime > 0) dst.check(uint32_t((repeatTime - 1) * dstRepStride * unit + width), "WholeReduceMax", 2 * sizeof(T));
     for (int32_t r = 0; r < repeatTime; ++r) {
         uint32_t best = 0;
         T bv = src.GetPhyAddr()[detail::l0_index<T>(r, 0, 0, srcBlkStride, srcRepStride)];
@@ -732,10 +890,10 @@ template <typename T, bool isSetMask = true> void WholeReduceMax(const LocalTens
             const T v = src.GetPhyAddr()[detail::l0_index<T>(r, lane / per_blk, lane % per_blk, srcBlkStride, srcRepStride)];
             if (v > bv) { bv = v; best = lane; }
         }
-        T idx; std::memset(&idx, 0, sizeof(T)); std::memcpy(&idx, &best, std::min(sizeof(T), sizeof(best)));
-        T* d = dst.GetPhyAddr() + r * dstRepStride;
+        T idx; std::memset(&idx, 0, sizeof(T)); std::memcpy(&idx, &best, std::min(sizeof(T), sizeof(best)));   // in T's bits
+        T* d = dst.GetPhyAddr() + size_t(r) * dstRepStride * unit;
         if (order == ReduceOrder::ORDER_ONLY_VALUE) d[0] = bv;
-        else if (order == ReduceOrder::ORDER_ONLY_INDEX) d[0] = idx;
+        else if (order == ReduceOrder::ORDER_ONLY_INDEX) std::memcpy(d, &best, 4);
         else if (order == ReduceOrder::ORDER_INDEX_VALUE) { d[0] = idx; d[1] = bv; }
         else { d[0] = bv; d[1] = idx; }
     }
@@ -813,4 +971,5 @@ template <typename T, typename U> void Select(const LocalTensor<T>& dst, const L
     "SetGlobalBuffer GetValue SetValue ReinterpretCast GetSize SetSize GetPhyAddr DataCopy DataCopyPad Add Sub Mul Div Max Min " \
     "Adds Muls Maxs Mins Exp Ln Sqrt Rsqrt Reciprocal Abs Relu Cast Duplicate Brcb ReduceSum ReduceMax WholeReduceSum " \
     "WholeReduceMax Compare CompareScalar Select PipeBarrier SetFlag WaitFlag GetBlockIdx GetBlockNum SyncAll GetDataBlockSizeInBytes " \
+    "GetTPipePtr AllocEventID ReleaseEventID FetchEventID KERNEL_TASK_TYPE_DEFAULT " \
     "DataCopyParams DataCopyExtParams DataCopyPadExtParams UnaryRepeatParams BinaryRepeatParams BrcbRepeatParams"

@@ -95,7 +95,7 @@ def plan(spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, so
 def render_project(spec: OpSpec, problem: Problem, knobs: dict[str, int], out_dir: Path) -> dict[str, Path]:
     """Write the op project (kernel, tiling, host, binding, CMake, README) into out_dir."""
     kernel = kernel_of(spec)
-    params = kernel.params(problem, knobs)
+    params = {**kernel.params(problem, knobs), "batch_mode": kernel.syncs_cores}
     out_dir.mkdir(parents=True, exist_ok=True)
     written = {}
     for template, name in PROJECT_FILES.items():
@@ -105,18 +105,20 @@ def render_project(spec: OpSpec, problem: Problem, knobs: dict[str, int], out_di
 
 
 class Emulated:
-    """The project's kernels built against the emulator; `exe(entry, nargs)` builds on first use."""
+    """The project's kernels built against the emulator, launched as the project's tiling launches them
+    (block_dim blocks, batch mode where the kernel syncs its cores); `exe(entry, nargs)` builds on first use."""
 
-    def __init__(self, project: dict[str, Path], hw: HardwareProfile, block_dim: int):
+    def __init__(self, spec: OpSpec, project: dict[str, Path], hw: HardwareProfile, block_dim: int):
         self.source = project["kernel.cpp.j2"].read_text()
         self.include = project["tiling.h.j2"].parent
-        self.hw, self.block_dim = hw, block_dim
+        self.hw, self.block_dim, self.batch_mode = hw, block_dim, kernel_of(spec).syncs_cores
         self._exes: dict[str, Path] = {}
 
     def exe(self, entry: str, nargs: int) -> Path:
         if entry not in self._exes:
             self._exes[entry] = emulator.build(self.source, entry=entry, nargs=nargs, hw=self.hw,
-                                               block_dim=self.block_dim, include_dirs=(self.include,))
+                                               block_dim=self.block_dim, include_dirs=(self.include,),
+                                               batch_mode=self.batch_mode)
         return self._exes[entry]
 
 
@@ -173,7 +175,7 @@ def tune(spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, so
     with tempfile.TemporaryDirectory(prefix=f"ak-{spec.name}-") as scratch:
         project = render_project(spec, problem, knobs, Path(out_dir) if out_dir is not None else Path(scratch))
         source_hash = Source("ascendc/kernel.cpp", project["kernel.cpp.j2"].read_text()).hash
-        emu = Emulated(project, hw, knobs["block_dim"])
+        emu = Emulated(spec, project, hw, knobs["block_dim"])
         verification = verify(spec, kernel.verification_problems(problem, knobs), knobs, emu)
         estimate = emulate(spec, problem, knobs, emu)
     errors = [e for r in estimate.values() for e in r.errors]

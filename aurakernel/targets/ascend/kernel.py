@@ -30,6 +30,9 @@ class AscendKernel(Part, ABC):
     compute_waits_scalar: ClassVar[dict[str, bool] | None] = None
     # another operator's folder under templates/ascendc/ this kernel renders (mhc_head: mhc_pre's)
     template_dir: ClassVar[str | None] = None
+    # the kernel's blocks meet in SyncAll: its launch is in batch mode (the tiling's SetScheduleMode(1),
+    # rendered where the template's batch_mode is set, and the emulator's launch) and it declares the mix type
+    syncs_cores: ClassVar[bool] = False
 
     @property
     def folder(self) -> str:

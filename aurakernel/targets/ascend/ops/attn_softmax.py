@@ -32,6 +32,7 @@ def ascend_tiling(shape, has_mask: bool, msb: int, mss: int, knobs: dict[str, in
 
 
 class AttnSoftmaxAscend(AscendKernel):
+    syncs_cores = True   # its blocks meet in SyncAll
     # --- AscendC (templates/ascendc/attn_softmax/): rows over the vector cores in (b, s, h) order -
     # a tile is up to tile_rows heads of one query position, so they share its mask row (one copy
     # per tile); every row is softmaxed whole in fp32 (the tile-wide fp32 buffers are f32_tiles),

@@ -21,6 +21,7 @@ ASCEND_TILE_ELEMS = 4096   # AscendC: slot rows x channels of one window's tile 
 
 
 class CompressorAscend(AscendKernel):
+    syncs_cores = True   # its blocks meet in SyncAll
     # --- AscendC (templates/ascendc/compressor/): a unit of work is one window's channel tile (its
     # NS slot rows x ct channels); the planner sees units as rows of NS x ct elements and picks the
     # windows per tile (tile_rows), the queue depth (buffers) and the cores. ------------------------

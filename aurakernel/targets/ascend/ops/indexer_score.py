@@ -16,6 +16,7 @@ from ..kernel import AscendKernel
 
 
 class IndexerScoreAscend(AscendKernel):
+    syncs_cores = True   # its blocks meet in SyncAll
     # --- AscendC (templates/ascendc/indexer_score/): vector-unit kernel, query rows over the cores ---
     # The products are Cube work on real hardware; the emulator covers the vector unit only, so the
     # kernel multiplies on the vector pipe (see the template's header) and is compute-bound there.
