@@ -175,6 +175,56 @@ def test_whole_reduce_max_strides_count_value_index_pairs():
     assert struct.unpack("<II", struct.pack("<ff", i0, i1)) == (63, 5)   # the index in the value's bits
 
 
+def test_what_does_not_compile_on_the_npu_does_not_compile_here():
+    """A LocalTensor's GetPhyAddr is an integer UB address on the NPU, and DataCopyExtParams has no
+    4-argument constructor there."""
+    for use in ("TBuf<TPosition::VECCALC> b; pipe.InitBuffer(b, 256); float* p = b.Get<float>().GetPhyAddr(); (void)p;",
+                "DataCopyExtParams p(1, 32, 0, 0); (void)p;"):
+        with pytest.raises(emulator.BuildError):
+            emulator.build(KERNEL_HEAD + f"    {use}\n}}\n", entry="k", nargs=2, hw=HW, block_dim=1)
+
+
+def test_data_copy_pad_places_the_left_padding_before_the_data():
+    """[leftPadding][data][rightPadding][dummy] per block: 2 floats of -1, then the 6 copied (the old
+    reading put the data first and the padding after it)."""
+    import struct
+    report, y = _run_kernel("""
+    TBuf<TPosition::VECCALC> b; pipe.InitBuffer(b, 256);
+    LocalTensor<float> t = b.Get<float>();
+    DataCopyPad(t, xg, DataCopyExtParams(1, 6 * sizeof(float), 0, 0, 0), DataCopyPadExtParams<float>(true, 2, 0, -1.0f));
+    { const TEventID e = GetTPipePtr()->FetchEventID(HardEvent::MTE2_MTE3); SetFlag<HardEvent::MTE2_MTE3>(e); WaitFlag<HardEvent::MTE2_MTE3>(e); }
+    DataCopy(yg, t, 8);""", bytearray(struct.pack("<64f", *range(1, 65))))
+    assert report.ok, report.errors
+    assert struct.unpack("<8f", y[:32]) == (-1.0, -1.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0)
+
+
+def test_cast_rounds_to_the_target_precision_in_the_documented_modes():
+    """float -> half with CAST_FLOOR / CEIL / TRUNC rounds to half's precision (2.7 -> 2.6992 / 2.7012),
+    not to an integer (the old 2 / 3); float -> bfloat16_t has no CAST_NONE on A2/A3."""
+    import struct
+    cast = """
+    TBuf<TPosition::VECCALC> b; pipe.InitBuffer(b, 1024);
+    LocalTensor<float> f = b.Get<float>(); LocalTensor<half> h = f[64].ReinterpretCast<half>();
+    GlobalTensor<half> yh; yh.SetGlobalBuffer((__gm__ half*)y, 128);
+    DataCopy(f, xg, 64);
+    { const TEventID e = GetTPipePtr()->FetchEventID(HardEvent::MTE2_V); SetFlag<HardEvent::MTE2_V>(e); WaitFlag<HardEvent::MTE2_V>(e); }
+    Cast(h, f, RoundMode::CAST_FLOOR, 16); Cast(h[16], f, RoundMode::CAST_CEIL, 16); Cast(h[32], f, RoundMode::CAST_TRUNC, 16);
+    { const TEventID e = GetTPipePtr()->FetchEventID(HardEvent::V_MTE3); SetFlag<HardEvent::V_MTE3>(e); WaitFlag<HardEvent::V_MTE3>(e); }
+    DataCopy(yh, h, 48);"""
+    x = bytearray(struct.pack("<64f", *([2.7, -2.7] * 32)))
+    report, y = _run_kernel(cast, x)
+    assert report.ok, report.errors
+    got = struct.unpack("<48e", y[:96])
+    assert got[:2] == (2.69921875, -2.701171875)          # floor
+    assert got[16:18] == (2.701171875, -2.69921875)       # ceil
+    assert got[32:34] == (2.69921875, -2.69921875)        # trunc
+    report, _ = _run_kernel("""
+    TBuf<TPosition::VECCALC> b; pipe.InitBuffer(b, 1024);
+    LocalTensor<float> f = b.Get<float>(); LocalTensor<bfloat16_t> h = f[64].ReinterpretCast<bfloat16_t>();
+    Cast(h, f, RoundMode::CAST_NONE, 16);""", bytearray(256))
+    assert not report.ok and "not a combination" in report.errors[0]
+
+
 def test_sync_all_needs_the_mix_type_and_batch_mode():
     body = "    KERNEL_TASK_TYPE_DEFAULT(KERNEL_TYPE_MIX_AIV_1_0); SyncAll();"
     report, _ = _run_kernel(body, bytearray(256), block_dim=2)

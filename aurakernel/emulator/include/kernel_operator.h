@@ -182,7 +182,7 @@ struct DataCopyParams {
 struct DataCopyExtParams {
     uint16_t blockCount = 1; uint32_t blockLen = 0, srcStride = 0, dstStride = 0, rsv = 0;
     DataCopyExtParams() = default;
-    DataCopyExtParams(uint16_t c, uint32_t l, uint32_t s, uint32_t d, uint32_t r = 0)
+    DataCopyExtParams(uint16_t c, uint32_t l, uint32_t s, uint32_t d, uint32_t r)   // five: the real struct has no shorter one
         : blockCount(c), blockLen(l), srcStride(s), dstStride(d), rsv(r) {}
 };
 template <typename T> struct DataCopyPadExtParams {
@@ -215,6 +215,7 @@ template <typename T> class GlobalTensor {
     void SetGlobalBuffer(__gm__ T* buffer, uint64_t bufferSize) { base_ = buffer; size_ = bufferSize; }
     void SetGlobalBuffer(__gm__ T* buffer) { base_ = buffer; size_ = UINT64_MAX; }
     __gm__ T* GetPhyAddr(uint64_t offset = 0) const { return base_ + offset; }
+    __gm__ T* ak_ptr() const { return base_; }   // the emulator's own access
     T GetValue(uint64_t off) const { check(off, 1); ak::core().c.gm_read += sizeof(T); return base_[off]; }
     void SetValue(uint64_t off, T v) { check(off, 1); ak::core().c.gm_written += sizeof(T); base_[off] = v; }
     uint64_t GetSize() const { return size_; }
@@ -246,7 +247,13 @@ template <typename T> class LocalTensor {
     }
     void SetSize(uint32_t n) { len_ = n; }
     uint32_t GetSize() const { return len_; }
-    T* GetPhyAddr() const { return ptr_; }
+    // On the NPU a LocalTensor's address is an integer (its UB address), not a pointer a kernel could
+    // dereference: so it is here. The emulator itself reads the data through ak_ptr().
+    uint64_t GetPhyAddr() const { return GetPhyAddr(0); }
+    uint64_t GetPhyAddr(uint32_t offset) const {
+        return uint64_t(reinterpret_cast<const uint8_t*>(ptr_ + offset) - ak::core().ub_base);
+    }
+    T* ak_ptr() const { return ptr_; }
     ak::Slot* slot() const { return slot_; }
     // the alignment rule (32 B for most operands; a reduction's result needs only its element or
     // value-index pair) and the extent of an access of n elements
@@ -442,7 +449,7 @@ template <TPosition src, TPosition dst, int32_t depth> class TQueImpl {
             id = detail::take_id(ev.enque, who);
             detail::raise_flag(ev.enque, id, who);
         }
-        queued_.push_back({reinterpret_cast<uint8_t*>(t.GetPhyAddr()), t.slot(), t.GetSize() * uint32_t(sizeof(T)), id});
+        queued_.push_back({reinterpret_cast<uint8_t*>(t.ak_ptr()), t.slot(), t.GetSize() * uint32_t(sizeof(T)), id});
         return true;
     }
     template <typename T> LocalTensor<T> DeQue() {
@@ -561,7 +568,7 @@ template <typename T> void DataCopy(const LocalTensor<T>& dst, const GlobalTenso
     detail::check_copy_32b(count, sizeof(T), "GM->UB", dst.slot());
     dst.check(count, "DataCopy");
     src.check(0, count);
-    std::memcpy(dst.GetPhyAddr(), src.GetPhyAddr(), count * sizeof(T));
+    std::memcpy(dst.ak_ptr(), src.ak_ptr(), count * sizeof(T));
     ak::core().c.gm_read += count * sizeof(T);
     ak::core().issue(ak::MTE2, detail::mte_cycles(count * sizeof(T)), {}, {dst.slot()});
 }
@@ -569,14 +576,14 @@ template <typename T> void DataCopy(const GlobalTensor<T>& dst, const LocalTenso
     detail::check_copy_32b(count, sizeof(T), "UB->GM", src.slot());
     src.check(count, "DataCopy");
     dst.check(0, count);
-    std::memcpy(dst.GetPhyAddr(), src.GetPhyAddr(), count * sizeof(T));
+    std::memcpy(dst.ak_ptr(), src.ak_ptr(), count * sizeof(T));
     ak::core().c.gm_written += count * sizeof(T);
     ak::core().issue(ak::MTE3, detail::mte_cycles(count * sizeof(T)), {src.slot()}, {});
 }
 template <typename T> void DataCopy(const LocalTensor<T>& dst, const LocalTensor<T>& src, const uint32_t count) {
     detail::check_copy_32b(count, sizeof(T), "UB->UB", src.slot());
     dst.check(count, "DataCopy"); src.check(count, "DataCopy");
-    std::memmove(dst.GetPhyAddr(), src.GetPhyAddr(), count * sizeof(T));
+    std::memmove(dst.ak_ptr(), src.ak_ptr(), count * sizeof(T));
     ak::core().issue(ak::VEC, AK_VEC_ISSUE + double(count * sizeof(T)) / 256.0, {src.slot()}, {dst.slot()});
 }
 // strided bursts: blockLen and strides in 32 B blocks
@@ -585,7 +592,7 @@ template <typename T> void DataCopy(const LocalTensor<T>& dst, const GlobalTenso
     dst.check(uint32_t(p.blockCount) * (p.blockLen + p.dstStride) * blk - p.dstStride * blk, "DataCopy");
     for (uint32_t i = 0; i < p.blockCount; ++i) {
         src.check(uint64_t(i) * (p.blockLen + p.srcStride) * blk, p.blockLen * blk);
-        std::memcpy(dst.GetPhyAddr() + i * (p.blockLen + p.dstStride) * blk,
+        std::memcpy(dst.ak_ptr() + i * (p.blockLen + p.dstStride) * blk,
                     src.GetPhyAddr(uint64_t(i) * (p.blockLen + p.srcStride) * blk), p.blockLen * 32);
     }
     ak::core().c.gm_read += uint64_t(p.blockCount) * p.blockLen * 32;
@@ -597,29 +604,40 @@ template <typename T> void DataCopy(const GlobalTensor<T>& dst, const LocalTenso
     for (uint32_t i = 0; i < p.blockCount; ++i) {
         dst.check(uint64_t(i) * (p.blockLen + p.dstStride) * blk, p.blockLen * blk);
         std::memcpy(dst.GetPhyAddr(uint64_t(i) * (p.blockLen + p.dstStride) * blk),
-                    src.GetPhyAddr() + i * (p.blockLen + p.srcStride) * blk, p.blockLen * 32);
+                    src.ak_ptr() + i * (p.blockLen + p.srcStride) * blk, p.blockLen * 32);
     }
     ak::core().c.gm_written += uint64_t(p.blockCount) * p.blockLen * 32;
     ak::core().issue(ak::MTE3, detail::mte_cycles(uint64_t(p.blockCount) * p.blockLen * 32), {src.slot()}, {});
 }
-// GM -> UB with padding: blockLen and srcStride (GM) in bytes, dstStride (UB) in 32 B blocks; each
-// block is padded on the right to 32 B in UB.
+// GM -> UB with padding: blockLen and srcStride (GM) in bytes, dstStride (UB) in 32 B blocks. Each block
+// lands in UB as [leftPadding][data][rightPadding][dummy] up to 32 B alignment: with isPad the paddings
+// and the dummy are paddingValue; without, they are undefined (poisoned here: NaN for floats). With
+// no left or right padding the dummy repeats the block's first element, isPad or not (as documented).
 template <typename T> void DataCopyPad(const LocalTensor<T>& dst, const GlobalTensor<T>& src, const DataCopyExtParams& p,
                                        const DataCopyPadExtParams<T>& pad) {
     if (p.blockLen % sizeof(T) != 0) ak::fail("DataCopyPad", "blockLen " + std::to_string(p.blockLen) + " B is not a multiple of the element size");
     if (p.blockCount > 4095) ak::fail("DataCopyPad", "blockCount " + std::to_string(p.blockCount) + " > 4095");
-    const uint32_t n = p.blockLen / sizeof(T), padded = (p.blockLen + 31) / 32 * 32 / sizeof(T);
+    if (pad.leftPadding * sizeof(T) > 32 || pad.rightPadding * sizeof(T) > 32)
+        ak::fail("DataCopyPad", "leftPadding " + std::to_string(pad.leftPadding) + " / rightPadding " +
+                 std::to_string(pad.rightPadding) + " elements: each may cover at most 32 B");
+    const uint32_t left = pad.leftPadding, right = pad.rightPadding, n = p.blockLen / sizeof(T);
+    const uint32_t padded = ((left + n + right) * sizeof(T) + 31) / 32 * 32 / sizeof(T);
     const uint32_t pitch = padded + p.dstStride * (32 / sizeof(T));
     if (p.blockCount == 0 || p.blockLen == 0) return;
     dst.check((p.blockCount - 1) * pitch + padded, "DataCopyPad");
-    const uint8_t* g = reinterpret_cast<const uint8_t*>(src.GetPhyAddr());
+    T poison;
+    std::memset(&poison, 0xff, sizeof(T));
+    const uint8_t* g = reinterpret_cast<const uint8_t*>(src.ak_ptr());
     for (uint32_t i = 0; i < p.blockCount; ++i) {
         const uint64_t goff = uint64_t(i) * (p.blockLen + p.srcStride);
         src.check(goff / sizeof(T), n);
-        T* row = dst.GetPhyAddr() + i * pitch;
-        std::memcpy(row, g + goff, p.blockLen);
-        const T fill = pad.isPad ? pad.paddingValue : row[0];
-        for (uint32_t j = n; j < padded; ++j) row[j] = fill;
+        T* row = dst.ak_ptr() + i * pitch;
+        std::memcpy(row + left, g + goff, p.blockLen);
+        const T side = pad.isPad ? pad.paddingValue : poison;
+        const T dummy = left == 0 && right == 0 ? row[0] : side;
+        for (uint32_t j = 0; j < left; ++j) row[j] = side;
+        for (uint32_t j = left + n; j < left + n + right; ++j) row[j] = side;
+        for (uint32_t j = left + n + right; j < padded; ++j) row[j] = dummy;
     }
     ak::core().c.gm_read += uint64_t(p.blockCount) * p.blockLen;
     ak::core().issue(ak::MTE2, detail::mte_cycles(uint64_t(p.blockCount) * padded * sizeof(T)), {}, {dst.slot()});
@@ -632,11 +650,11 @@ template <typename T> void DataCopyPad(const GlobalTensor<T>& dst, const LocalTe
     const uint32_t pitch = padded + p.srcStride * (32 / sizeof(T));
     if (p.blockCount == 0 || p.blockLen == 0) return;
     src.check((p.blockCount - 1) * pitch + padded, "DataCopyPad");
-    uint8_t* g = reinterpret_cast<uint8_t*>(dst.GetPhyAddr());
+    uint8_t* g = reinterpret_cast<uint8_t*>(dst.ak_ptr());
     for (uint32_t i = 0; i < p.blockCount; ++i) {
         const uint64_t goff = uint64_t(i) * (p.blockLen + p.dstStride);
         dst.check(goff / sizeof(T), n);
-        std::memcpy(g + goff, src.GetPhyAddr() + i * pitch, p.blockLen);
+        std::memcpy(g + goff, src.ak_ptr() + i * pitch, p.blockLen);
     }
     ak::core().c.gm_written += uint64_t(p.blockCount) * p.blockLen;
     ak::core().issue(ak::MTE3, detail::mte_cycles(uint64_t(p.blockCount) * padded * sizeof(T)), {src.slot()}, {});
@@ -685,7 +703,7 @@ template <typename T, typename F> void level0(uint64_t mask, int32_t repeatTime,
                                     const int32_t& count) {                                                    \
         detail::check_dtype_arith<T>();                                                                        \
         dst.check(count, #NAME); src0.check(count, #NAME); src1.check(count, #NAME);                           \
-        T* d = dst.GetPhyAddr(); const T* a = src0.GetPhyAddr(); const T* b = src1.GetPhyAddr();              \
+        T* d = dst.ak_ptr(); const T* a = src0.ak_ptr(); const T* b = src1.ak_ptr();              \
         for (int32_t i = 0; i < count; ++i) { const T x = a[i], y = b[i]; d[i] = (EXPR); }                    \
         ak::core().issue(ak::VEC, detail::vec_cycles(uint64_t(count) * sizeof(T), FACTOR_##NAME),               \
                          {src0.slot(), src1.slot()}, {dst.slot()});                                            \
@@ -697,9 +715,9 @@ template <typename T, typename F> void level0(uint64_t mask, int32_t repeatTime,
         src0.check(detail::l0_extent<T>(mask, repeatTime, p.src0BlkStride, p.src0RepStride), #NAME);            \
         src1.check(detail::l0_extent<T>(mask, repeatTime, p.src1BlkStride, p.src1RepStride), #NAME);            \
         detail::level0<T>(mask, repeatTime, [&](uint32_t r, uint32_t blk, uint32_t j) {                        \
-            const T x = src0.GetPhyAddr()[detail::l0_index<T>(r, blk, j, p.src0BlkStride, p.src0RepStride)];   \
-            const T y = src1.GetPhyAddr()[detail::l0_index<T>(r, blk, j, p.src1BlkStride, p.src1RepStride)];   \
-            dst.GetPhyAddr()[detail::l0_index<T>(r, blk, j, p.dstBlkStride, p.dstRepStride)] = (EXPR);        \
+            const T x = src0.ak_ptr()[detail::l0_index<T>(r, blk, j, p.src0BlkStride, p.src0RepStride)];   \
+            const T y = src1.ak_ptr()[detail::l0_index<T>(r, blk, j, p.src1BlkStride, p.src1RepStride)];   \
+            dst.ak_ptr()[detail::l0_index<T>(r, blk, j, p.dstBlkStride, p.dstRepStride)] = (EXPR);        \
         });                                                                                                    \
         ak::core().issue(ak::VEC, detail::vec_cycles(uint64_t(repeatTime) * 256, FACTOR_##NAME),                \
                          {src0.slot(), src1.slot()}, {dst.slot()});                                            \
@@ -719,7 +737,7 @@ AK_BINARY(Min, (x < y ? x : y))
                                     const int32_t& count) {                                                    \
         detail::check_dtype_arith<T>();                                                                        \
         dst.check(count, #NAME); src.check(count, #NAME);                                                      \
-        T* d = dst.GetPhyAddr(); const T* a = src.GetPhyAddr(); const T s = scalarValue;                      \
+        T* d = dst.ak_ptr(); const T* a = src.ak_ptr(); const T s = scalarValue;                      \
         for (int32_t i = 0; i < count; ++i) { const T x = a[i]; d[i] = (EXPR); }                              \
         ak::core().issue(ak::VEC, detail::vec_cycles(uint64_t(count) * sizeof(T), 1.0), {src.slot()}, {dst.slot()}); \
     }                                                                                                          \
@@ -729,8 +747,8 @@ AK_BINARY(Min, (x < y ? x : y))
         dst.check(detail::l0_extent<T>(mask, repeatTime, p.dstBlkStride, p.dstRepStride), #NAME);               \
         src.check(detail::l0_extent<T>(mask, repeatTime, p.srcBlkStride, p.srcRepStride), #NAME);               \
         detail::level0<T>(mask, repeatTime, [&](uint32_t r, uint32_t blk, uint32_t j) {                        \
-            const T x = src.GetPhyAddr()[detail::l0_index<T>(r, blk, j, p.srcBlkStride, p.srcRepStride)];      \
-            dst.GetPhyAddr()[detail::l0_index<T>(r, blk, j, p.dstBlkStride, p.dstRepStride)] = (EXPR);         \
+            const T x = src.ak_ptr()[detail::l0_index<T>(r, blk, j, p.srcBlkStride, p.srcRepStride)];      \
+            dst.ak_ptr()[detail::l0_index<T>(r, blk, j, p.dstBlkStride, p.dstRepStride)] = (EXPR);         \
         });                                                                                                    \
         ak::core().issue(ak::VEC, detail::vec_cycles(uint64_t(repeatTime) * 256, 1.0), {src.slot()}, {dst.slot()}); \
     }
@@ -744,7 +762,7 @@ AK_SCALAR_BINARY(Mins, (x < s ? x : s))
     template <typename T> void NAME(const LocalTensor<T>& dst, const LocalTensor<T>& src, const int32_t& count) { \
         detail::check_dtype_arith<T>();                                                                        \
         dst.check(count, #NAME); src.check(count, #NAME);                                                      \
-        T* d = dst.GetPhyAddr(); const T* a = src.GetPhyAddr();                                                \
+        T* d = dst.ak_ptr(); const T* a = src.ak_ptr();                                                \
         for (int32_t i = 0; i < count; ++i) { const float x = float(a[i]); d[i] = T(EXPR); }                  \
         ak::core().issue(ak::VEC, detail::vec_cycles(uint64_t(count) * sizeof(T), FACTOR), {src.slot()}, {dst.slot()}); \
     }                                                                                                          \
@@ -754,8 +772,8 @@ AK_SCALAR_BINARY(Mins, (x < s ? x : s))
         dst.check(detail::l0_extent<T>(mask, repeatTime, p.dstBlkStride, p.dstRepStride), #NAME);               \
         src.check(detail::l0_extent<T>(mask, repeatTime, p.srcBlkStride, p.srcRepStride), #NAME);               \
         detail::level0<T>(mask, repeatTime, [&](uint32_t r, uint32_t blk, uint32_t j) {                        \
-            const float x = float(src.GetPhyAddr()[detail::l0_index<T>(r, blk, j, p.srcBlkStride, p.srcRepStride)]);\
-            dst.GetPhyAddr()[detail::l0_index<T>(r, blk, j, p.dstBlkStride, p.dstRepStride)] = T(EXPR);        \
+            const float x = float(src.ak_ptr()[detail::l0_index<T>(r, blk, j, p.srcBlkStride, p.srcRepStride)]);\
+            dst.ak_ptr()[detail::l0_index<T>(r, blk, j, p.dstBlkStride, p.dstRepStride)] = T(EXPR);        \
         });                                                                                                    \
         ak::core().issue(ak::VEC, detail::vec_cycles(uint64_t(repeatTime) * 256, FACTOR), {src.slot()}, {dst.slot()}); \
     }
@@ -770,35 +788,110 @@ AK_UNARY(Relu, (x > 0.0f ? x : 0.0f), 1.0)
 
 namespace detail {
 template <typename T> float to_f(T v) { return float(v); }
-template <typename T> T from_f(float f, RoundMode mode) {
-    float r = f;
+template <typename T> uint16_t bits16(T v) { uint16_t b; std::memcpy(&b, &v, 2); return b; }
+template <typename T> T from_bits16(uint16_t b) { T v; std::memcpy(&v, &b, 2); return v; }
+// the 16-bit float next to v toward +inf (up) or -inf (down)
+template <typename T> T step16(T v, bool up) {
+    uint16_t b = bits16(v);
+    if ((b & 0x7fff) == 0) return from_bits16<T>(up ? 0x0001 : 0x8001);
+    const bool neg = b & 0x8000;
+    b = up != neg ? uint16_t(b + 1) : uint16_t(b - 1);   // magnitude up for (up, +) and (down, -)
+    return from_bits16<T>(b);
+}
+// f rounded to the 16-bit float T in `mode` (the modes round to T's precision, not to an integer)
+template <typename T> T round16(float f, RoundMode mode) {
+    const T r = T(f);   // nearest even
+    const float rf = float(r);
+    if (rf == f || f != f || mode == RoundMode::CAST_NONE || mode == RoundMode::CAST_RINT) return r;
+    const T lo = rf < f ? r : step16(r, false), hi = rf < f ? step16(r, true) : r;
     switch (mode) {
-        case RoundMode::CAST_FLOOR: r = __builtin_floorf(f); break;
-        case RoundMode::CAST_CEIL: r = __builtin_ceilf(f); break;
-        case RoundMode::CAST_ROUND: r = __builtin_roundf(f); break;
-        case RoundMode::CAST_TRUNC: r = __builtin_truncf(f); break;
-        default: break;
+        case RoundMode::CAST_FLOOR: return lo;
+        case RoundMode::CAST_CEIL: return hi;
+        case RoundMode::CAST_TRUNC: return f > 0 ? lo : hi;
+        case RoundMode::CAST_ROUND: {   // nearest, ties away from zero
+            const float dl = f - float(lo), dh = float(hi) - f;
+            return dl < dh ? lo : dh < dl ? hi : (f > 0 ? hi : lo);
+        }
+        case RoundMode::CAST_ODD: return (bits16(lo) & 1) ? lo : hi;   // inexact: the neighbour with an odd last bit
+        default: return r;
     }
-    if constexpr (std::is_integral_v<T>) {
-        if (mode == RoundMode::CAST_NONE || mode == RoundMode::CAST_RINT) r = __builtin_nearbyintf(f);
+}
+template <typename T> T from_f(float f, RoundMode mode) {
+    if constexpr (std::is_same_v<T, half> || std::is_same_v<T, bfloat16_t>) {
+        return round16<T>(f, mode);
+    } else {   // integers, and float -> float: rounded to an integer in the mode
+        float r = f;
+        switch (mode) {
+            case RoundMode::CAST_FLOOR: r = __builtin_floorf(f); break;
+            case RoundMode::CAST_CEIL: r = __builtin_ceilf(f); break;
+            case RoundMode::CAST_ROUND: r = __builtin_roundf(f); break;
+            case RoundMode::CAST_TRUNC: r = __builtin_truncf(f); break;
+            case RoundMode::CAST_RINT: r = __builtin_nearbyintf(f); break;
+            default: if constexpr (std::is_integral_v<T>) r = __builtin_nearbyintf(f); break;
+        }
         return T(r);
-    } else {
-        return T(r);   // float -> half / bfloat16_t: round to nearest even (CAST_NONE, CAST_RINT)
     }
+}
+
+// The (source, destination, round mode) combinations Atlas A2/A3 document for the vector Cast.
+template <typename S, typename D> constexpr bool cast_mode_ok(RoundMode m) {
+    const bool none = m == RoundMode::CAST_NONE;
+    const bool rounding = m == RoundMode::CAST_RINT || m == RoundMode::CAST_FLOOR || m == RoundMode::CAST_CEIL ||
+                          m == RoundMode::CAST_ROUND || m == RoundMode::CAST_TRUNC;
+    if constexpr (std::is_same_v<D, float>) {
+        if constexpr (std::is_same_v<S, half> || std::is_same_v<S, bfloat16_t> || std::is_same_v<S, int16_t>) return none;
+        if constexpr (std::is_same_v<S, int32_t>) return none || rounding;
+        if constexpr (std::is_same_v<S, float> || std::is_same_v<S, int64_t>) return rounding;
+    } else if constexpr (std::is_same_v<S, float>) {
+        if constexpr (std::is_same_v<D, half>) return none || rounding || m == RoundMode::CAST_ODD;
+        if constexpr (std::is_same_v<D, bfloat16_t> || std::is_same_v<D, int16_t> || std::is_same_v<D, int32_t> ||
+                      std::is_same_v<D, int64_t>) return rounding;
+    } else if constexpr (std::is_same_v<S, half>) {
+        if constexpr (std::is_same_v<D, int8_t> || std::is_same_v<D, uint8_t>) return none || rounding;
+        if constexpr (std::is_same_v<D, int16_t> || std::is_same_v<D, int32_t>) return rounding;
+    } else if constexpr (std::is_same_v<D, half>) {
+        if constexpr (std::is_same_v<S, int8_t> || std::is_same_v<S, uint8_t>) return none;
+        if constexpr (std::is_same_v<S, int16_t>) return none || rounding;
+    } else if constexpr (std::is_same_v<S, bfloat16_t> && std::is_same_v<D, int32_t>) {
+        return rounding;
+    } else if constexpr ((std::is_same_v<S, int32_t> && std::is_same_v<D, int16_t>) ||
+                         (std::is_same_v<S, int32_t> && std::is_same_v<D, int64_t>) ||
+                         (std::is_same_v<S, int64_t> && std::is_same_v<D, int32_t>)) {
+        return none;
+    }
+    return false;
+}
+inline const char* mode_name(RoundMode m) {
+    static const char* names[] = {"CAST_NONE", "CAST_RINT", "CAST_FLOOR", "CAST_CEIL", "CAST_ROUND", "CAST_TRUNC", "CAST_ODD"};
+    return names[int(m)];
+}
+template <typename T> const char* type_name() {
+    if constexpr (std::is_same_v<T, float>) return "float";
+    else if constexpr (std::is_same_v<T, half>) return "half";
+    else if constexpr (std::is_same_v<T, bfloat16_t>) return "bfloat16_t";
+    else if constexpr (std::is_same_v<T, int32_t>) return "int32_t";
+    else if constexpr (std::is_same_v<T, int16_t>) return "int16_t";
+    else if constexpr (std::is_same_v<T, int64_t>) return "int64_t";
+    else if constexpr (std::is_same_v<T, int8_t>) return "int8_t";
+    else if constexpr (std::is_same_v<T, uint8_t>) return "uint8_t";
+    else return "another type";
 }
 }  // namespace detail
 
 template <typename T, typename U> void Cast(const LocalTensor<T>& dst, const LocalTensor<U>& src, const RoundMode& roundMode,
                                             const uint32_t count) {
+    if (!detail::cast_mode_ok<U, T>(roundMode))
+        ak::fail("Cast", std::string("Cast from ") + detail::type_name<U>() + " to " + detail::type_name<T>() + " with " +
+                 detail::mode_name(roundMode) + ": not a combination Atlas A2/A3 support (their Cast table)");
     dst.check(count, "Cast"); src.check(count, "Cast");
-    T* d = dst.GetPhyAddr(); const U* s = src.GetPhyAddr();
+    T* d = dst.ak_ptr(); const U* s = src.ak_ptr();
     for (uint32_t i = 0; i < count; ++i) d[i] = detail::from_f<T>(detail::to_f(s[i]), roundMode);
     ak::core().issue(ak::VEC, detail::vec_cycles(uint64_t(count) * std::max(sizeof(T), sizeof(U)), 1.0), {src.slot()}, {dst.slot()});
 }
 
 template <typename T> void Duplicate(const LocalTensor<T>& dst, const T& scalarValue, const int32_t& count) {
     dst.check(count, "Duplicate");
-    T* d = dst.GetPhyAddr();
+    T* d = dst.ak_ptr();
     for (int32_t i = 0; i < count; ++i) d[i] = scalarValue;
     ak::core().issue(ak::VEC, detail::vec_cycles(uint64_t(count) * sizeof(T), 1.0), {}, {dst.slot()});
 }
@@ -813,7 +906,7 @@ template <typename T> void Brcb(const LocalTensor<T>& dst, const LocalTensor<T>&
     for (uint32_t i = 0; i < repeatTime; ++i)
         for (uint32_t j = 0; j < 8; ++j)
             for (uint32_t k = 0; k < per_blk; ++k)
-                dst.GetPhyAddr()[(i * p.dstRepStride + j * bs) * per_blk + k] = src0.GetPhyAddr()[i * 8 + j];
+                dst.ak_ptr()[(i * p.dstRepStride + j * bs) * per_blk + k] = src0.ak_ptr()[i * 8 + j];
     ak::core().issue(ak::VEC, detail::vec_cycles(uint64_t(repeatTime) * 256, 1.0), {src0.slot()}, {dst.slot()});
 }
 
@@ -837,8 +930,8 @@ template <typename T, bool isSetMask = true> void ReduceSum(const LocalTensor<T>
     const uint32_t per_rep = 256 / sizeof(T);
     std::vector<T> partial;
     for (uint32_t i = 0; i < uint32_t(count); i += per_rep)
-        partial.push_back(detail::tree_sum(src.GetPhyAddr() + i, std::min<uint32_t>(per_rep, count - i)));
-    dst.GetPhyAddr()[0] = detail::tree_sum(partial.data(), uint32_t(partial.size()));
+        partial.push_back(detail::tree_sum(src.ak_ptr() + i, std::min<uint32_t>(per_rep, count - i)));
+    dst.ak_ptr()[0] = detail::tree_sum(partial.data(), uint32_t(partial.size()));
     ak::core().issue(ak::VEC, detail::vec_cycles(uint64_t(count) * sizeof(T), 1.0) + 2 * AK_VEC_ISSUE,
                      {src.slot()}, {dst.slot(), sharedTmpBuffer.slot()});
 }
@@ -847,9 +940,9 @@ template <typename T> void ReduceMax(const LocalTensor<T>& dst, const LocalTenso
     detail::check_dtype_arith<T>();
     dst.check(calIndex ? 2 : 1, "ReduceMax", 2 * sizeof(T)); src.check(count, "ReduceMax");
     uint32_t best = 0;
-    for (uint32_t i = 1; i < uint32_t(count); ++i) if (src.GetPhyAddr()[i] > src.GetPhyAddr()[best]) best = i;
-    dst.GetPhyAddr()[0] = src.GetPhyAddr()[best];
-    if (calIndex) { uint32_t idx = best; std::memcpy(dst.GetPhyAddr() + 1, &idx, std::min(sizeof(T), sizeof(idx))); }
+    for (uint32_t i = 1; i < uint32_t(count); ++i) if (src.ak_ptr()[i] > src.ak_ptr()[best]) best = i;
+    dst.ak_ptr()[0] = src.ak_ptr()[best];
+    if (calIndex) { uint32_t idx = best; std::memcpy(dst.ak_ptr() + 1, &idx, std::min(sizeof(T), sizeof(idx))); }
     ak::core().issue(ak::VEC, detail::vec_cycles(uint64_t(count) * sizeof(T), 1.0) + 2 * AK_VEC_ISSUE,
                      {src.slot()}, {dst.slot(), sharedTmpBuffer.slot()});
 }
@@ -865,8 +958,8 @@ template <typename T, bool isSetMask = true> void WholeReduceSum(const LocalTens
     for (int32_t r = 0; r < repeatTime; ++r) {
         std::vector<T> v(mask);
         for (int32_t lane = 0; lane < mask; ++lane)
-            v[lane] = src.GetPhyAddr()[detail::l0_index<T>(r, lane / per_blk, lane % per_blk, srcBlkStride, srcRepStride)];
-        dst.GetPhyAddr()[r * dstRepStride] = detail::tree_sum(v.data(), uint32_t(mask));
+            v[lane] = src.ak_ptr()[detail::l0_index<T>(r, lane / per_blk, lane % per_blk, srcBlkStride, srcRepStride)];
+        dst.ak_ptr()[r * dstRepStride] = detail::tree_sum(v.data(), uint32_t(mask));
     }
     ak::core().issue(ak::VEC, detail::vec_cycles(uint64_t(repeatTime) * 256, 1.0), {src.slot()}, {dst.slot()});
 }
@@ -885,13 +978,13 @@ template <typename T, bool isSetMask = true> void WholeReduceMax(const LocalTens
     if (repeatTime > 0) dst.check(uint32_t((repeatTime - 1) * dstRepStride * unit + width), "WholeReduceMax", 2 * sizeof(T));
     for (int32_t r = 0; r < repeatTime; ++r) {
         uint32_t best = 0;
-        T bv = src.GetPhyAddr()[detail::l0_index<T>(r, 0, 0, srcBlkStride, srcRepStride)];
+        T bv = src.ak_ptr()[detail::l0_index<T>(r, 0, 0, srcBlkStride, srcRepStride)];
         for (int32_t lane = 1; lane < mask; ++lane) {
-            const T v = src.GetPhyAddr()[detail::l0_index<T>(r, lane / per_blk, lane % per_blk, srcBlkStride, srcRepStride)];
+            const T v = src.ak_ptr()[detail::l0_index<T>(r, lane / per_blk, lane % per_blk, srcBlkStride, srcRepStride)];
             if (v > bv) { bv = v; best = lane; }
         }
         T idx; std::memset(&idx, 0, sizeof(T)); std::memcpy(&idx, &best, std::min(sizeof(T), sizeof(best)));   // in T's bits
-        T* d = dst.GetPhyAddr() + size_t(r) * dstRepStride * unit;
+        T* d = dst.ak_ptr() + size_t(r) * dstRepStride * unit;
         if (order == ReduceOrder::ORDER_ONLY_VALUE) d[0] = bv;
         else if (order == ReduceOrder::ORDER_ONLY_INDEX) std::memcpy(d, &best, 4);
         else if (order == ReduceOrder::ORDER_INDEX_VALUE) { d[0] = idx; d[1] = bv; }
@@ -921,10 +1014,10 @@ template <typename T, typename U> void Compare(const LocalTensor<U>& dst, const 
         ak::fail("Compare 256 B", "Compare of " + std::to_string(count * sizeof(T)) + " B is not a multiple of 256 B");
     src0.check(count, "Compare"); src1.check(count, "Compare");
     dst.check((count / 8 + sizeof(U) - 1) / sizeof(U), "Compare");
-    uint8_t* bits = reinterpret_cast<uint8_t*>(dst.GetPhyAddr());
+    uint8_t* bits = reinterpret_cast<uint8_t*>(dst.ak_ptr());
     std::memset(bits, 0, count / 8);
     for (uint32_t i = 0; i < count; ++i) {
-        const float a = float(src0.GetPhyAddr()[i]), b = float(src1.GetPhyAddr()[i]);
+        const float a = float(src0.ak_ptr()[i]), b = float(src1.ak_ptr()[i]);
         if (detail::compare(a, b, cmpMode)) bits[i / 8] |= uint8_t(1u << (i % 8));
     }
     ak::core().issue(ak::VEC, detail::vec_cycles(uint64_t(count) * sizeof(T), 1.0), {src0.slot(), src1.slot()}, {dst.slot()});
@@ -936,11 +1029,11 @@ template <typename T, typename U> void CompareScalar(const LocalTensor<U>& dst, 
         ak::fail("Compare 256 B", "CompareScalar of " + std::to_string(count * sizeof(T)) + " B is not a multiple of 256 B");
     src0.check(count, "CompareScalar");
     dst.check((count / 8 + sizeof(U) - 1) / sizeof(U), "CompareScalar");
-    uint8_t* bits = reinterpret_cast<uint8_t*>(dst.GetPhyAddr());
+    uint8_t* bits = reinterpret_cast<uint8_t*>(dst.ak_ptr());
     std::memset(bits, 0, count / 8);
     const float b = float(src1Scalar);
     for (uint32_t i = 0; i < count; ++i) {
-        const float a = float(src0.GetPhyAddr()[i]);
+        const float a = float(src0.ak_ptr()[i]);
         if (detail::compare(a, b, cmpMode)) bits[i / 8] |= uint8_t(1u << (i % 8));
     }
     ak::core().issue(ak::VEC, detail::vec_cycles(uint64_t(count) * sizeof(T), 1.0), {src0.slot()}, {dst.slot()});
@@ -949,18 +1042,18 @@ template <typename T, typename U> void CompareScalar(const LocalTensor<U>& dst, 
 template <typename T, typename U> void Select(const LocalTensor<T>& dst, const LocalTensor<U>& selMask, const LocalTensor<T>& src0,
                                               const LocalTensor<T>& src1, SELMODE selMode, uint32_t count) {
     dst.check(count, "Select"); src0.check(count, "Select"); src1.check(count, "Select");
-    const uint8_t* bits = reinterpret_cast<const uint8_t*>(selMask.GetPhyAddr());
+    const uint8_t* bits = reinterpret_cast<const uint8_t*>(selMask.ak_ptr());
     for (uint32_t i = 0; i < count; ++i)
-        dst.GetPhyAddr()[i] = (bits[i / 8] >> (i % 8)) & 1 ? src0.GetPhyAddr()[i] : src1.GetPhyAddr()[i];
+        dst.ak_ptr()[i] = (bits[i / 8] >> (i % 8)) & 1 ? src0.ak_ptr()[i] : src1.ak_ptr()[i];
     ak::core().issue(ak::VEC, detail::vec_cycles(uint64_t(count) * sizeof(T), 1.0), {selMask.slot(), src0.slot(), src1.slot()}, {dst.slot()});
 }
 // scalar mode: bit 1 -> src0, 0 -> the scalar src1
 template <typename T, typename U> void Select(const LocalTensor<T>& dst, const LocalTensor<U>& selMask, const LocalTensor<T>& src0,
                                               T src1, SELMODE selMode, uint32_t count) {
     dst.check(count, "Select"); src0.check(count, "Select");
-    const uint8_t* bits = reinterpret_cast<const uint8_t*>(selMask.GetPhyAddr());
+    const uint8_t* bits = reinterpret_cast<const uint8_t*>(selMask.ak_ptr());
     for (uint32_t i = 0; i < count; ++i)
-        dst.GetPhyAddr()[i] = (bits[i / 8] >> (i % 8)) & 1 ? src0.GetPhyAddr()[i] : src1;
+        dst.ak_ptr()[i] = (bits[i / 8] >> (i % 8)) & 1 ? src0.ak_ptr()[i] : src1;
     ak::core().issue(ak::VEC, detail::vec_cycles(uint64_t(count) * sizeof(T), 1.0), {selMask.slot(), src0.slot()}, {dst.slot()});
 }
 
