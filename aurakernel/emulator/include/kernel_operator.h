@@ -10,7 +10,12 @@
 //   * repeat <= 255     level-0 calls;
 //   * queue discipline  AllocTensor beyond the queue's buffers, DeQue of an empty queue, EnQue
 //                       beyond the depth, SetFlag/WaitFlag unpaired at the end of the kernel;
+//   * events            under a TPipe, event IDs from its pool (the queues take theirs there too);
+//                       two users of one (event, ID) at once;
+//   * SyncAll           the mix kernel type and a batch-mode launch;
+//   * Cast              the documented (source, target, round mode) combinations;
 //   * GM bounds         a copy beyond a GlobalTensor's SetGlobalBuffer size.
+// What each API models and what it does not: README.md beside this directory.
 // A broken rule throws ak::RuleError("<rule>: <what> (<buffer>)"), reported by the runner.
 //
 // Timing: each instruction is charged to its pipe (MTE2: GM->UB, MTE3: UB->GM, V: vector,
@@ -974,8 +979,7 @@ template <typename T, bool isSetMask = true> void WholeReduceMax(const LocalTens
     // dstRepStride counts what one repeat writes: a value-index pair (2 elements), a value (1), or an
     // index, which is a uint32_t (4 B)
     const uint32_t unit = order == ReduceOrder::ORDER_ONLY_VALUE ? 1 : order == ReduceOrder::ORDER_ONLY_INDEX ? 4 / sizeof(T) : 2;
-    const uint32_t width = order == ReduceOrder::ORDER_ONLY_VALUE ? 1 : order == ReduceOrder::ORDER_ONLY_INDEX ? 4 / sizeof(T) : 2;
-    if (repeatTime > 0) dst.check(uint32_t((repeatTime - 1) * dstRepStride * unit + width), "WholeReduceMax", 2 * sizeof(T));
+    if (repeatTime > 0) dst.check(uint32_t((repeatTime - 1) * dstRepStride * unit + unit), "WholeReduceMax", 2 * sizeof(T));
     for (int32_t r = 0; r < repeatTime; ++r) {
         uint32_t best = 0;
         T bv = src.ak_ptr()[detail::l0_index<T>(r, 0, 0, srcBlkStride, srcRepStride)];
