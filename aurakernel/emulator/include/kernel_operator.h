@@ -791,6 +791,29 @@ AK_UNARY(Abs, __builtin_fabsf(x), 1.0)
 AK_UNARY(Relu, (x > 0.0f ? x : 0.0f), 1.0)
 #undef AK_UNARY
 
+// Multiply-accumulate into dst, one vector pass each (count form; dst and sources of one type here):
+//   Axpy       dst = src * scalarValue + dst
+//   MulAddDst  dst = src0 * src1 + dst
+template <typename T, typename U> void Axpy(const LocalTensor<T>& dst, const LocalTensor<U>& src, const U& scalarValue,
+                                            const int32_t& count) {
+    static_assert(std::is_same_v<T, U> && (std::is_same_v<T, float> || std::is_same_v<T, half>),
+                  "Axpy: emulated for half or float, dst and src of one type");
+    dst.check(count, "Axpy"); src.check(count, "Axpy");
+    T* d = dst.ak_ptr(); const U* a = src.ak_ptr();
+    for (int32_t i = 0; i < count; ++i) d[i] = T(float(a[i]) * float(scalarValue) + float(d[i]));
+    ak::core().issue(ak::VEC, detail::vec_cycles(uint64_t(count) * sizeof(T), 1.0), {src.slot(), dst.slot()}, {dst.slot()});
+}
+template <typename T, typename U> void MulAddDst(const LocalTensor<T>& dst, const LocalTensor<U>& src0, const LocalTensor<U>& src1,
+                                                 const int32_t& count) {
+    static_assert(std::is_same_v<T, U> && (std::is_same_v<T, float> || std::is_same_v<T, half>),
+                  "MulAddDst: emulated for half or float, dst and sources of one type");
+    dst.check(count, "MulAddDst"); src0.check(count, "MulAddDst"); src1.check(count, "MulAddDst");
+    T* d = dst.ak_ptr(); const U* a = src0.ak_ptr(); const U* b = src1.ak_ptr();
+    for (int32_t i = 0; i < count; ++i) d[i] = T(float(a[i]) * float(b[i]) + float(d[i]));
+    ak::core().issue(ak::VEC, detail::vec_cycles(uint64_t(count) * sizeof(T), 1.0), {src0.slot(), src1.slot(), dst.slot()},
+                     {dst.slot()});
+}
+
 namespace detail {
 template <typename T> float to_f(T v) { return float(v); }
 template <typename T> uint16_t bits16(T v) { uint16_t b; std::memcpy(&b, &v, 2); return b; }
@@ -1066,7 +1089,7 @@ template <typename T, typename U> void Select(const LocalTensor<T>& dst, const L
 // The APIs above, by name: the template-coverage test checks every call a template makes against it.
 #define AK_EMULATED_APIS "GlobalTensor LocalTensor TPipe TQue TQueBind TBuf InitBuffer AllocTensor FreeTensor EnQue DeQue Get GetWithOffset " \
     "SetGlobalBuffer GetValue SetValue ReinterpretCast GetSize SetSize GetPhyAddr DataCopy DataCopyPad Add Sub Mul Div Max Min " \
-    "Adds Muls Maxs Mins Exp Ln Sqrt Rsqrt Reciprocal Abs Relu Cast Duplicate Brcb ReduceSum ReduceMax WholeReduceSum " \
+    "Adds Muls Maxs Mins Exp Ln Sqrt Rsqrt Reciprocal Abs Relu Axpy MulAddDst Cast Duplicate Brcb ReduceSum ReduceMax WholeReduceSum " \
     "WholeReduceMax Compare CompareScalar Select PipeBarrier SetFlag WaitFlag GetBlockIdx GetBlockNum SyncAll GetDataBlockSizeInBytes " \
     "GetTPipePtr AllocEventID ReleaseEventID FetchEventID KERNEL_TASK_TYPE_DEFAULT " \
     "DataCopyParams DataCopyExtParams DataCopyPadExtParams UnaryRepeatParams BinaryRepeatParams BrcbRepeatParams"

@@ -25,15 +25,16 @@ class MhcPostAscend(AscendKernel):
         hc = problem.shape[1]
         mix = 4 * (-(-hc // 8) * 8 + -(-hc * hc // 8) * 8)     # post and comb blocks, bytes
         return [
-            # out + HC streams in, HC out; HC + 1 casts in, HC out, HC x (1 + 2 HC) multiply-adds
-            AscendRowPhase("forward", 1 + hc, hc, mix, 0, 0, hc + 3, fast_ops_per_elem=2 * hc + 1 + hc * (1 + 2 * hc),
-                           slow_ops_per_elem=0, instrs_per_chunk=2 * hc + 1 + hc * (1 + 2 * hc)),
-            # out, HC streams, HC gradients in; d out and HC d streams out; (1 + HC) sums of HC
-            # products; HC + HC^2 dot products (Mul + ReduceSum); resident: the gradient block and
-            # the dot products' result slots
-            AscendRowPhase("backward", 1 + 2 * hc, 1 + hc, mix, 0, mix + 32 * (hc + hc * hc), 2 * hc + 3,
-                           fast_ops_per_elem=(2 * hc + 1) + (hc + 1) * (2 * hc) + 2 * (hc + hc * hc),
-                           slow_ops_per_elem=0, instrs_per_chunk=(2 * hc + 1) + (hc + 1) * (2 * hc) + 2 * (hc + hc * hc)),
+            # out + HC streams in, HC out; HC + 1 casts in, HC out; per output stream one Muls and HC Axpy
+            AscendRowPhase("forward", 1 + hc, hc, mix, 0, 0, hc + 2, fast_ops_per_elem=2 * hc + 1 + hc * (1 + hc),
+                           slow_ops_per_elem=0, instrs_per_chunk=2 * hc + 1 + hc * (1 + hc)),
+            # out, HC streams, HC gradients in; d out and HC d streams out; 2 HC + 1 casts in, (1 + HC) sums
+            # of HC products (a Muls and HC - 1 Axpy each), HC + HC^2 dot products accumulating their
+            # lanes (one MulAddDst each per chunk; summed once per token); resident: the gradient block and
+            # the dot products' result slots; work: hf, df (HC each), of, acc and the HC + HC^2 lane accumulators
+            AscendRowPhase("backward", 1 + 2 * hc, 1 + hc, mix, 0, mix + 32 * (hc + hc * hc), 2 * hc + 2 + hc + hc * hc,
+                           fast_ops_per_elem=(2 * hc + 1) + (hc + 1) * hc + (hc + hc * hc),
+                           slow_ops_per_elem=0, instrs_per_chunk=(2 * hc + 1) + (hc + 1) * hc + (hc + hc * hc)),
         ]
 
     def params(self, problem: Problem, knobs: dict[str, int]) -> dict:
