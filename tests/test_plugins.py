@@ -7,7 +7,6 @@ import copy
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
