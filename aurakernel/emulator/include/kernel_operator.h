@@ -917,6 +917,26 @@ template <typename T, typename U> void Cast(const LocalTensor<T>& dst, const Loc
     ak::core().issue(ak::VEC, detail::vec_cycles(uint64_t(count) * std::max(sizeof(T), sizeof(U)), 1.0), {src.slot()}, {dst.slot()});
 }
 
+// Gather (count form): dst[i] = src[(srcBaseAddr + srcOffset[i]) / sizeof(T)], offsets in bytes, each a
+// whole element inside src (16- and 32-bit types on A2/A3). Cost: the slow-op rate per 256 B (ESTIMATE).
+template <typename T> void Gather(const LocalTensor<T>& dst, const LocalTensor<T>& src, const LocalTensor<uint32_t>& srcOffset,
+                                  const uint32_t srcBaseAddr, const uint32_t count) {
+    static_assert(sizeof(T) == 2 || sizeof(T) == 4, "Gather on A2/A3 takes 16- or 32-bit elements");
+    dst.check(count, "Gather"); srcOffset.check(count, "Gather"); src.check(0, "Gather");
+    const uint32_t* off = srcOffset.ak_ptr();
+    for (uint32_t i = 0; i < count; ++i) {
+        const uint64_t byte = uint64_t(srcBaseAddr) + off[i];
+        if (byte % sizeof(T) != 0)
+            ak::fail("Gather", "offset " + std::to_string(byte) + " B of element " + std::to_string(i) + " is not a whole element");
+        if (byte / sizeof(T) >= src.GetSize())
+            ak::fail("UB bounds", "Gather of element " + std::to_string(byte / sizeof(T)) + " from a LocalTensor of " +
+                     std::to_string(src.GetSize()));
+        dst.ak_ptr()[i] = src.ak_ptr()[byte / sizeof(T)];
+    }
+    ak::core().issue(ak::VEC, detail::vec_cycles(uint64_t(count) * sizeof(T), AK_VEC_SLOW_FACTOR), {src.slot(), srcOffset.slot()},
+                     {dst.slot()});
+}
+
 template <typename T> void Duplicate(const LocalTensor<T>& dst, const T& scalarValue, const int32_t& count) {
     dst.check(count, "Duplicate");
     T* d = dst.ak_ptr();
@@ -1089,7 +1109,7 @@ template <typename T, typename U> void Select(const LocalTensor<T>& dst, const L
 // The APIs above, by name: the template-coverage test checks every call a template makes against it.
 #define AK_EMULATED_APIS "GlobalTensor LocalTensor TPipe TQue TQueBind TBuf InitBuffer AllocTensor FreeTensor EnQue DeQue Get GetWithOffset " \
     "SetGlobalBuffer GetValue SetValue ReinterpretCast GetSize SetSize GetPhyAddr DataCopy DataCopyPad Add Sub Mul Div Max Min " \
-    "Adds Muls Maxs Mins Exp Ln Sqrt Rsqrt Reciprocal Abs Relu Axpy MulAddDst Cast Duplicate Brcb ReduceSum ReduceMax WholeReduceSum " \
+    "Adds Muls Maxs Mins Exp Ln Sqrt Rsqrt Reciprocal Abs Relu Axpy MulAddDst Gather Cast Duplicate Brcb ReduceSum ReduceMax WholeReduceSum " \
     "WholeReduceMax Compare CompareScalar Select PipeBarrier SetFlag WaitFlag GetBlockIdx GetBlockNum SyncAll GetDataBlockSizeInBytes " \
     "GetTPipePtr AllocEventID ReleaseEventID FetchEventID KERNEL_TASK_TYPE_DEFAULT " \
     "DataCopyParams DataCopyExtParams DataCopyPadExtParams UnaryRepeatParams BinaryRepeatParams BrcbRepeatParams"

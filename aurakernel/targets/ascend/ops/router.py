@@ -32,8 +32,9 @@ class RouterAscend(AscendKernel):
         idx_bytes = -(-top_k * 8 // 32) * 32
         rounds = top_k + 1 if experts > top_k else top_k
         repeats = max(1.0, experts * 4 / 256)
-        if problem.variant == "hash":   # the weights of the table's experts, from the logits
-            fwd = AscendRowPhase("forward", 1, 0, idx_bytes + 5 * lanes * 4, lanes * e, 0, 0,
+        if problem.variant == "hash":   # the weights of the table's experts, from the logits; per row the
+            # compact fp32 tile, four int32 gather tables, the gathered values (dtype) and the lane mask
+            fwd = AscendRowPhase("forward", 1, 0, idx_bytes + 5 * lanes * 4 + lanes * e + lanes, lanes * e, 0, 0,
                                  fast_ops_per_elem=22 * lanes * 4 / 256 / repeats,
                                  slow_ops_per_elem=5 * lanes * 4 / 256 / repeats, instrs_per_chunk=0)
         else:   # K + 1 rounds of 3 WholeReduceMax over a half tile (2 passes over the row), then the weights
