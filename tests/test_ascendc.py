@@ -149,10 +149,17 @@ def test_the_header_exposes_only_what_an_npu_build_has():
     emulator.build(KERNEL_HEAD + "    float v = -__builtin_inff(); (void)v;\n}\n", entry="k", nargs=2, hw=HW, block_dim=1)
 
 
+# the templates' PipeWait (templates/ascendc/_kernel_common.h.j2), for the kernels below
+PIPE_WAIT = """template <HardEvent E> void PipeWait() {
+    const TEventID id = GetTPipePtr()->FetchEventID(E); SetFlag<E>(id); WaitFlag<E>(id);
+}
+"""
+
+
 def _run_kernel(body: str, x: bytearray, block_dim: int = 1, batch_mode: bool = False):
     y = bytearray(256)
-    exe = emulator.build(KERNEL_HEAD + body + "\n}\n", entry="k", nargs=2, hw=HW, block_dim=block_dim,
-                         batch_mode=batch_mode)
+    source = KERNEL_HEAD.replace('extern "C"', PIPE_WAIT + 'extern "C"', 1) + body + "\n}\n"
+    exe = emulator.build(source, entry="k", nargs=2, hw=HW, block_dim=block_dim, batch_mode=batch_mode)
     return emulator.run(exe, block_dim, [x, y]), y
 
 
@@ -167,9 +174,9 @@ def test_whole_reduce_max_strides_count_value_index_pairs():
     GlobalTensor<float> x2; x2.SetGlobalBuffer((__gm__ float*)x, 128);
     LocalTensor<float> v = b.Get<float>(), r = v[128];
     DataCopy(v, x2, 128);
-    { const TEventID e = GetTPipePtr()->FetchEventID(HardEvent::MTE2_V); SetFlag<HardEvent::MTE2_V>(e); WaitFlag<HardEvent::MTE2_V>(e); }
+    PipeWait<HardEvent::MTE2_V>();
     WholeReduceMax(r, v, 64, 2, 1, 1, 8, ReduceOrder::ORDER_VALUE_INDEX);
-    { const TEventID e = GetTPipePtr()->FetchEventID(HardEvent::V_MTE3); SetFlag<HardEvent::V_MTE3>(e); WaitFlag<HardEvent::V_MTE3>(e); }
+    PipeWait<HardEvent::V_MTE3>();
     DataCopy(yg, r, 8);""", bytearray(struct.pack("<128f", *x)))
     assert report.ok, report.errors
     v0, i0, v1, i1 = struct.unpack("<ffff", y[:16])
@@ -195,7 +202,7 @@ def test_data_copy_pad_places_the_left_padding_before_the_data():
     TBuf<TPosition::VECCALC> b; pipe.InitBuffer(b, 256);
     LocalTensor<float> t = b.Get<float>();
     DataCopyPad(t, xg, DataCopyExtParams(1, 6 * sizeof(float), 0, 0, 0), DataCopyPadExtParams<float>(true, 2, 0, -1.0f));
-    { const TEventID e = GetTPipePtr()->FetchEventID(HardEvent::MTE2_MTE3); SetFlag<HardEvent::MTE2_MTE3>(e); WaitFlag<HardEvent::MTE2_MTE3>(e); }
+    PipeWait<HardEvent::MTE2_MTE3>();
     DataCopy(yg, t, 8);""", bytearray(struct.pack("<64f", *range(1, 65))))
     assert report.ok, report.errors
     assert struct.unpack("<8f", y[:32]) == (-1.0, -1.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0)
@@ -210,9 +217,9 @@ def test_cast_rounds_to_the_target_precision_in_the_documented_modes():
     LocalTensor<float> f = b.Get<float>(); LocalTensor<half> h = f[64].ReinterpretCast<half>();
     GlobalTensor<half> yh; yh.SetGlobalBuffer((__gm__ half*)y, 128);
     DataCopy(f, xg, 64);
-    { const TEventID e = GetTPipePtr()->FetchEventID(HardEvent::MTE2_V); SetFlag<HardEvent::MTE2_V>(e); WaitFlag<HardEvent::MTE2_V>(e); }
+    PipeWait<HardEvent::MTE2_V>();
     Cast(h, f, RoundMode::CAST_FLOOR, 16); Cast(h[16], f, RoundMode::CAST_CEIL, 16); Cast(h[32], f, RoundMode::CAST_TRUNC, 16);
-    { const TEventID e = GetTPipePtr()->FetchEventID(HardEvent::V_MTE3); SetFlag<HardEvent::V_MTE3>(e); WaitFlag<HardEvent::V_MTE3>(e); }
+    PipeWait<HardEvent::V_MTE3>();
     DataCopy(yh, h, 48);"""
     x = bytearray(struct.pack("<64f", *([2.7, -2.7] * 32)))
     report, y = _run_kernel(cast, x)

@@ -333,15 +333,18 @@ inline double lower_flag(HardEvent e, int32_t id) {
     return k.flag_at[f];
 }
 // An ID of e from the pipe's pool, held for `who` until given back.
+// The pool's first free ID of e (as AllocEventID and FetchEventID pick it); all taken is an error.
+inline int32_t free_id(HardEvent e, const std::string& who) {
+    for (int32_t id = 0; id < ak::Core::IDS; ++id)
+        if (!(ak::core().pool[int(e)] & (1u << id))) return id;
+    ak::fail("events", "all 8 IDs of " + std::string(event_name(e)) + " are taken (" + who + "): release one first");
+}
 inline int32_t take_id(HardEvent e, const std::string& who) {
     auto& k = ak::core();
-    for (int32_t id = 0; id < ak::Core::IDS; ++id)
-        if (!(k.pool[int(e)] & (1u << id))) {
-            k.pool[int(e)] |= uint8_t(1u << id);
-            k.pool_by[flag_slot(e, id)] = who;
-            return id;
-        }
-    ak::fail("events", "all 8 IDs of " + std::string(event_name(e)) + " are taken (" + who + "): release one first");
+    const int32_t id = free_id(e, who);
+    k.pool[int(e)] |= uint8_t(1u << id);
+    k.pool_by[flag_slot(e, id)] = who;
+    return id;
 }
 inline void give_id(HardEvent e, int32_t id, const char* api) {
     auto& k = ak::core();
@@ -531,10 +534,9 @@ class TPipe {
     }
     // the first ID of evt the pool has free, not taken: good for the next SetFlag<evt> only
     TEventID FetchEventID(HardEvent evt) {
-        auto& k = ak::core();
-        for (int32_t id = 0; id < ak::Core::IDS; ++id)
-            if (!(k.pool[int(evt)] & (1u << id))) { k.fetched[int(evt)] = id; return TEventID(id); }
-        ak::fail("events", std::string("FetchEventID: all 8 IDs of ") + detail::event_name(evt) + " are taken");
+        const int32_t id = detail::free_id(evt, "FetchEventID");
+        ak::core().fetched[int(evt)] = id;
+        return TEventID(id);
     }
     template <HardEvent evt> TEventID FetchEventID() { return FetchEventID(evt); }
     void Init() {}

@@ -30,9 +30,9 @@ class MhcPostAscend(AscendKernel):
                            slow_ops_per_elem=0, instrs_per_chunk=2 * hc + 1 + hc * (1 + hc)),
             # out, HC streams, HC gradients in; d out and HC d streams out; 2 HC + 1 casts in, (1 + HC) sums
             # of HC products (a Muls and HC - 1 Axpy each), HC + HC^2 dot products accumulating their
-            # lanes (one MulAddDst each per chunk; summed once per token); resident: the gradient block and
-            # the dot products' result slots; work: hf, df (HC each), of, acc and the HC + HC^2 lane accumulators
-            AscendRowPhase("backward", 1 + 2 * hc, 1 + hc, mix, 0, mix + 32 * (hc + hc * hc), 2 * hc + 2 + hc + hc * hc,
+            # lanes (one MulAddDst each per chunk; summed once per token into the gradient block, resident);
+            # work: hf, df (HC each), of, acc and the HC + HC^2 lane accumulators
+            AscendRowPhase("backward", 1 + 2 * hc, 1 + hc, mix, 0, mix, 2 * hc + 2 + hc + hc * hc,
                            fast_ops_per_elem=(2 * hc + 1) + (hc + 1) * hc + (hc + hc * hc),
                            slow_ops_per_elem=0, instrs_per_chunk=(2 * hc + 1) + (hc + 1) * hc + (hc + hc * hc)),
         ]
