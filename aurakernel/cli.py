@@ -133,13 +133,13 @@ def _print_estimate(d: dict) -> None:
     t.add_row("binding constraint", d["binding_constraint"])
     t.add_row("predicted fwd+bwd", _fmt(d["predicted_us"], suffix=" us"))
     t.add_row("emulator estimate", _fmt(d["est_us"], suffix=" us") + f" ({d['est_cycles']:,.0f} cycles)")
-    t.add_row("roofline bound", _fmt(d["roofline_us"], suffix=" us") + f"  (ratio {_fmt(d['roofline_ratio'], 2, 'x')})")
+    t.add_row("roofline bound", _fmt(d["roofline_us"], suffix=" us") + f" ({d['bound']}; ratio {_fmt(d['roofline_ratio'], 2, 'x')})")
     t.add_row("verified", ("[green]yes[/] " if d["verified"] else "[red]no[/] ") + (d["verification"] or ""))
     if d["project_dir"]:
         t.add_row("op project", d["project_dir"])
     out.print(t)
     for phase, ph in d["phases"].items():
-        pt = Table(title=f"{phase}: {ph['est_us']:.2f} us estimated, {ph['roofline_us']:.2f} us at the HBM bound")
+        pt = Table(title=f"{phase}: {ph['est_us']:.2f} us estimated, {ph['roofline_us']:.2f} us at the {ph['bound']} bound")
         pt.add_column("pipe")
         pt.add_column("busy cycles (slowest core)", justify="right")
         for pipe, cyc in ph["pipes_cycles"].items():

@@ -69,6 +69,30 @@ def test_kernel_matches_reference_in_emulator(op, variant, shape, dtype, tmp_pat
         assert (tmp_path / name.format(op=op)).is_file()
 
 
+def test_router_flags_exactly_the_rows_whose_kth_and_next_scores_tie(tmp_path):
+    """With a zero bias, bf16 scores tie at the k-th place in many rows: the sorting kernel flags those
+    rows (and only those: every other row's experts and weights are the reference's), so torch.topk
+    decides them as it does in the reference."""
+    import torch
+    from transformers.activations import ACT2FN
+    spec, kernel = OPS["router"], ascend.kernel_of(OPS["router"])
+    problem = spec.problem("120x256x6", "bf16", "topk")
+    knobs = ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs").knobs
+    emu = ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, tmp_path), HW, knobs["block_dim"])
+    logits = (torch.randn(120, 256, generator=torch.Generator().manual_seed(0)) * 3).to(torch.bfloat16)
+    scores, bias = ACT2FN["sqrtsoftplus"](logits), torch.zeros(256)
+    indices, weights, tie, report = kernel.select(problem, knobs, scores, bias, emu)
+    assert report.ok, report.errors
+    ranked = (scores.float() + bias).sort(dim=-1, descending=True).values
+    want_tie = ranked[:, 5] == ranked[:, 6]
+    assert 0 < int(want_tie.sum()) < 120                    # both kinds of row are here
+    assert torch.equal(tie.bool(), want_tie)
+    ref = spec.reference(problem, {"logits": logits, "bias": bias})
+    clear = ~want_tie
+    assert torch.equal(indices[clear], ref["indices"][clear])
+    assert torch.equal(weights[clear], ref["weights"][clear])
+
+
 def test_adamw_update_matches_torch_in_emulator(tmp_path):
     spec = OPS["adamw"]
     problem = spec.problem("8388608", "fp32", None)        # one 2048 x 4096 expert weight of V4-Flash
@@ -80,6 +104,26 @@ def test_adamw_update_matches_torch_in_emulator(tmp_path):
     d = result.to_json()
     assert 0 < d["ub_bytes"] <= HW.memory["UB"].capacity - 8192 and d["roofline_ratio"] > 0.5
     assert (tmp_path / "adamw_kernel.cpp").is_file() and (tmp_path / "adamw_binding.cpp").is_file()
+
+
+def test_the_bound_is_the_larger_of_hbm_traffic_and_the_vector_work():
+    """A kernel's roofline on Ascend: its HBM traffic at the busiest core's share of the bandwidth, or
+    the vector work its math cannot avoid spread over every vector core (one 256 B repeat per cycle,
+    a slow op at the profile's factor), whichever is larger, and which one it is."""
+    from aurakernel.planner.ascend import VectorWork, bound_us, roofline_us
+    one_us = HW.simd_bytes / 4 * HW.cores * HW.clock_ghz * 1e3      # fp32 element ops: 1 us on every core
+    assert VectorWork(one_us).floor_us(HW) == pytest.approx(1.0)
+    assert VectorWork(0, one_us).floor_us(HW) == pytest.approx(HW.ascend_pipes(HW.cores).vec_slow_factor)
+    share = HW.memory["HBM"].bandwidth_gbps * 1e3 / HW.cores          # bytes per us of one core's share
+    assert roofline_us(2 * share, HW) == pytest.approx(2.0)
+    assert bound_us(2 * share, VectorWork(one_us), HW) == (pytest.approx(2.0), "HBM")
+    assert bound_us(0.5 * share, VectorWork(one_us), HW) == (pytest.approx(1.0), "vector")
+    assert bound_us(0.5 * share, None, HW) == (pytest.approx(0.5), "HBM")
+    # mHC's mix projection on the vector unit: its forward products alone take longer than its x stream
+    mhc = ascend.kernel_of(OPS["mhc_pre"])
+    problem = OPS["mhc_pre"].problem("1024x4x4096", "bf16", None)
+    x_bytes = 1024 * 4 * 4096 * 2 / HW.cores
+    assert mhc.vector_floor(problem)["forward"].floor_us(HW) > roofline_us(x_bytes, HW)
 
 
 def test_plan_that_cannot_fit_ub_names_the_constraint():
@@ -126,6 +170,13 @@ BROKEN = {
     "GM bounds": "TBuf<TPosition::VECCALC> b; pipe.InitBuffer(b, 1024); LocalTensor<float> t = b.Get<float>();"
                  " DataCopy(t, xg[32], 64);",
     "guard page": "((__gm__ float*)y)[64 + 1024] = 1.0f;",
+    # the repeated form merges four equal queues stored one after the other, nothing else
+    "MrgSort: needs four valid queues": "TBuf<TPosition::VECCALC> b; pipe.InitBuffer(b, 4096); LocalTensor<float> t = b.Get<float>();"
+                                        " uint16_t n[4] = {8, 8, 8, 8};"
+                                        " MrgSort(t[512], MrgSortSrcList<float>(t, t[16], t[48], t[64]), MrgSort4Info(n, false, 15, 2));",
+    "MrgSort: dst overlaps queue 2": "TBuf<TPosition::VECCALC> b; pipe.InitBuffer(b, 4096); LocalTensor<float> t = b.Get<float>();"
+                                     " uint16_t n[4] = {8, 8, 0, 0};"
+                                     " MrgSort(t[16], MrgSortSrcList<float>(t, t[32], t, t), MrgSort4Info(n, false, 3, 1));",
 }
 
 
@@ -182,6 +233,51 @@ def test_whole_reduce_max_strides_count_value_index_pairs():
     v0, i0, v1, i1 = struct.unpack("<ffff", y[:16])
     assert (v0, v1) == (63.0, 7.0)
     assert struct.unpack("<II", struct.pack("<ff", i0, i1)) == (63, 5)   # the index in the value's bits
+
+
+def test_sort32_and_mrgsort_order_as_documented():
+    """Sort32 sorts each 32 (score, index) by score, largest first, equal scores in their order; Copy
+    takes each list's top 8; a repeated MrgSort merges the four lists of each group (equal scores: the
+    earlier queue's first). The structures are 8 B: the score's bits low, the index high."""
+    import random
+    import struct
+    rng = random.Random(3)
+    scores = [float(rng.randint(0, 20)) for _ in range(128)]          # many equal scores
+    out = bytearray(128 * 8 + 32 * 8)                                 # the 4 sorted lists, the merge
+    source = KERNEL_HEAD.replace("GlobalTensor<float> yg; yg.SetGlobalBuffer((__gm__ float*)y, 64);",
+                                 "GlobalTensor<float> yg; yg.SetGlobalBuffer((__gm__ float*)y, 1024);")
+    source = source.replace("xg.SetGlobalBuffer((__gm__ float*)x, 64)", "xg.SetGlobalBuffer((__gm__ float*)x, 128)")
+    source = source.replace('extern "C"', PIPE_WAIT + 'extern "C"', 1) + """
+    TBuf<TPosition::VECCALC> b; pipe.InitBuffer(b, 8192);
+    LocalTensor<float> v = b.Get<float>(), sorted = v[256], top = v[768], merged = v[1024];
+    LocalTensor<uint32_t> idx = v[128].ReinterpretCast<uint32_t>();
+    for (uint32_t i = 0; i < 128; ++i) idx.SetValue(i, 1000 + i);
+    DataCopy(v, xg, 128);
+    PipeWait<HardEvent::MTE2_V>();
+    PipeWait<HardEvent::S_V>();
+    Sort32(sorted, v, idx, 4);                                   /* 4 lists of 32 */
+    Copy(top, sorted, 16, 4, CopyRepeatParams(1, 1, 2, 8));      /* the first 8 structures of each */
+    uint16_t n[4] = {8, 8, 8, 8};
+    MrgSort(merged, MrgSortSrcList<float>(top, top[16], top[32], top[48]), MrgSort4Info(n, false, 15, 1));
+    PipeWait<HardEvent::V_MTE3>();
+    DataCopy(yg, sorted, 256);
+    DataCopy(yg[256], merged, 64);
+}
+"""
+    exe = emulator.build(source, entry="k", nargs=2, hw=HW, block_dim=1)
+    report = emulator.run(exe, 1, [bytearray(struct.pack("<128f", *scores)), out])
+    assert report.ok, report.errors
+
+    def entries(raw, n):
+        return [(struct.unpack("<f", raw[8 * i:8 * i + 4])[0], struct.unpack("<I", raw[8 * i + 4:8 * i + 8])[0])
+                for i in range(n)]
+    got = entries(out, 128)
+    for r in range(4):
+        want = sorted(((scores[i], 1000 + i) for i in range(32 * r, 32 * r + 32)), key=lambda e: -e[0])  # stable
+        assert got[32 * r:32 * r + 32] == want
+    tops = [got[32 * r:32 * r + 8] for r in range(4)]
+    want = sorted((e for q in tops for e in q), key=lambda e: -e[0])   # stable: queue 1's equal scores first
+    assert entries(out[256 * 4:], 32) == want
 
 
 def test_what_does_not_compile_on_the_npu_does_not_compile_here():

@@ -167,3 +167,26 @@ def roofline_us(gm_bytes_busiest_core: float, hw: HardwareProfile) -> float:
     cores streaming), so a balanced kernel's bound is total bytes / HBM bandwidth."""
     share = hw.memory["HBM"].bandwidth_gbps * 1e9 / hw.cores
     return gm_bytes_busiest_core / share * 1e6
+
+
+@dataclass(frozen=True)
+class VectorWork:
+    """The vector work a kernel's math cannot avoid, in fp32 element operations (one lane of a
+    256 B repeat): `fast` ones (Add, Mul, MulAdd, Cast, a reduction's pass, ...) and `slow` ones
+    (Exp, Ln, Sqrt, Div, Reciprocal: the profile's vec_slow_factor cycles per repeat)."""
+    fast: float
+    slow: float = 0.0
+
+    def floor_us(self, hw: HardwareProfile) -> float:
+        """That work spread evenly over every vector core, at one repeat per cycle (no issue cost)."""
+        lanes = hw.simd_bytes / 4
+        cycles = (self.fast + self.slow * hw.ascend_pipes(hw.cores).vec_slow_factor) / lanes / hw.cores
+        return cycles / (hw.clock_ghz * 1e3)
+
+
+def bound_us(gm_bytes_busiest_core: float, work: VectorWork | None, hw: HardwareProfile) -> tuple[float, str]:
+    """A kernel's roofline bound and what sets it: the larger of its HBM traffic (roofline_us) and
+    the vector work its math cannot avoid ("HBM" or "vector")."""
+    hbm = roofline_us(gm_bytes_busiest_core, hw)
+    vec = work.floor_us(hw) if work is not None else 0.0
+    return (vec, "vector") if vec > hbm else (hbm, "HBM")

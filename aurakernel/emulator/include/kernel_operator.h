@@ -207,6 +207,11 @@ struct BinaryRepeatParams {
     BinaryRepeatParams(uint8_t db, uint8_t s0b, uint8_t s1b, uint8_t dr, uint8_t s0r, uint8_t s1r)
         : dstBlkStride(db), src0BlkStride(s0b), src1BlkStride(s1b), dstRepStride(dr), src0RepStride(s0r), src1RepStride(s1r) {}
 };
+struct CopyRepeatParams {
+    uint16_t dstStride = 1, srcStride = 1, dstRepeatSize = 8, srcRepeatSize = 8;
+    CopyRepeatParams() = default;
+    CopyRepeatParams(uint16_t ds, uint16_t ss, uint16_t dr, uint16_t sr) : dstStride(ds), srcStride(ss), dstRepeatSize(dr), srcRepeatSize(sr) {}
+};
 struct BrcbRepeatParams {
     uint16_t dstBlkStride = 1, dstRepStride = 8;
     BrcbRepeatParams() = default;
@@ -939,6 +944,141 @@ template <typename T> void Gather(const LocalTensor<T>& dst, const LocalTensor<T
                      {dst.slot()});
 }
 
+// Copy (level 0, continuous mask): a bit-exact UB -> UB copy of `mask` lanes per repeat, the strides
+// in 32 B blocks as CopyRepeatParams gives them (16- and 32-bit elements)
+template <typename T, bool isSetMask = true> void Copy(const LocalTensor<T>& dst, const LocalTensor<T>& src, const uint64_t mask,
+                                                       const uint8_t repeatTime, const CopyRepeatParams& p) {
+    static_assert(sizeof(T) == 2 || sizeof(T) == 4, "Copy on A2/A3 takes 16- or 32-bit elements");
+    dst.check(detail::l0_extent<T>(mask, repeatTime, p.dstStride, p.dstRepeatSize), "Copy");
+    src.check(detail::l0_extent<T>(mask, repeatTime, p.srcStride, p.srcRepeatSize), "Copy");
+    detail::level0<T>(mask, repeatTime, [&](uint32_t r, uint32_t blk, uint32_t j) {
+        dst.ak_ptr()[detail::l0_index<T>(r, blk, j, p.dstStride, p.dstRepeatSize)] =
+            src.ak_ptr()[detail::l0_index<T>(r, blk, j, p.srcStride, p.srcRepeatSize)];
+    });
+    ak::core().issue(ak::VEC, detail::vec_cycles(uint64_t(repeatTime) * 256, 1.0), {src.slot()}, {dst.slot()});
+}
+
+// ---- sorting: (score, index) structures of 8 B, the score in the low bytes (float: 4 B; half: 2 B,
+// then 2 reserved), the uint32 index in the high 4 B; always in descending score order ----------------
+namespace detail {
+template <typename T> inline float sort_score(const uint8_t* entry) { T v; std::memcpy(&v, entry, sizeof(T)); return to_f(v); }
+// the order of two scores: larger first; NaN (its order the documentation leaves open) after every number
+inline bool sorts_before(float a, float b) { return a == a && (b != b || a > b); }
+template <typename T> void check_sort_type() {
+    static_assert(std::is_same_v<T, float> || std::is_same_v<T, half>, "Sort32 / MrgSort on A2/A3 take half or float scores");
+}
+}  // namespace detail
+
+// Sort32: per repeat, 32 scores of src0 with their indices of src1 sorted by score, largest first (of
+// equal scores the earlier one first) into 32 structures of dst; repeats step 32 elements of src0 and
+// src1 and 256 B of dst. Cost: the slow-op rate per 256 B written (ESTIMATE).
+template <typename T> void Sort32(const LocalTensor<T>& dst, const LocalTensor<T>& src0, const LocalTensor<uint32_t>& src1,
+                                  const int32_t repeatTime) {
+    detail::check_sort_type<T>();
+    detail::check_repeat(repeatTime);
+    const uint32_t n = uint32_t(repeatTime) * 32, per_entry = 8 / sizeof(T);
+    src0.check(n, "Sort32"); src1.check(n, "Sort32"); dst.check(n * per_entry, "Sort32");
+    std::vector<uint8_t> out(size_t(n) * 8, 0);
+    for (uint32_t r = 0; r < uint32_t(repeatTime); ++r) {
+        uint32_t order[32];
+        for (uint32_t i = 0; i < 32; ++i) order[i] = r * 32 + i;
+        std::stable_sort(order, order + 32, [&](uint32_t a, uint32_t b) {
+            return detail::sorts_before(detail::to_f(src0.ak_ptr()[a]), detail::to_f(src0.ak_ptr()[b])); });
+        for (uint32_t i = 0; i < 32; ++i) {
+            uint8_t* e = out.data() + (size_t(r) * 32 + i) * 8;
+            std::memcpy(e, &src0.ak_ptr()[order[i]], sizeof(T));
+            std::memcpy(e + 4, &src1.ak_ptr()[order[i]], 4);
+        }
+    }
+    std::memcpy(dst.ak_ptr(), out.data(), out.size());
+    ak::core().issue(ak::VEC, detail::vec_cycles(uint64_t(n) * 8, AK_VEC_SLOW_FACTOR), {src0.slot(), src1.slot()}, {dst.slot()});
+}
+
+constexpr int32_t MRG_SORT_ELEMENT_LEN = 4;
+struct MrgSort4Info {
+    MrgSort4Info() {}
+    MrgSort4Info(const uint16_t elementLengthsIn[MRG_SORT_ELEMENT_LEN], const bool ifExhaustedSuspensionIn,
+                 const uint16_t validBitIn, const uint16_t repeatTimesIn)
+        : ifExhaustedSuspension(ifExhaustedSuspensionIn), validBit(validBitIn), repeatTimes(uint8_t(repeatTimesIn)) {
+        for (int32_t i = 0; i < MRG_SORT_ELEMENT_LEN; ++i) elementLengths[i] = elementLengthsIn[i];
+    }
+    uint16_t elementLengths[MRG_SORT_ELEMENT_LEN] = {0};
+    bool ifExhaustedSuspension = false;
+    uint16_t validBit = 0;
+    uint8_t repeatTimes = 1;
+};
+template <typename T> struct MrgSortSrcList {
+    MrgSortSrcList() {}
+    MrgSortSrcList(const LocalTensor<T>& a, const LocalTensor<T>& b, const LocalTensor<T>& c, const LocalTensor<T>& d)
+        : src1(a), src2(b), src3(c), src4(d) {}
+    LocalTensor<T> src1, src2, src3, src4;
+};
+
+// MrgSort: the first 2, 3 or 4 queues (validBit 3 / 7 / 15) of sorted structures merged into one,
+// largest first (of equal scores the earlier queue's first); with ifExhaustedSuspension it stops when
+// a queue runs out. repeatTimes > 1 only for four equal, contiguous queues without suspension (each
+// repeat steps the four queues' length); any other use of it is rejected. Queues need 8 B alignment,
+// dst 32 B and no overlap with a queue. Cost: the slow-op rate per 256 B written (ESTIMATE).
+template <typename T> void MrgSort(const LocalTensor<T>& dst, const MrgSortSrcList<T>& src, const MrgSort4Info& params) {
+    detail::check_sort_type<T>();
+    const uint32_t per_entry = 8 / sizeof(T);
+    const int queues = params.validBit == 3 ? 2 : params.validBit == 7 ? 3 : params.validBit == 15 ? 4 : 0;
+    if (queues == 0)
+        ak::fail("MrgSort", "validBit " + std::to_string(params.validBit) + ": 3, 7 or 15 (the first 2, 3 or 4 queues)");
+    const int32_t repeats = params.repeatTimes;
+    if (repeats < 1) ak::fail("MrgSort", "repeatTimes 0: 1 to 255");
+    const LocalTensor<T>* q[4] = {&src.src1, &src.src2, &src.src3, &src.src4};
+    uint32_t len[4], total = 0;
+    for (int i = 0; i < queues; ++i) {
+        len[i] = params.elementLengths[i];
+        if (len[i] > 4095) ak::fail("MrgSort", "elementLengths[" + std::to_string(i) + "] " + std::to_string(len[i]) + " > 4095");
+        total += len[i];
+    }
+    if (repeats > 1) {
+        const bool contiguous = queues == 4 && !params.ifExhaustedSuspension && len[1] == len[0] && len[2] == len[0] &&
+                                len[3] == len[0] && q[1]->ak_ptr() == q[0]->ak_ptr() + len[0] * per_entry &&
+                                q[2]->ak_ptr() == q[1]->ak_ptr() + len[0] * per_entry &&
+                                q[3]->ak_ptr() == q[2]->ak_ptr() + len[0] * per_entry;
+        if (!contiguous)
+            ak::fail("MrgSort", "repeatTimes " + std::to_string(repeats) + " needs four valid queues of equal length, "
+                     "stored one after the other, and no ifExhaustedSuspension");
+    }
+    const uint32_t span = total * uint32_t(repeats);   // structures a repeated call reads from src1 on, and writes
+    for (int i = 0; i < queues; ++i)
+        q[i]->check((repeats > 1 ? span - uint32_t(i) * len[0] : len[i]) * per_entry, "MrgSort", 8);
+    dst.check(span * per_entry, "MrgSort");
+    const uint8_t* dlo = reinterpret_cast<const uint8_t*>(dst.ak_ptr());
+    for (int i = 0; i < queues; ++i) {
+        const uint8_t* lo = reinterpret_cast<const uint8_t*>(q[i]->ak_ptr());
+        const uint32_t n = (repeats > 1 ? span - uint32_t(i) * len[0] : len[i]) * 8;
+        if (lo < dlo + span * 8 && dlo < lo + n)
+            ak::fail("MrgSort", "dst overlaps queue " + std::to_string(i + 1) + " (" + q[i]->slot()->name + ")");
+    }
+    std::vector<uint8_t> out;
+    for (int32_t r = 0; r < repeats; ++r) {
+        const uint8_t* base[4];
+        uint32_t at[4] = {0, 0, 0, 0};
+        for (int i = 0; i < queues; ++i)
+            base[i] = reinterpret_cast<const uint8_t*>(q[i]->ak_ptr()) + size_t(r) * total * 8;
+        for (;;) {
+            int best = -1;
+            bool exhausted = false;
+            for (int i = 0; i < queues; ++i) {
+                if (at[i] == len[i]) { exhausted = true; continue; }
+                if (best < 0 || detail::sorts_before(detail::sort_score<T>(base[i] + at[i] * 8),
+                                                     detail::sort_score<T>(base[best] + at[best] * 8))) best = i;
+            }
+            if (best < 0 || (exhausted && params.ifExhaustedSuspension)) break;
+            out.insert(out.end(), base[best] + at[best] * 8, base[best] + at[best] * 8 + 8);
+            ++at[best];
+        }
+    }
+    std::memcpy(dst.ak_ptr(), out.data(), out.size());
+    ak::core().issue(ak::VEC, detail::vec_cycles(uint64_t(span) * 8, AK_VEC_SLOW_FACTOR),
+                     {q[0]->slot(), q[1]->slot(), queues > 2 ? q[2]->slot() : nullptr, queues > 3 ? q[3]->slot() : nullptr},
+                     {dst.slot()});
+}
+
 template <typename T> void Duplicate(const LocalTensor<T>& dst, const T& scalarValue, const int32_t& count) {
     dst.check(count, "Duplicate");
     T* d = dst.ak_ptr();
@@ -1111,7 +1251,8 @@ template <typename T, typename U> void Select(const LocalTensor<T>& dst, const L
 // The APIs above, by name: the template-coverage test checks every call a template makes against it.
 #define AK_EMULATED_APIS "GlobalTensor LocalTensor TPipe TQue TQueBind TBuf InitBuffer AllocTensor FreeTensor EnQue DeQue Get GetWithOffset " \
     "SetGlobalBuffer GetValue SetValue ReinterpretCast GetSize SetSize GetPhyAddr DataCopy DataCopyPad Add Sub Mul Div Max Min " \
-    "Adds Muls Maxs Mins Exp Ln Sqrt Rsqrt Reciprocal Abs Relu Axpy MulAddDst Gather Cast Duplicate Brcb ReduceSum ReduceMax WholeReduceSum " \
+    "Adds Muls Maxs Mins Exp Ln Sqrt Rsqrt Reciprocal Abs Relu Axpy MulAddDst Gather Copy Sort32 MrgSort Cast Duplicate Brcb ReduceSum ReduceMax WholeReduceSum " \
     "WholeReduceMax Compare CompareScalar Select PipeBarrier SetFlag WaitFlag GetBlockIdx GetBlockNum SyncAll GetDataBlockSizeInBytes " \
     "GetTPipePtr AllocEventID ReleaseEventID FetchEventID KERNEL_TASK_TYPE_DEFAULT " \
-    "DataCopyParams DataCopyExtParams DataCopyPadExtParams UnaryRepeatParams BinaryRepeatParams BrcbRepeatParams"
+    "DataCopyParams DataCopyExtParams DataCopyPadExtParams UnaryRepeatParams BinaryRepeatParams BrcbRepeatParams CopyRepeatParams " \
+    "MrgSort4Info MrgSortSrcList"

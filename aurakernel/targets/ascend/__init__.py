@@ -24,7 +24,7 @@ from ...hardware import HardwareProfile, load_profile
 from ...ops.base import OpSpec, Problem
 from ...paths import write_text_atomic
 from ...planner import Plan, solve_tiling
-from ...planner.ascend import ascend_rowwise_model, roofline_us
+from ...planner.ascend import VectorWork, ascend_rowwise_model, bound_us, roofline_us
 from ...planner.model import ChoiceModel
 from ...planner.schedule import Pipeline, Schedule, ascend_row_pipeline, schedule_knobs, simulate, solve_schedule
 from ...verify import Check, Verification, check_case
@@ -138,22 +138,26 @@ def verify(spec: OpSpec, problems: list[Problem], knobs: dict[str, int], emu: Em
     return result
 
 
-def estimate_summary(estimate: dict[str, emulator.RunReport], hw: HardwareProfile, the_plan: Plan) -> dict:
+def estimate_summary(estimate: dict[str, emulator.RunReport], hw: HardwareProfile, the_plan: Plan,
+                     floors: dict[str, VectorWork] | None = None) -> dict:
     """The emulator's run at the full shape as tune reports it: per phase its cycles, time, busiest
-    pipes, HBM roofline and UB use, and their totals."""
+    pipes, UB use and roofline bound (the larger of its HBM traffic and the vector work of `floors`,
+    with which one it is), and their totals."""
     phases = {}
     for phase, rep in estimate.items():
-        bound = roofline_us(rep.busiest_gm_bytes(), hw)
+        bound, kind = bound_us(rep.busiest_gm_bytes(), (floors or {}).get(phase), hw)
         est_us = rep.cycles / (hw.clock_ghz * 1e3)
         slowest = max(rep.blocks, key=lambda b: b.makespan)
         phases[phase] = {"est_cycles": rep.cycles, "est_us": est_us, "pipes_cycles": rep.pipe_cycles(),
-                         "roofline_us": bound, "roofline_ratio": est_us / bound if bound else None,
+                         "hbm_us": roofline_us(rep.busiest_gm_bytes(), hw), "roofline_us": bound, "bound": kind,
+                         "roofline_ratio": est_us / bound if bound else None,
                          "ub_bytes": slowest.ub_used, "buffers": slowest.buffers}
     est_us = sum(ph["est_us"] for ph in phases.values())
     bound = sum(ph["roofline_us"] for ph in phases.values())
+    kinds = sorted({ph["bound"] for ph in phases.values()})
     return {"schedule": the_plan.schedule, "ub_bytes": max((ph["ub_bytes"] for ph in phases.values()), default=0),
             "est_cycles": sum(ph["est_cycles"] for ph in phases.values()), "est_us": est_us, "roofline_us": bound,
-            "roofline_ratio": est_us / bound if bound else None, "phases": phases}
+            "bound": "+".join(kinds), "roofline_ratio": est_us / bound if bound else None, "phases": phases}
 
 
 def emulate(spec: OpSpec, problem: Problem, knobs: dict[str, int], emu: Emulated) -> dict[str, emulator.RunReport]:
@@ -183,7 +187,7 @@ def tune(spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, so
         verification.checks.append(Check(problem.shape, 0, "kernel", float("nan"), float("nan"), False, errors[0]))
         verification.passed = False
     result = TuneResult(problem, target, the_plan, source_hash, verification,
-                        estimate=estimate_summary(estimate, hw, the_plan),
+                        estimate=estimate_summary(estimate, hw, the_plan, kernel.vector_floor(problem)),
                         project_dir=str(Path(out_dir)) if out_dir is not None else None)
     if not verification.passed:
         result.status, result.reasons = "verify_failed", [verification.summary]

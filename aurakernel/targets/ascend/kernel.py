@@ -16,6 +16,7 @@ from typing import ClassVar
 
 from ...ops.base import Problem, Tensors
 from ...parts import Part, Registry
+from ...planner.ascend import VectorWork
 
 
 # operator name -> its kernel: the built-in ones (ops/__init__.py) and those registered from outside
@@ -50,6 +51,12 @@ class AscendKernel(Part, ABC):
     @abstractmethod
     def run(self, problem: Problem, knobs: dict[str, int], inputs: Tensors, grad_out: Tensors, emu):
         """Forward and backward kernels in the emulator: (outputs, grads, {phase: RunReport})."""
+
+    def vector_floor(self, problem: Problem) -> dict[str, VectorWork]:
+        """Per phase of `run`'s reports, the vector work the math cannot avoid (counted per element
+        from the formulas, not from the template). Where it exceeds the phase's HBM traffic the phase
+        is vector-bound and its roofline is that work; by default none (every phase HBM-bound)."""
+        return {}
 
     def col_tiles(self, problem: Problem) -> list[int] | None:
         """The column tiles the kernel accepts; None: the planner's own (the whole row, or powers of two)."""

@@ -10,7 +10,7 @@ from .... import emulator
 from ....emulator import from_bytes, to_bytes
 from ....ops.base import Problem, Tensors
 from ....ops.mhc import EPS, HEAD, ITERS, PRE
-from ....planner.ascend import AscendRowPhase, align32 as a32, row_split
+from ....planner.ascend import AscendRowPhase, VectorWork, align32 as a32, row_split
 from ....planner.schedule import phase_schedule
 from ..kernel import AscendKernel
 
@@ -71,6 +71,18 @@ class MhcAscend(AscendKernel):
             AscendRowPhase("backward", 2, 1, 0, 0, bwd_ub, 0, fast_ops_per_elem=3 * n + 12, slow_ops_per_elem=0,
                            instrs_per_chunk=ct // 32 + 16),
         ]
+
+    def vector_floor(self, problem: Problem) -> dict[str, VectorWork]:
+        """Per element of the HC streams (E = tokens x HC x D; bf16 / fp16 cast once to fp32 and back):
+        forward the NOUT mix products, x^2 and y's product (one MulAdd each), backward's head d pre
+        (dy . x), then dx (NOUT products of d mix, pre * dy, the norm's x term) and d fn (NOUT
+        products). On the vector unit these products make both kernels vector-bound; the Cube takes
+        them in issue 18."""
+        rows, hc, d = problem.shape
+        n, c, elems, ys = self.spec.nout(hc), 0 if problem.dtype.itemsize == 4 else 1, rows * hc * d, rows * d
+        return {"forward": VectorWork(elems * (n + 2 + c) + ys * c),
+                "backward_head": VectorWork(elems * (1 + c) + ys * c),
+                "backward": VectorWork(elems * (2 * n + 2 + 2 * c) + ys * c)}
 
     def params(self, problem: Problem, knobs: dict[str, int]) -> dict:
         _, hc, d = problem.shape

@@ -10,7 +10,7 @@ from .... import emulator
 from ....emulator import from_bytes, to_bytes
 from ....ops.base import Problem, Tensors
 from ....ops.mhc_post import SPEC
-from ....planner.ascend import AscendRowPhase, row_split, ub_pitch
+from ....planner.ascend import AscendRowPhase, VectorWork, row_split, ub_pitch
 from ..kernel import AscendKernel
 
 
@@ -36,6 +36,15 @@ class MhcPostAscend(AscendKernel):
                            fast_ops_per_elem=(2 * hc + 1) + (hc + 1) * hc + (hc + hc * hc),
                            slow_ops_per_elem=0, instrs_per_chunk=(2 * hc + 1) + (hc + 1) * hc + (hc + hc * hc)),
         ]
+
+    def vector_floor(self, problem: Problem) -> dict[str, VectorWork]:
+        """Per output element (E = tokens x HC x D; 16-bit dtypes cast once each way): forward HC comb
+        products and post * y; backward dx (HC products), d comb and d post (HC + 1 dot-product
+        MulAdds) and dy (one). Far below the HBM traffic: the kernel is HBM-bound."""
+        rows, hc, d = problem.shape
+        c, elems, ys = 0 if problem.dtype.itemsize == 4 else 1, rows * hc * d, rows * d
+        return {"forward": VectorWork(elems * (hc + 1 + 2 * c) + ys * c),
+                "backward": VectorWork(elems * (2 * hc + 2 + 3 * c) + 2 * ys * c)}
 
     def params(self, problem: Problem, knobs: dict[str, int]) -> dict:
         _, hc, d = problem.shape
