@@ -12,7 +12,7 @@ from ....dtypes import DType
 from ....emulator import from_bytes, to_bytes
 from ....ops.attn_softmax import AIV_MAX, SCALING, SPEC, _mask_rows
 from ....ops.base import Problem, Tensors
-from ....planner.ascend import AscendRowPhase, VectorWork, row_split, ub_pitch
+from ....planner.ascend import AscendRowPhase, VectorWork, row_split
 from ....planner.schedule import phase_schedule
 from ..kernel import AscendKernel
 
@@ -23,7 +23,7 @@ def ascend_tiling(shape, has_mask: bool, msb: int, mss: int, knobs: dict[str, in
     computes the same fields."""
 
     batch, heads, seq, keys = shape
-    pitch = -(-(keys + 1) // 16) * 16          # UB row pitch: 32 B in T and in fp32
+    pitch = -(-keys // 64) * 64                # UB row pitch: whole 256 B repeats in fp32
     block_rows, block_dim = row_split(batch * heads * seq, knobs["block_dim"])
     fields = [batch, heads, seq, keys, pitch, block_rows, knobs["tile_rows"], int(has_mask), msb, mss,
               -(-heads // 8) * 8, block_dim]
@@ -36,29 +36,36 @@ class AttnSoftmaxAscend(AscendKernel):
     syncs_cores = True   # its blocks meet in SyncAll
     # --- AscendC (templates/ascendc/attn_softmax/): rows over the vector cores in (b, s, h) order -
     # a tile is up to tile_rows heads of one query position, so they share its mask row (one copy
-    # per tile); every row is softmaxed whole in fp32 (the tile-wide fp32 buffers are f32_tiles),
-    # with the row reductions of a tile read back on the scalar unit twice per tile.
-    compute_waits_scalar = {"forward": True, "backward": True}
+    # per tile); every row is softmaxed whole in fp32 (the tile-wide fp32 buffers are f32_tiles) on
+    # the vector unit alone: each row-wise step is one instruction per 64-lane column of the tile.
+    # The backward's d sinks go through the scalar unit where a tile's first head is not 32 B aligned.
+    compute_waits_scalar = {"forward": False, "backward": True}
 
     def phases(self, problem: Problem):
         batch, heads, seq, keys = problem.shape
         cast = 0 if problem.dtype is DType.fp32 else 1
         hp = -(-heads // 8) * 8
-        mask = -(-keys * 4 // 32) * 32                             # the mask row a tile's rows share
-        red = 64 * 32 + 2 * 32 * 4 + -(-(keys * 4 + 255) // 256) * 4   # row results, sink exps, reduce scratch
+        mask = -(-keys // 64) * 256                              # the mask row a tile's rows share (whole repeats)
+        vecs = 12 * 64 * 4 + 64 * 4                                # per-row vectors, their broadcast, gather offsets
         return [
-            # casts in (3) and out, Muls scale, Exp (tile-wide); per row Add mask, ReduceMax, Adds, ReduceSum, Muls
-            AscendRowPhase("forward", 1, 1, 0, 8, hp * 4 + red, 0, fast_ops_per_elem=3 + 5 + 3 * cast,
-                           slow_ops_per_elem=1, instrs_per_chunk=9, f32_tiles=1, tile_in_bytes=mask,
-                           instrs_per_tile=7 + 4),   # tile-wide casts, scale and Exp; two V_S drains
-            # recompute z (as forward) and p (Adds, Exp, Muls), cast dp, Mul + ReduceSum (the dot), Adds,
-            # Mul, Muls scale, cast out; resident besides: the sinks, the d sinks accumulator, every
-            # core's partials (core 0 reduces them) and one fp32 row
-            AscendRowPhase("backward", 2, 1, 8, 0, 2 * hp * 4 + AIV_MAX * hp * 4 + ub_pitch(keys + 1, 4) * 4 + red, 0,
-                           fast_ops_per_elem=3 + 8 + 5 * cast, slow_ops_per_elem=1, instrs_per_chunk=9, f32_tiles=2,
+            # casts in (3) and out, Muls scale, Exp (tile-wide); per column the mask add, max (reduce and
+            # combine), the subtraction, sum (reduce and combine) and the normalisation
+            AscendRowPhase("forward", 1, 1, 0, 8, hp * 4 + vecs, 0, fast_ops_per_elem=3 + 5 + 3 * cast,
+                           slow_ops_per_elem=1, instrs_per_chunk=5, f32_tiles=1, tile_in_bytes=mask,
+                           instrs_per_tile=16),   # modelled row by row: a tile of rows longer than they are many
+            # recompute z (as forward) and p (subtraction, Exp, scaling), cast dp, p dp and its row sum,
+            # p dot, the difference, scale, cast out; resident besides: the sinks, the d sinks accumulator
+            # and every core's partials (core 0 reduces them)
+            AscendRowPhase("backward", 2, 1, 8, 0, 2 * hp * 4 + AIV_MAX * hp * 4 + vecs, 0,
+                           fast_ops_per_elem=3 + 8 + 5 * cast, slow_ops_per_elem=1, instrs_per_chunk=5, f32_tiles=2,
                            tile_in_bytes=mask, extra_copies_in=1,   # row max and row sum: two copies
-                           instrs_per_tile=9 + 6),   # tile-wide casts, scale and Exp; MTE2_S and V_S/S_V drains
+                           instrs_per_tile=24),
         ]
+
+    def rows_cols(self, problem: Problem) -> tuple[int, int]:
+        """Rows of the kernel's pitch: K rounded up to whole 64-lane fp32 repeats."""
+        batch, heads, seq, keys = problem.shape
+        return batch * heads * seq, -(-keys // 64) * 64
 
     def vector_floor(self, problem: Problem) -> dict[str, VectorWork]:
         """Per score (16-bit dtypes cast once each way): forward the scale, the max, the subtraction,
