@@ -39,6 +39,15 @@ class AscendPipes:
     vec_slow_factor: float       # cycles per 256 B repeat of Exp/Ln/Sqrt/Rsqrt/Reciprocal/Div
     scalar_op: float             # cycles per scalar GetValue / SetValue
     ub_usable: int               # UB bytes below the reserved top
+    # the Cube side (AIC): its buffers' capacities and its pipes' rates
+    l1_usable: int = 524288 - 128
+    l0a_bytes: int = 65536
+    l0b_bytes: int = 65536
+    l0c_bytes: int = 131072
+    cube_macs_16bit: float = 4096.0   # MACs per cycle with half / bf16 operands (16 x 16 x 16)
+    cube_macs_fp32: float = 2048.0    # with fp32 operands (16 x 8 x 16 fractals)
+    mte1_bytes_per_cycle: float = 256.0   # L1 -> L0A / L0B
+    fix_bytes_per_cycle: float = 128.0    # L0C -> GM (what Fixpipe writes)
 
 
 @dataclass(frozen=True)
@@ -86,7 +95,17 @@ class HardwareProfile:
                            vec_issue=float(pipes.get("vec_issue_cycles", 12)),
                            vec_slow_factor=float(pipes.get("vec_slow_factor", 4)),
                            scalar_op=float(pipes.get("scalar_op_cycles", 4)),
-                           ub_usable=self.memory["UB"].capacity - int(self.extra.get("ub_reserved", 8192)))
+                           ub_usable=self.memory["UB"].capacity - int(self.extra.get("ub_reserved", 8192)),
+                           l1_usable=self._capacity("L1", 524288) - int(self.extra.get("l1_reserved", 128)),
+                           l0a_bytes=self._capacity("L0A", 65536), l0b_bytes=self._capacity("L0B", 65536),
+                           l0c_bytes=self._capacity("L0C", 131072),
+                           cube_macs_16bit=float(pipes.get("cube_macs_per_cycle_16bit", 4096)),
+                           cube_macs_fp32=float(pipes.get("cube_macs_per_cycle_fp32", 2048)),
+                           mte1_bytes_per_cycle=float(pipes.get("mte1_bytes_per_cycle", 256)),
+                           fix_bytes_per_cycle=float(pipes.get("fix_bytes_per_cycle", 128)))
+
+    def _capacity(self, level: str, default: int) -> int:
+        return int(self.memory[level].capacity) if level in self.memory else default
 
     def fingerprint(self) -> str:
         """Content hash of everything a plan depends on: plans are cached under it."""

@@ -170,6 +170,19 @@ BROKEN = {
     "GM bounds": "TBuf<TPosition::VECCALC> b; pipe.InitBuffer(b, 1024); LocalTensor<float> t = b.Get<float>();"
                  " DataCopy(t, xg[32], 64);",
     "guard page": "((__gm__ float*)y)[64 + 1024] = 1.0f;",
+    # the Cube side: each of its buffers against its own capacity; the documented fractal alignment and
+    # Mmad's limits; vector instructions on the UB only; the documented transpose takes half
+    "L0A capacity": "TBuf<TPosition::A2> b; pipe.InitBuffer(b, 70 * 1024);",
+    "512 B alignment": "TBuf<TPosition::A2> a; pipe.InitBuffer(a, 4096); TBuf<TPosition::B2> b; pipe.InitBuffer(b, 4096);"
+                       " TBuf<TPosition::CO1> c; pipe.InitBuffer(c, 4096);"
+                       " Mmad(c.Get<float>(), a.Get<half>()[16], b.Get<half>(), MmadParams(16, 16, 16, 0, false, true));",
+    "Mmad: m 5000": "TBuf<TPosition::A2> a; pipe.InitBuffer(a, 4096); TBuf<TPosition::B2> b; pipe.InitBuffer(b, 4096);"
+                    " TBuf<TPosition::CO1> c; pipe.InitBuffer(c, 4096);"
+                    " Mmad(c.Get<float>(), a.Get<half>(), b.Get<half>(), MmadParams(5000, 16, 16, 0, false, true));",
+    "position: Add takes a LocalTensor in UB": "TBuf<TPosition::A1> b; pipe.InitBuffer(b, 1024); LocalTensor<float> t = b.Get<float>();"
+                                               " Add(t, t, t, 64);",
+    "LoadData: ifTranspose with bfloat16_t": "TBuf<TPosition::A1> a; pipe.InitBuffer(a, 1024); TBuf<TPosition::B2> b; pipe.InitBuffer(b, 1024);"
+                                             " LoadData(b.Get<bfloat16_t>(), a.Get<bfloat16_t>(), LoadData2DParams(0, 1, 0, 0, 0, true, 0));",
     # the repeated form merges four equal queues stored one after the other, nothing else
     "MrgSort: needs four valid queues": "TBuf<TPosition::VECCALC> b; pipe.InitBuffer(b, 4096); LocalTensor<float> t = b.Get<float>();"
                                         " uint16_t n[4] = {8, 8, 8, 8};"
@@ -278,6 +291,104 @@ def test_sort32_and_mrgsort_order_as_documented():
     tops = [got[32 * r:32 * r + 8] for r in range(4)]
     want = sorted((e for q in tops for e in q), key=lambda e: -e[0])   # stable: queue 1's equal scores first
     assert entries(out[256 * 4:], 32) == want
+
+
+CUBE_MATMUL = """#include "kernel_operator.h"
+using namespace AscendC;
+using T = {t};
+using TO = {to};
+constexpr uint32_t M = {m}, N = {n}, K = {k}, C0 = 32 / sizeof(T);
+constexpr uint32_t M1 = (M + 15) / 16, N1 = (N + 15) / 16, K1 = (K + C0 - 1) / C0;
+extern "C" __global__ __aicore__ void k(GM_ADDR a, GM_ADDR b, GM_ADDR c) {{
+    GlobalTensor<T> ag, bg;
+    GlobalTensor<TO> cg;
+    ag.SetGlobalBuffer((__gm__ T*)a, M * K);
+    bg.SetGlobalBuffer((__gm__ T*)b, K * N);
+    cg.SetGlobalBuffer((__gm__ TO*)c, M * N);
+    TPipe pipe;
+    TQue<TPosition::A1, 1> qa1;
+    TQue<TPosition::B1, 1> qb1;
+    TQue<TPosition::A2, 1> qa2;
+    TQue<TPosition::B2, 1> qb2;
+    TQue<TPosition::CO1, 1> qc;
+    pipe.InitBuffer(qa1, 1, M1 * 16 * K1 * C0 * sizeof(T));
+    pipe.InitBuffer(qb1, 1, N1 * 16 * K1 * C0 * sizeof(T));
+    pipe.InitBuffer(qa2, 1, M1 * 16 * K1 * C0 * sizeof(T));
+    pipe.InitBuffer(qb2, 1, N1 * 16 * K1 * C0 * sizeof(T));
+    pipe.InitBuffer(qc, 1, M1 * N1 * 256 * sizeof(float));
+    LocalTensor<T> a1 = qa1.AllocTensor<T>();          /* A [M][K] into L1 as NZ: column blocks of C0, M1 * 16 rows each */
+    DataCopy(a1, ag, Nd2NzParams(1, M, K, 0, K, M1 * 16, 1, 1));
+    qa1.EnQue(a1);
+    LocalTensor<T> b1 = qb1.AllocTensor<T>();
+    if constexpr ({transpose}) {{                        /* B [K][N]: its NZ fractals, transposed on the way to L0B */
+        DataCopy(b1, bg, Nd2NzParams(1, K, N, 0, N, K1 * 16, 1, 1));
+    }} else {{                                           /* B given as B^T [N][K]: its NZ fractals are L0B's */
+        DataCopy(b1, bg, Nd2NzParams(1, N, K, 0, K, N1 * 16, 1, 1));
+    }}
+    qb1.EnQue(b1);
+    a1 = qa1.DeQue<T>();
+    LocalTensor<T> a2 = qa2.AllocTensor<T>();           /* L1 fractal (mb, kb) at kb * M1 + mb -> L0A at mb * K1 + kb */
+    for (uint32_t mb = 0; mb < M1; ++mb) LoadData(a2[mb * K1 * 16 * C0], a1, LoadData2DParams(mb, K1, M1, 0, 0, false, 0));
+    qa2.EnQue(a2);
+    qa1.FreeTensor(a1);
+    b1 = qb1.DeQue<T>();
+    LocalTensor<T> b2 = qb2.AllocTensor<T>();
+    if constexpr ({transpose}) {{                        /* L1 (kb, nb) at nb * K1 + kb -> L0B at kb * N1 + nb, transposed */
+        for (uint32_t kb = 0; kb < K1; ++kb)
+            LoadData(b2[kb * N1 * 256].template ReinterpretCast<half>(), b1.template ReinterpretCast<half>(),
+                     LoadData2DParams(kb, N1, K1, 0, 0, true, 0));
+    }} else {{
+        LoadData(b2, b1, LoadData2DParams(0, K1 * N1, 1, 0, 0, false, 0));
+    }}
+    qb2.EnQue(b2);
+    qb1.FreeTensor(b1);
+    a2 = qa2.DeQue<T>();
+    b2 = qb2.DeQue<T>();
+    LocalTensor<float> c1 = qc.AllocTensor<float>();
+    for (uint32_t r = 0; r < {passes}; ++r) Mmad(c1, a2, b2, MmadParams(M, N, K, 0, false, r == 0));   /* C = A B, then C += A B */
+    qc.EnQue(c1);
+    qa2.FreeTensor(a2);
+    qb2.FreeTensor(b2);
+    c1 = qc.DeQue<float>();
+    FixpipeParamsV220 fp(N, M, M1 * 16, N, {relu});
+    fp.quantPre = {quant};
+    Fixpipe<TO, float, CFG_ROW_MAJOR>(cg, c1, fp);
+    qc.FreeTensor(c1);
+}}
+"""
+
+
+@pytest.mark.parametrize("m,n,k,dtype,transpose,passes,relu", [
+    (37, 45, 70, "bf16", True, 1, False),     # tails in m, n and k; B transposed fractal by fractal into L0B
+    (37, 45, 70, "bf16", False, 2, True),     # B given transposed; C accumulated (C += A B), ReLU on the way out
+    (20, 33, 19, "fp32", False, 1, False),    # fp32 operands: 16 x 8 fractals
+])
+def test_a_matmul_through_l1_l0_mmad_and_fixpipe_matches_torch(m, n, k, dtype, transpose, passes, relu):
+    """GM -> L1 (ND to NZ) -> L0A / L0B (LoadData) -> Mmad -> Fixpipe (NZ to ND, fp32 to the output
+    dtype, ReLU): the fractal layouts as the documentation gives them, so a matmul computes A B."""
+    import torch
+    g = torch.Generator().manual_seed(m * n + k)
+    tdt = torch.bfloat16 if dtype == "bf16" else torch.float32
+    a, b = torch.randn(m, k, generator=g).to(tdt), torch.randn(k, n, generator=g).to(tdt)
+    ref = passes * (a.float() @ b.float())
+    if relu:
+        ref = ref.clamp_min(0)
+    source = CUBE_MATMUL.format(t="bfloat16_t" if dtype == "bf16" else "float", to="bfloat16_t" if dtype == "bf16" else "float",
+                                m=m, n=n, k=k, transpose="true" if transpose else "false", passes=passes,
+                                relu="true" if relu else "false", quant="F322BF16" if dtype == "bf16" else "NoQuant")
+    exe = emulator.build(source, entry="k", nargs=3, hw=HW, block_dim=1)
+    b_gm = b if transpose else b.t().contiguous()
+    out = torch.full((m, n), float("nan")).to(tdt)
+    bufs = [emulator.to_bytes(a.contiguous()), emulator.to_bytes(b_gm), emulator.to_bytes(out)]
+    report = emulator.run(exe, 1, bufs)
+    assert report.ok, report.errors
+    got = emulator.from_bytes(bufs[2], out).float()
+    if dtype == "bf16":
+        torch.testing.assert_close(got, ref.to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2)
+    else:
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    busy = report.blocks[0].busy
+    assert busy["MTE1"] > 0 and busy["Cube"] > 0 and busy["FIX"] > 0 and busy["MTE2"] > 0
 
 
 def test_what_does_not_compile_on_the_npu_does_not_compile_here():

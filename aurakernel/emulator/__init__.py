@@ -29,7 +29,8 @@ from ..paths import cache_dir
 HERE = Path(__file__).parent
 INCLUDE = HERE / "include"
 RUNNER = HERE / "runner.cpp"
-PIPES = ("MTE2", "MTE3", "Vector", "Scalar")
+PIPES = ("MTE2", "MTE3", "Vector", "Scalar", "MTE1", "Cube", "FIX")
+CUBE_PIPES = ("MTE1", "Cube", "FIX")   # reported only where a kernel used them
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -49,7 +50,10 @@ def pipe_defines(hw: HardwareProfile, block_dim: int) -> dict[str, float]:
     p = hw.ascend_pipes(block_dim)
     return {"AK_UB_BYTES": int(hw.memory["UB"].capacity), "AK_UB_USABLE": p.ub_usable,
             "AK_MTE_BYTES_PER_CYCLE": p.mte_bytes_per_cycle, "AK_MTE_LATENCY": p.mte_latency,
-            "AK_VEC_ISSUE": p.vec_issue, "AK_VEC_SLOW_FACTOR": p.vec_slow_factor, "AK_SCALAR_OP": p.scalar_op}
+            "AK_VEC_ISSUE": p.vec_issue, "AK_VEC_SLOW_FACTOR": p.vec_slow_factor, "AK_SCALAR_OP": p.scalar_op,
+            "AK_L1_USABLE": p.l1_usable, "AK_L0A_BYTES": p.l0a_bytes, "AK_L0B_BYTES": p.l0b_bytes, "AK_L0C_BYTES": p.l0c_bytes,
+            "AK_CUBE_MACS_16BIT": p.cube_macs_16bit, "AK_CUBE_MACS_FP32": p.cube_macs_fp32,
+            "AK_MTE1_BYTES_PER_CYCLE": p.mte1_bytes_per_cycle, "AK_FIX_BYTES_PER_CYCLE": p.fix_bytes_per_cycle}
 
 
 def build(kernel_source: str, *, entry: str, nargs: int, hw: HardwareProfile, block_dim: int,
@@ -145,7 +149,8 @@ def run(exe: Path, block_dim: int, buffers: list[bytearray], timeout_s: float = 
             b[:] = Path(tmp, f"arg{i}.bin").read_bytes()
     report = RunReport()
     for blk in data["blocks"]:
-        report.blocks.append(BlockReport(dict(zip(PIPES, blk["busy"])), blk["makespan"], blk["gm_read"],
+        busy = {p: c for p, c in zip(PIPES, blk["busy"]) if c > 0 or p not in CUBE_PIPES}
+        report.blocks.append(BlockReport(busy, blk["makespan"], blk["gm_read"],
                                          blk["gm_written"], blk["ub_used"], [tuple(x) for x in blk["buffers"]],
                                          blk["error"]))
     return report

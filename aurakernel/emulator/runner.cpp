@@ -144,9 +144,10 @@ int main(int argc, char** argv) {
     printf("{\"blocks\": [");
     for (int b = 0; b < block_dim; ++b) {
         const ak::Core& c = *cores[b];
-        printf("%s{\"busy\": [%.1f, %.1f, %.1f, %.1f], \"makespan\": %.1f, \"gm_read\": %llu, \"gm_written\": %llu, "
-               "\"vec_repeats\": %llu, \"instrs\": [%llu, %llu, %llu, %llu], \"ub_used\": %u, \"buffers\": [",
-               b ? ", " : "", c.c.busy[0], c.c.busy[1], c.c.busy[2], c.c.busy[3], c.c.makespan(),
+        printf("%s{\"busy\": [%.1f, %.1f, %.1f, %.1f, %.1f, %.1f, %.1f], \"makespan\": %.1f, \"gm_read\": %llu, "
+               "\"gm_written\": %llu, \"vec_repeats\": %llu, \"instrs\": [%llu, %llu, %llu, %llu], \"ub_used\": %u, \"buffers\": [",
+               b ? ", " : "", c.c.busy[0], c.c.busy[1], c.c.busy[2], c.c.busy[3], c.c.busy[4], c.c.busy[5], c.c.busy[6],
+               c.c.makespan(),
                (unsigned long long)c.c.gm_read, (unsigned long long)c.c.gm_written, (unsigned long long)c.c.vec_repeats,
                (unsigned long long)c.c.instrs[0], (unsigned long long)c.c.instrs[1], (unsigned long long)c.c.instrs[2],
                (unsigned long long)c.c.instrs[3], c.ub_used);

@@ -45,7 +45,9 @@
 // The target's figures come from its profile (aurakernel/emulator/__init__.py: pipe_defines):
 // UB bytes and the part below the reserved top, and the cycle costs of the pipes.
 #if !defined(AK_UB_BYTES) || !defined(AK_UB_USABLE) || !defined(AK_MTE_BYTES_PER_CYCLE) || !defined(AK_MTE_LATENCY) || \
-    !defined(AK_VEC_ISSUE) || !defined(AK_VEC_SLOW_FACTOR) || !defined(AK_SCALAR_OP)
+    !defined(AK_VEC_ISSUE) || !defined(AK_VEC_SLOW_FACTOR) || !defined(AK_SCALAR_OP) || !defined(AK_L1_USABLE) || \
+    !defined(AK_L0A_BYTES) || !defined(AK_L0B_BYTES) || !defined(AK_L0C_BYTES) || !defined(AK_CUBE_MACS_16BIT) || \
+    !defined(AK_CUBE_MACS_FP32) || !defined(AK_MTE1_BYTES_PER_CYCLE) || !defined(AK_FIX_BYTES_PER_CYCLE)
 #error "build through aurakernel.emulator.build: it defines the target's AK_* figures"
 #endif
 
@@ -63,19 +65,24 @@ struct RuleError : std::runtime_error {
 
 [[noreturn]] inline void fail(const std::string& rule, const std::string& what) { throw RuleError(rule + ": " + what); }
 
-enum Pipe { MTE2 = 0, MTE3 = 1, VEC = 2, SCALAR = 3, NPIPES = 4 };
+enum Pipe { MTE2 = 0, MTE3 = 1, VEC = 2, SCALAR = 3, MTE1 = 4, CUBE = 5, FIX = 6, NPIPES = 7 };
+// The core's memories: the vector side's UB; the Cube side's L1 (A1 / B1), L0A (A2), L0B (B2), L0C (CO1).
+enum Mem { UB = 0, L1 = 1, L0A = 2, L0B = 3, L0C = 4, NMEMS = 5 };
+inline const char* mem_name(Mem m) { static const char* n[] = {"UB", "L1", "L0A", "L0B", "L0C"}; return n[m]; }
 
-// The timing state of one UB buffer slot (a queue buffer or a TBuf).
+// The timing state of one buffer slot (a queue buffer or a TBuf), and where it lives.
 struct Slot {
     std::string name;
     double ready = 0;     // when its last write completes
     double free_at = 0;   // when its last read completes
+    Mem mem = UB;
+    uint8_t* base = nullptr;   // its memory's start (alignment is relative to it)
 };
 
 struct Counters {
-    double busy[NPIPES] = {0, 0, 0, 0};   // cycles each pipe worked
-    double at[NPIPES] = {0, 0, 0, 0};     // when each pipe is next free
-    uint64_t gm_read = 0, gm_written = 0, vec_repeats = 0, instrs[NPIPES] = {0, 0, 0, 0};
+    double busy[NPIPES] = {};   // cycles each pipe worked
+    double at[NPIPES] = {};     // when each pipe is next free
+    uint64_t gm_read = 0, gm_written = 0, vec_repeats = 0, instrs[NPIPES] = {};
     double makespan() const { return *std::max_element(at, at + NPIPES); }
 };
 
@@ -86,6 +93,9 @@ struct Core {
     uint8_t* ub_base = nullptr;
     uint32_t ub_used = 0;
     int init_count = 0;
+    std::vector<uint8_t> cube_mem[NMEMS];   // L1, L0A, L0B, L0C: allocated on a kernel's first use
+    uint8_t* mem_base[NMEMS] = {};
+    uint32_t mem_used[NMEMS] = {};
     std::vector<Slot*> slots;
     Counters c;
     // Events: every (HardEvent, ID) flag, set by a SetFlag or a queue and cleared by its WaitFlag, with
@@ -106,8 +116,30 @@ struct Core {
         for (int& f : fetched) f = -1;
     }
     ~Core() { for (auto* s : slots) delete s; }
-    Slot* new_slot(const std::string& name) { slots.push_back(new Slot{name}); return slots.back(); }
-    uint8_t* alloc(uint32_t bytes, const std::string& what) {
+    Slot* new_slot(const std::string& name, Mem m = UB) {
+        slots.push_back(new Slot{name});
+        slots.back()->mem = m;
+        slots.back()->base = m == UB ? ub_base : mem_base[m];
+        return slots.back();
+    }
+    // a buffer in one of the Cube side's memories, against its capacity
+    uint8_t* alloc_cube(uint32_t bytes, const std::string& what, Mem m) {
+        static const uint32_t cap[NMEMS] = {0, uint32_t(AK_L1_USABLE), uint32_t(AK_L0A_BYTES), uint32_t(AK_L0B_BYTES),
+                                            uint32_t(AK_L0C_BYTES)};
+        if (cube_mem[m].empty()) {
+            cube_mem[m].assign(cap[m] + 1024, 0xff);   // poisoned: NaN for floats until written
+            mem_base[m] = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(cube_mem[m].data()) + 1023) & ~uintptr_t(1023));
+        }
+        if (mem_used[m] + bytes > cap[m])
+            fail(std::string(mem_name(m)) + " capacity", what + " needs " + std::to_string(bytes) + " B at offset " +
+                 std::to_string(mem_used[m]) + ", beyond the " + std::to_string(cap[m]) + " B of " + mem_name(m));
+        uint8_t* p = mem_base[m] + mem_used[m];
+        mem_used[m] += bytes;
+        allocs.emplace_back(what, bytes);
+        return p;
+    }
+    uint8_t* alloc(uint32_t bytes, const std::string& what, Mem m = UB) {
+        if (m != UB) return alloc_cube(bytes, what, m);
         if (ub_used + bytes > AK_UB_USABLE)
             fail("UB capacity", what + " needs " + std::to_string(bytes) + " B at offset " + std::to_string(ub_used) +
                  ", beyond the " + std::to_string(AK_UB_USABLE) + " B usable (" + std::to_string(AK_UB_BYTES) +
@@ -164,6 +196,14 @@ namespace AscendC {
 enum class TPosition : uint8_t { GM, A1, A2, B1, B2, C1, C2, CO1, CO2, VECIN, VECOUT, VECCALC, LCM = VECCALC,
                                  SPM, SHM = SPM, TSCM, C2PIPE2GM, C2PIPE2LOCAL, MAX };
 using QuePosition = TPosition;
+namespace detail {
+// where a position's buffers live (TSCM, C2, CO2 and the others are not emulated: ak::NMEMS)
+constexpr ak::Mem memory_of(TPosition p) {
+    return p == TPosition::VECIN || p == TPosition::VECOUT || p == TPosition::VECCALC ? ak::UB
+         : p == TPosition::A1 || p == TPosition::B1 || p == TPosition::C1 ? ak::L1
+         : p == TPosition::A2 ? ak::L0A : p == TPosition::B2 ? ak::L0B : p == TPosition::CO1 ? ak::L0C : ak::NMEMS;
+}
+}  // namespace detail
 enum class RoundMode : uint8_t { CAST_NONE = 0, CAST_RINT, CAST_FLOOR, CAST_CEIL, CAST_ROUND, CAST_TRUNC, CAST_ODD };
 enum class HardEvent : uint8_t { MTE2_MTE1, MTE1_MTE2, MTE1_M, M_MTE1, MTE2_V, V_MTE2, MTE3_V, V_MTE3, M_V, V_M, V_V,
     MTE3_MTE1, MTE1_MTE3, MTE1_V, MTE2_M, M_MTE2, V_MTE1, M_FIX, FIX_M, MTE3_MTE2, MTE2_MTE3, S_V, V_S, S_MTE2,
@@ -261,22 +301,28 @@ template <typename T> class LocalTensor {
     // dereference: so it is here. The emulator itself reads the data through ak_ptr().
     uint64_t GetPhyAddr() const { return GetPhyAddr(0); }
     uint64_t GetPhyAddr(uint32_t offset) const {
-        return uint64_t(reinterpret_cast<const uint8_t*>(ptr_ + offset) - ak::core().ub_base);
+        return uint64_t(reinterpret_cast<const uint8_t*>(ptr_ + offset) - slot_->base);
     }
     T* ak_ptr() const { return ptr_; }
     ak::Slot* slot() const { return slot_; }
     // the alignment rule (32 B for most operands; a reduction's result needs only its element or
     // value-index pair) and the extent of an access of n elements
-    void check(uint32_t n, const char* api, uint32_t align = 32) const {
+    // Vector instructions and UB copies take UB tensors only (check); the Cube's take theirs (check_in).
+    void check(uint32_t n, const char* api, uint32_t align = 32) const { check_in(ak::UB, n, api, align); }
+    void check_in(ak::Mem m, uint32_t n, const char* api, uint32_t align = 32) const {
         if (ptr_ == nullptr) ak::fail("queue discipline", std::string(api) + " on an unallocated LocalTensor");
-        const uintptr_t off = reinterpret_cast<uintptr_t>(ptr_) - reinterpret_cast<uintptr_t>(ak::core().ub_base);
+        if (slot_->mem != m)
+            ak::fail("position", std::string(api) + " takes a LocalTensor in " + ak::mem_name(m) + ", not one in " +
+                     ak::mem_name(slot_->mem) + " (" + slot_->name + ")");
+        const uintptr_t off = reinterpret_cast<uintptr_t>(ptr_) - reinterpret_cast<uintptr_t>(slot_->base);
         if (off % align != 0)
             ak::fail(align == 32 ? "32 B alignment" : std::to_string(align) + " B alignment", std::string(api) +
-                     " on a LocalTensor at UB offset " + std::to_string(off) + " (" + slot_->name + ")");
+                     " on a LocalTensor at " + ak::mem_name(m) + " offset " + std::to_string(off) + " (" + slot_->name + ")");
         if (n > len_)
-            ak::fail("UB bounds", std::string(api) + " of " + std::to_string(n) + " elements on a LocalTensor of " +
-                     std::to_string(len_) + " (" + slot_->name + ")");
+            ak::fail(m == ak::UB ? "UB bounds" : std::string(ak::mem_name(m)) + " bounds", std::string(api) + " of " +
+                     std::to_string(n) + " elements on a LocalTensor of " + std::to_string(len_) + " (" + slot_->name + ")");
     }
+    ak::Mem mem() const { return slot_ ? slot_->mem : ak::UB; }
  private:
     T* ptr_ = nullptr;
     uint32_t len_ = 0;
@@ -304,6 +350,11 @@ inline ak::Pipe event_src(HardEvent e) {
         case HardEvent::MTE2_V: case HardEvent::MTE2_S: case HardEvent::MTE2_MTE3: return ak::MTE2;
         case HardEvent::MTE3_V: case HardEvent::MTE3_S: case HardEvent::MTE3_MTE2: return ak::MTE3;
         case HardEvent::V_MTE2: case HardEvent::V_MTE3: case HardEvent::V_S: case HardEvent::V_V: return ak::VEC;
+        case HardEvent::MTE2_MTE1: case HardEvent::MTE2_M: case HardEvent::MTE2_FIX: return ak::MTE2;
+        case HardEvent::MTE1_MTE2: case HardEvent::MTE1_M: case HardEvent::MTE1_FIX: return ak::MTE1;
+        case HardEvent::M_MTE1: case HardEvent::M_FIX: case HardEvent::M_MTE2: case HardEvent::M_S: return ak::CUBE;
+        case HardEvent::FIX_M: case HardEvent::FIX_MTE2: case HardEvent::FIX_MTE1: case HardEvent::FIX_S:
+        case HardEvent::FIX_FIX: return ak::FIX;
         default: return ak::SCALAR;
     }
 }
@@ -312,6 +363,10 @@ inline ak::Pipe event_dst(HardEvent e) {
         case HardEvent::V_MTE2: case HardEvent::S_MTE2: case HardEvent::MTE3_MTE2: return ak::MTE2;
         case HardEvent::V_MTE3: case HardEvent::S_MTE3: case HardEvent::MTE2_MTE3: return ak::MTE3;
         case HardEvent::MTE2_V: case HardEvent::MTE3_V: case HardEvent::S_V: case HardEvent::V_V: return ak::VEC;
+        case HardEvent::MTE1_MTE2: case HardEvent::M_MTE2: case HardEvent::FIX_MTE2: return ak::MTE2;
+        case HardEvent::MTE2_MTE1: case HardEvent::M_MTE1: case HardEvent::FIX_MTE1: return ak::MTE1;
+        case HardEvent::MTE1_M: case HardEvent::MTE2_M: case HardEvent::FIX_M: return ak::CUBE;
+        case HardEvent::M_FIX: case HardEvent::MTE2_FIX: case HardEvent::MTE1_FIX: case HardEvent::FIX_FIX: return ak::FIX;
         default: return ak::SCALAR;
     }
 }
@@ -388,7 +443,9 @@ template <HardEvent event> inline void WaitFlag(int32_t eventID) {
 // ---- TPipe / TQue / TBuf -----------------------------------------------------------------------
 namespace detail {
 inline const char* position_name(TPosition p) {
-    return p == TPosition::VECIN ? "VECIN" : p == TPosition::VECOUT ? "VECOUT" : p == TPosition::VECCALC ? "VECCALC" : "other";
+    return p == TPosition::VECIN ? "VECIN" : p == TPosition::VECOUT ? "VECOUT" : p == TPosition::VECCALC ? "VECCALC"
+         : p == TPosition::A1 ? "A1" : p == TPosition::B1 ? "B1" : p == TPosition::A2 ? "A2" : p == TPosition::B2 ? "B2"
+         : p == TPosition::CO1 ? "CO1" : "other";
 }
 // The events a queue between two positions synchronises with: EnQue sets `enque` (DeQue waits on it),
 // FreeTensor sets `free` (the next AllocTensor of that buffer waits on it); each with an ID from the
@@ -398,6 +455,9 @@ constexpr QueueEvents queue_events(TPosition src, TPosition dst) {
     return src == TPosition::VECIN && dst == TPosition::VECOUT ? QueueEvents{true, HardEvent::MTE2_MTE3, HardEvent::MTE3_MTE2}
          : src == TPosition::VECIN ? QueueEvents{true, HardEvent::MTE2_V, HardEvent::V_MTE2}
          : src == TPosition::VECOUT ? QueueEvents{true, HardEvent::V_MTE3, HardEvent::MTE3_V}
+         : src == TPosition::A1 || src == TPosition::B1 ? QueueEvents{true, HardEvent::MTE2_MTE1, HardEvent::MTE1_MTE2}
+         : src == TPosition::A2 || src == TPosition::B2 ? QueueEvents{true, HardEvent::MTE1_M, HardEvent::M_MTE1}
+         : src == TPosition::CO1 ? QueueEvents{true, HardEvent::M_FIX, HardEvent::FIX_M}
          : QueueEvents{false, HardEvent::V_V, HardEvent::V_V};
 }
 }  // namespace detail
@@ -413,8 +473,9 @@ template <TPosition src, TPosition dst, int32_t depth> class TQueImpl {
                                detail::position_name(src) : std::string("TQueBind ") + detail::position_name(src) + "->" +
                                detail::position_name(dst)) + ", buffer " + std::to_string(i) + " of " +
                                std::to_string(num) + ", " + std::to_string(len) + " B)";
-            bufs_.push_back(ak::core().alloc(len, name));
-            slots_.push_back(ak::core().new_slot(name));
+            static_assert(detail::memory_of(src) != ak::NMEMS, "a queue at a position the emulator does not model");
+            bufs_.push_back(ak::core().alloc(len, name, detail::memory_of(src)));
+            slots_.push_back(ak::core().new_slot(name, detail::memory_of(src)));
             busy_.push_back(false);
             free_id_.push_back(-1);
         }
@@ -497,9 +558,10 @@ template <TPosition pos = TPosition::VECCALC> class TBuf {
  public:
     void init(uint32_t len, int index) {
         len_ = len;
+        static_assert(detail::memory_of(pos) != ak::NMEMS, "a TBuf at a position the emulator does not model");
         std::string name = "InitBuffer #" + std::to_string(index) + " (TBuf, " + std::to_string(len) + " B)";
-        buf_ = ak::core().alloc(len, name);
-        slot_ = ak::core().new_slot(name);
+        buf_ = ak::core().alloc(len, name, detail::memory_of(pos));
+        slot_ = ak::core().new_slot(name, detail::memory_of(pos));
     }
     template <typename T> LocalTensor<T> Get() { return LocalTensor<T>(reinterpret_cast<T*>(buf_), len_ / sizeof(T), slot_); }
     template <typename T> LocalTensor<T> Get(uint32_t len) {
@@ -578,7 +640,7 @@ inline void check_copy_32b(uint32_t count, size_t size, const char* dir, const a
 
 template <typename T> void DataCopy(const LocalTensor<T>& dst, const GlobalTensor<T>& src, const uint32_t count) {
     detail::check_copy_32b(count, sizeof(T), "GM->UB", dst.slot());
-    dst.check(count, "DataCopy");
+    dst.check_in(dst.mem() == ak::L1 ? ak::L1 : ak::UB, count, "DataCopy");   /* GM -> UB, or GM -> A1 / B1 */
     src.check(0, count);
     std::memcpy(dst.ak_ptr(), src.ak_ptr(), count * sizeof(T));
     ak::core().c.gm_read += count * sizeof(T);
@@ -1246,12 +1308,246 @@ template <typename T, typename U> void Select(const LocalTensor<T>& dst, const L
     ak::core().issue(ak::VEC, detail::vec_cycles(uint64_t(count) * sizeof(T), 1.0), {selMask.slot(), src0.slot()}, {dst.slot()});
 }
 
+// ---- the Cube side (AIC): GM -> L1 in NZ, L1 -> L0A / L0B, Mmad into L0C, Fixpipe out to GM ---------
+// The fractal layouts as the NPU stores them (Mmad's documentation; C0 = 32 B / sizeof(T) elements):
+//   L1 / L0A (NZ / ZZ): fractals of 16 rows x C0, row-major inside; in L0A (ZZ) the fractals of a
+//       matrix [m][k] row-major too: fractal (m / 16, k / C0) at index (m / 16) * K1 + k / C0
+//   L0B (ZN): fractals of C0 x 16 ([k][n]) column-major inside (16 columns of C0), row-major across:
+//       fractal (k / C0, n / 16) at index (k / C0) * N1 + n / 16
+//   L0C (NZ): fp32 fractals of 16 x 16, row-major inside, column-major across: (n / 16) * M1 + m / 16
+// with M1 = ceil(m / 16), K1 = ceil(k / C0), N1 = ceil(n / 16); a fractal is 512 B in L0A / L0B.
+struct Nd2NzParams {
+    Nd2NzParams() {}
+    Nd2NzParams(uint16_t ndNumIn, uint16_t nValueIn, uint16_t dValueIn, uint16_t srcNdMatrixStrideIn, uint16_t srcDValueIn,
+                uint16_t dstNzC0StrideIn, uint16_t dstNzNStrideIn, uint16_t dstNzMatrixStrideIn)
+        : ndNum(ndNumIn), nValue(nValueIn), dValue(dValueIn), srcNdMatrixStride(srcNdMatrixStrideIn), srcDValue(srcDValueIn),
+          dstNzC0Stride(dstNzC0StrideIn), dstNzNStride(dstNzNStrideIn), dstNzMatrixStride(dstNzMatrixStrideIn) {}
+    uint16_t ndNum = 0, nValue = 0, dValue = 0, srcNdMatrixStride = 0, srcDValue = 0;
+    uint16_t dstNzC0Stride = 0, dstNzNStride = 0, dstNzMatrixStride = 0;
+};
+struct LoadData2DParams {
+    LoadData2DParams() {}
+    LoadData2DParams(uint16_t startIndexIn, uint8_t repeatTimesIn, uint16_t srcStrideIn, uint8_t sidIn, uint16_t dstGapIn,
+                     bool ifTransposeIn, uint8_t addrModeIn)
+        : startIndex(startIndexIn), dstGap(dstGapIn), srcStride(srcStrideIn), ifTranspose(ifTransposeIn),
+          repeatTimes(repeatTimesIn), sid(sidIn), addrMode(addrModeIn) {}
+    uint16_t startIndex = 0, dstGap = 0, srcStride = 0;
+    bool ifTranspose = false;
+    uint8_t repeatTimes = 0, sid = 0, addrMode = 0;
+};
+using LoadData2dParams = LoadData2DParams;
+struct MmadParams {
+    MmadParams() {}
+    MmadParams(uint16_t mIn, uint16_t nIn, uint16_t kIn, bool isBiasIn, int32_t fmOffsetIn, bool enSsparseIn,
+               bool enWinogradAIn, bool enWinogradBIn)
+        : m(mIn), n(nIn), k(kIn), isBias(isBiasIn), fmOffset(fmOffsetIn), enSsparse(enSsparseIn), enWinogradA(enWinogradAIn),
+          enWinogradB(enWinogradBIn) {}
+    MmadParams(uint16_t mIn, uint16_t nIn, uint16_t kIn, uint8_t unitFlagIn, bool cmatrixSourceIn, bool cmatrixInitValIn)
+        : m(mIn), n(nIn), k(kIn), unitFlag(unitFlagIn), cmatrixSource(cmatrixSourceIn), cmatrixInitVal(cmatrixInitValIn) {}
+    uint16_t m = 0, n = 0, k = 0;
+    bool isBias = false;
+    int32_t fmOffset = 0;
+    bool enSsparse = false, enWinogradA = false, enWinogradB = false;
+    uint8_t unitFlag = 0;
+    bool kDirectionAlign = false;
+    bool cmatrixSource = false;   // the initial C from the bias table (C2): not emulated
+    bool cmatrixInitVal = true;   // true: C = A B; false: C += A B
+};
+enum QuantMode_t : uint8_t { NoQuant = 0, F322F16, F322BF16, DEQF16, VDEQF16, QF322B8_PRE, VQF322B8_PRE, REQ8, VREQ8 };
+enum class CO2Layout : uint8_t { NZ = 0, ROW_MAJOR, COLUMN_MAJOR };
+struct FixpipeConfig { CO2Layout format; };
+constexpr FixpipeConfig CFG_NZ = {CO2Layout::NZ};
+constexpr FixpipeConfig CFG_ROW_MAJOR = {CO2Layout::ROW_MAJOR};
+constexpr FixpipeConfig CFG_COLUMN_MAJOR = {CO2Layout::COLUMN_MAJOR};
+struct FixpipeParamsV220 {
+    FixpipeParamsV220() {}
+    FixpipeParamsV220(uint16_t nSizeIn, uint16_t mSizeIn, uint16_t srcStrideIn, uint32_t dstStrideIn, bool reluEnIn)
+        : nSize(nSizeIn), mSize(mSizeIn), srcStride(srcStrideIn), dstStride(dstStrideIn), reluEn(reluEnIn) {}
+    FixpipeParamsV220(uint16_t nSizeIn, uint16_t mSizeIn, uint16_t srcStrideIn, uint32_t dstStrideIn, bool reluEnIn,
+                      QuantMode_t quantPreIn, int64_t deqScalarIn, uint16_t ndNumIn, uint16_t srcNdStrideIn,
+                      uint16_t dstNdStrideIn, uint8_t unitFlagIn)
+        : nSize(nSizeIn), mSize(mSizeIn), srcStride(srcStrideIn), dstStride(dstStrideIn), quantPre(quantPreIn),
+          deqScalar(uint64_t(deqScalarIn)), ndNum(ndNumIn), srcNdStride(srcNdStrideIn), dstNdStride(dstNdStrideIn),
+          reluEn(reluEnIn), unitFlag(unitFlagIn) {}
+    uint16_t nSize = 0, mSize = 0, srcStride = 0;
+    uint32_t dstStride = 0;
+    QuantMode_t quantPre = QuantMode_t::NoQuant;
+    uint64_t deqScalar = 0;
+    uint16_t ndNum = 1, srcNdStride = 0, dstNdStride = 0;
+    bool reluEn = false;
+    uint8_t unitFlag = 0;
+    bool isChannelSplit = false;
+};
+
+namespace detail {
+template <typename T> constexpr uint32_t c0_of() { return 32 / sizeof(T); }
+inline void range(const char* api, const char* field, uint64_t v, uint64_t lo, uint64_t hi) {
+    if (v < lo || v > hi)
+        ak::fail(api, std::string(field) + " " + std::to_string(v) + " outside [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
+}
+}  // namespace detail
+
+// DataCopy with Nd2NzParams (GM -> A1 / B1, or GM -> UB): ndNum matrices of nValue rows x dValue
+// elements, row r of matrix i at i * srcNdMatrixStride + r * srcDValue; its 32 B column blocks go to
+// i * dstNzMatrixStride + (r * dstNzNStride + c * dstNzC0Stride) * C0 (strides in 32 B blocks, the last
+// block zero-filled past dValue). Cost: MTE2, a copy per row.
+template <typename T> void DataCopy(const LocalTensor<T>& dst, const GlobalTensor<T>& src, const Nd2NzParams& p) {
+    const char* api = "DataCopy Nd2Nz";
+    detail::range(api, "ndNum", p.ndNum, 0, 4095);
+    detail::range(api, "nValue", p.nValue, 0, 16384);
+    detail::range(api, "srcDValue", p.srcDValue, 1, 65535);
+    detail::range(api, "dstNzC0Stride", p.dstNzC0Stride, 1, 16384);
+    detail::range(api, "dstNzNStride", p.dstNzNStride, 1, 16384);
+    detail::range(api, "dstNzMatrixStride", p.dstNzMatrixStride, 1, 65535);
+    constexpr uint32_t c0 = detail::c0_of<T>();
+    const uint32_t blocks = (p.dValue + c0 - 1) / c0;
+    uint64_t extent = 0;
+    for (uint32_t i = 0; i < p.ndNum; ++i)
+        for (uint32_t r = 0; r < p.nValue; ++r) {
+            const uint64_t at = uint64_t(i) * p.srcNdMatrixStride + uint64_t(r) * p.srcDValue;
+            src.check(at, p.dValue);
+            for (uint32_t c = 0; c < blocks; ++c)
+                extent = std::max<uint64_t>(extent, uint64_t(i) * p.dstNzMatrixStride +
+                                            (uint64_t(r) * p.dstNzNStride + uint64_t(c) * p.dstNzC0Stride + 1) * c0);
+        }
+    dst.check_in(dst.mem() == ak::UB ? ak::UB : ak::L1, uint32_t(extent), api);
+    for (uint32_t i = 0; i < p.ndNum; ++i)
+        for (uint32_t r = 0; r < p.nValue; ++r)
+            for (uint32_t c = 0; c < blocks; ++c)
+                for (uint32_t e = 0; e < c0; ++e) {
+                    const uint32_t col = c * c0 + e;
+                    dst.ak_ptr()[uint64_t(i) * p.dstNzMatrixStride + (uint64_t(r) * p.dstNzNStride + uint64_t(c) * p.dstNzC0Stride) * c0 + e] =
+                        col < p.dValue ? src.ak_ptr()[uint64_t(i) * p.srcNdMatrixStride + uint64_t(r) * p.srcDValue + col] : T(0);
+                }
+    const uint64_t bytes = uint64_t(p.ndNum) * p.nValue * p.dValue * sizeof(T);
+    ak::core().c.gm_read += bytes;
+    ak::core().issue(ak::MTE2, AK_MTE_LATENCY + double(bytes) / AK_MTE_BYTES_PER_CYCLE, {}, {dst.slot()});
+}
+
+// LoadData (2D): repeatTimes fractals of 512 B from L1 (A1 / B1) to L0A (A2) or L0B (B2): fractal
+// startIndex + r * srcStride (addrMode 1: minus) of src to fractal r * (1 + dstGap) of dst; with
+// ifTranspose each 16 x 16 fractal transposed, documented for uint16_t / int16_t / half only (bf16:
+// reinterpret its bits as half). Cost: MTE1, 512 B per repeat at the profile's L1 -> L0 rate.
+template <typename T> void LoadData(const LocalTensor<T>& dst, const LocalTensor<T>& src, const LoadData2DParams& p) {
+    const char* api = "LoadData";
+    detail::range(api, "repeatTimes", p.repeatTimes, 1, 255);
+    if (p.ifTranspose && !(std::is_same_v<T, half> || std::is_same_v<T, int16_t> || std::is_same_v<T, uint16_t>))
+        ak::fail(api, std::string("ifTranspose with ") + detail::type_name<T>() +
+                 ": the documented transpose takes uint16_t / int16_t / half (reinterpret 16-bit data as half)");
+    if (dst.mem() != ak::L0A && dst.mem() != ak::L0B)
+        ak::fail("position", std::string("LoadData writes A2 (L0A) or B2 (L0B), not ") + ak::mem_name(dst.mem()) +
+                 " (" + dst.slot()->name + ")");
+    constexpr uint32_t f = 512 / sizeof(T);
+    int64_t top = 0;
+    for (int64_t r = 0; r < p.repeatTimes; ++r) {
+        const int64_t s = int64_t(p.startIndex) + (p.addrMode ? -r : r) * int64_t(p.srcStride);
+        if (s < 0) ak::fail(api, "repeat " + std::to_string(r) + " reads fractal " + std::to_string(s) + " (before the source)");
+        top = std::max(top, s);
+    }
+    src.check_in(ak::L1, uint32_t((top + 1) * f), api);
+    dst.check_in(dst.mem(), uint32_t((uint64_t(p.repeatTimes - 1) * (1 + p.dstGap) + 1) * f), api, 512);
+    for (int64_t r = 0; r < p.repeatTimes; ++r) {
+        const T* s = src.ak_ptr() + (int64_t(p.startIndex) + (p.addrMode ? -r : r) * int64_t(p.srcStride)) * f;
+        T* d = dst.ak_ptr() + uint64_t(r) * (1 + p.dstGap) * f;
+        if (p.ifTranspose) {
+            for (uint32_t a = 0; a < 16; ++a)
+                for (uint32_t b = 0; b < 16; ++b) d[b * 16 + a] = s[a * 16 + b];
+        } else {
+            std::memcpy(d, s, 512);
+        }
+    }
+    ak::core().issue(ak::MTE1, AK_VEC_ISSUE + p.repeatTimes * 512.0 / AK_MTE1_BYTES_PER_CYCLE, {src.slot()}, {dst.slot()});
+}
+
+// Mmad: C (L0C, fp32) = A (L0A, m x k) B (L0B, k x n), or C += A B (cmatrixInitVal false), in the
+// layouts above; products and sums in fp32 in k order (half / bf16 / fp32 operands; the fp32 modes'
+// reduced-precision variants are not modelled). m, n, k <= 4095; A and B start 512 B aligned, C 256
+// elements. The rows and columns of C's fractals past m and n are poisoned (NaN): what Fixpipe or a
+// wrong index reads there is wrong. Cost: the Cube, M1 N1 K1 fractal products at the profile's MACs
+// per cycle.
+template <typename T, typename U, typename S>
+void Mmad(const LocalTensor<T>& dst, const LocalTensor<U>& fm, const LocalTensor<S>& filter, const MmadParams& p) {
+    static_assert(std::is_same_v<T, float> && std::is_same_v<U, S> &&
+                  (std::is_same_v<U, half> || std::is_same_v<U, bfloat16_t> || std::is_same_v<U, float>),
+                  "Mmad here: half, bfloat16_t or float operands into a float L0C");
+    const char* api = "Mmad";
+    detail::range(api, "m", p.m, 0, 4095);
+    detail::range(api, "n", p.n, 0, 4095);
+    detail::range(api, "k", p.k, 0, 4095);
+    if (p.cmatrixSource) ak::fail(api, "cmatrixSource: a C matrix from the bias table (C2) is not emulated");
+    constexpr uint32_t c0 = detail::c0_of<U>();
+    const uint32_t m1 = (p.m + 15) / 16, n1 = (p.n + 15) / 16, k1 = (p.k + c0 - 1) / c0;
+    fm.check_in(ak::L0A, m1 * k1 * 16 * c0, api, 512);
+    filter.check_in(ak::L0B, k1 * n1 * 16 * c0, api, 512);
+    dst.check_in(ak::L0C, m1 * n1 * 256, api, 256 * sizeof(T));
+    const U* a = fm.ak_ptr();
+    const S* b = filter.ak_ptr();
+    T* c = dst.ak_ptr();
+    for (uint32_t i = 0; i < m1 * 16; ++i)
+        for (uint32_t j = 0; j < n1 * 16; ++j) {
+            T& out = c[((j / 16) * m1 + i / 16) * 256 + (i % 16) * 16 + j % 16];
+            if (i >= p.m || j >= p.n) { out = __builtin_nanf(""); continue; }
+            float acc = p.cmatrixInitVal ? 0.0f : float(out);
+            for (uint32_t kk = 0; kk < p.k; ++kk)
+                acc += detail::to_f(a[((i / 16) * k1 + kk / c0) * 16 * c0 + (i % 16) * c0 + kk % c0]) *
+                       detail::to_f(b[((kk / c0) * n1 + j / 16) * c0 * 16 + (j % 16) * c0 + kk % c0]);
+            out = acc;
+        }
+    const double macs = double(m1) * 16 * n1 * 16 * k1 * c0;
+    ak::core().issue(ak::CUBE, AK_VEC_ISSUE + macs / (sizeof(U) == 4 ? AK_CUBE_MACS_FP32 : AK_CUBE_MACS_16BIT),
+                     {fm.slot(), filter.slot(), p.cmatrixInitVal ? nullptr : dst.slot()}, {dst.slot()});
+}
+
+// Fixpipe (FixpipeParamsV220, L0C -> GM): an mSize x nSize fp32 NZ matrix of L0C (column blocks of 16
+// srcStride x 16 elements apart), ReLU if reluEn, then to T (float: NoQuant; half: F322F16; bf16:
+// F322BF16, round to nearest even); CFG_ROW_MAJOR writes it ND (row i at i * dstStride elements),
+// CFG_NZ as NZ (column blocks dstStride x 32 B apart, nSize a multiple of 16); ndNum matrices,
+// srcNdStride x 256 elements / dstNdStride elements apart. Cost: FIX, the bytes written at its rate.
+template <typename T, typename U, const FixpipeConfig& config = CFG_ROW_MAJOR>
+void Fixpipe(const GlobalTensor<T>& dst, const LocalTensor<U>& src, const FixpipeParamsV220& p) {
+    static_assert(std::is_same_v<U, float> && (std::is_same_v<T, float> || std::is_same_v<T, half> || std::is_same_v<T, bfloat16_t>),
+                  "Fixpipe here: a float L0C to float, half or bfloat16_t");
+    static_assert(config.format != CO2Layout::COLUMN_MAJOR, "Fixpipe CFG_COLUMN_MAJOR (NZ2DN) is not on Atlas A2/A3");
+    const char* api = "Fixpipe";
+    const QuantMode_t want = std::is_same_v<T, float> ? NoQuant : std::is_same_v<T, half> ? F322F16 : F322BF16;
+    if (p.quantPre != want)
+        ak::fail(api, std::string("float to ") + detail::type_name<T>() + " takes quantPre " +
+                 (want == NoQuant ? "NoQuant" : want == F322F16 ? "F322F16" : "F322BF16"));
+    const bool nd = config.format == CO2Layout::ROW_MAJOR;
+    detail::range(api, "nSize", p.nSize, 1, 4095);
+    detail::range(api, "mSize", p.mSize, 1, nd ? 8192 : 65535);
+    detail::range(api, "ndNum", p.ndNum, 1, 65535);
+    if (!nd && p.nSize % 16 != 0) ak::fail(api, "nSize " + std::to_string(p.nSize) + ": a multiple of 16 without NZ2ND");
+    if (p.dstStride == 0) ak::fail(api, "dstStride 0");
+    uint64_t top = 0;
+    for (uint32_t t = 0; t < p.ndNum; ++t)
+        top = std::max<uint64_t>(top, uint64_t(t) * p.srcNdStride * 256 + uint64_t((p.nSize - 1) / 16) * p.srcStride * 16 +
+                                           uint64_t(p.mSize) * 16);
+    src.check_in(ak::L0C, uint32_t(top), api, 64);
+    const uint32_t blk = 32 / sizeof(T);
+    for (uint32_t t = 0; t < p.ndNum; ++t)
+        for (uint32_t i = 0; i < p.mSize; ++i)
+            for (uint32_t j = 0; j < p.nSize; ++j) {
+                float v = src.ak_ptr()[uint64_t(t) * p.srcNdStride * 256 + uint64_t(j / 16) * p.srcStride * 16 + i * 16 + j % 16];
+                if (p.reluEn && v < 0) v = 0.0f;
+                const uint64_t at = nd ? uint64_t(t) * p.dstNdStride + uint64_t(i) * p.dstStride + j
+                                       : uint64_t(t) * p.dstNdStride + uint64_t(j / 16) * p.dstStride * blk + uint64_t(i) * 16 + j % 16;
+                dst.check(at, 1);
+                if constexpr (std::is_same_v<T, float>) dst.ak_ptr()[at] = v;
+                else dst.ak_ptr()[at] = detail::from_f<T>(v, RoundMode::CAST_RINT);   /* to nearest even */
+            }
+    const uint64_t bytes = uint64_t(p.ndNum) * p.mSize * p.nSize * sizeof(T);
+    ak::core().c.gm_written += bytes;
+    ak::core().issue(ak::FIX, AK_VEC_ISSUE + double(bytes) / AK_FIX_BYTES_PER_CYCLE, {src.slot()}, {});
+}
+
 }  // namespace AscendC
 
 // The APIs above, by name: the template-coverage test checks every call a template makes against it.
 #define AK_EMULATED_APIS "GlobalTensor LocalTensor TPipe TQue TQueBind TBuf InitBuffer AllocTensor FreeTensor EnQue DeQue Get GetWithOffset " \
     "SetGlobalBuffer GetValue SetValue ReinterpretCast GetSize SetSize GetPhyAddr DataCopy DataCopyPad Add Sub Mul Div Max Min " \
     "Adds Muls Maxs Mins Exp Ln Sqrt Rsqrt Reciprocal Abs Relu Axpy MulAddDst Gather Copy Sort32 MrgSort Cast Duplicate Brcb ReduceSum ReduceMax WholeReduceSum " \
+    "LoadData Mmad Fixpipe Nd2NzParams LoadData2DParams MmadParams FixpipeParamsV220 FixpipeConfig CFG_ROW_MAJOR CFG_NZ QuantMode_t " \
     "WholeReduceMax Compare CompareScalar Select PipeBarrier SetFlag WaitFlag GetBlockIdx GetBlockNum SyncAll GetDataBlockSizeInBytes " \
     "GetTPipePtr AllocEventID ReleaseEventID FetchEventID KERNEL_TASK_TYPE_DEFAULT " \
     "DataCopyParams DataCopyExtParams DataCopyPadExtParams UnaryRepeatParams BinaryRepeatParams BrcbRepeatParams CopyRepeatParams " \
