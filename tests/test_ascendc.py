@@ -170,6 +170,12 @@ BROKEN = {
     "GM bounds": "TBuf<TPosition::VECCALC> b; pipe.InitBuffer(b, 1024); LocalTensor<float> t = b.Get<float>();"
                  " DataCopy(t, xg[32], 64);",
     "guard page": "((__gm__ float*)y)[64 + 1024] = 1.0f;",
+    # data one pipe wrote, touched by another with no event between: read early (or raced) on the NPU
+    "sync: MTE3 reads": "TQue<TPosition::VECIN, 1> q; pipe.InitBuffer(q, 1, 256); LocalTensor<float> t = q.AllocTensor<float>();"
+                        " DataCopy(t, xg, 64); q.EnQue(t); LocalTensor<float> u = q.DeQue<float>(); Muls(u, u, 2.0f, 64);"
+                        " DataCopy(yg, u, 64); q.FreeTensor(u);",
+    "sync: V reads": "TBuf<TPosition::VECCALC> b; pipe.InitBuffer(b, 1024); LocalTensor<float> t = b.Get<float>();"
+                     " t.SetValue(0, 1.0f); Adds(t, t, 1.0f, 64);",
     # the Cube side: each of its buffers against its own capacity; the documented fractal alignment and
     # Mmad's limits; vector instructions on the UB only; the documented transpose takes half
     "L0A capacity": "TBuf<TPosition::A2> b; pipe.InitBuffer(b, 70 * 1024);",
@@ -261,9 +267,9 @@ def test_sort32_and_mrgsort_order_as_documented():
                                  "GlobalTensor<float> yg; yg.SetGlobalBuffer((__gm__ float*)y, 1024);")
     source = source.replace("xg.SetGlobalBuffer((__gm__ float*)x, 64)", "xg.SetGlobalBuffer((__gm__ float*)x, 128)")
     source = source.replace('extern "C"', PIPE_WAIT + 'extern "C"', 1) + """
-    TBuf<TPosition::VECCALC> b; pipe.InitBuffer(b, 8192);
+    TBuf<TPosition::VECCALC> b, bi; pipe.InitBuffer(b, 8192); pipe.InitBuffer(bi, 512);
     LocalTensor<float> v = b.Get<float>(), sorted = v[256], top = v[768], merged = v[1024];
-    LocalTensor<uint32_t> idx = v[128].ReinterpretCast<uint32_t>();
+    LocalTensor<uint32_t> idx = bi.Get<uint32_t>();
     for (uint32_t i = 0; i < 128; ++i) idx.SetValue(i, 1000 + i);
     DataCopy(v, xg, 128);
     PipeWait<HardEvent::MTE2_V>();
@@ -457,6 +463,7 @@ def test_correct_kernel_passes_and_counts_pipes():
     DataCopy(t, xg, 64); q.EnQue(t);
     LocalTensor<float> u = q.DeQue<float>();
     Muls(u, u, 2.0f, 64);
+    TEventID id = GetTPipePtr()->FetchEventID(HardEvent::V_MTE3); SetFlag<HardEvent::V_MTE3>(id); WaitFlag<HardEvent::V_MTE3>(id);
     DataCopy(yg, u, 64); q.FreeTensor(u);
 }
 """

@@ -77,7 +77,15 @@ struct Slot {
     double free_at = 0;   // when its last read completes
     Mem mem = UB;
     uint8_t* base = nullptr;   // its memory's start (alignment is relative to it)
+    // the sync rule: the pipe that last wrote it and when (program order), and each pipe's last read
+    int writer = -1;
+    uint64_t write_seq = 0;
+    uint64_t read_seq[NPIPES] = {};
 };
+inline const char* pipe_name(int p) {
+    static const char* n[] = {"MTE2", "MTE3", "V", "S", "MTE1", "M", "FIX"};
+    return n[p];
+}
 
 struct Counters {
     double busy[NPIPES] = {};   // cycles each pipe worked
@@ -103,6 +111,13 @@ struct Core {
     // EnQue / FreeTensor) and the ID FetchEventID last handed out, good for one SetFlag.
     static constexpr int EVENTS = 64, IDS = 8;
     int flags[EVENTS * IDS] = {0};
+    // Program order (a counter over every instruction and sync) and what each pipe may touch: a write
+    // of pipe W issued before safe[W][P] is complete for pipe P (a SetFlag / WaitFlag, a queue's EnQue /
+    // DeQue or FreeTensor / AllocTensor, or a PipeBarrier<PIPE_ALL> between), and so is a read of W
+    // before P overwrites it. Each flag keeps, from its SetFlag, what its setting pipe could see then.
+    uint64_t seq = 0;
+    uint64_t safe[NPIPES][NPIPES] = {};
+    uint64_t flag_safe[EVENTS * IDS][NPIPES] = {};
     double flag_at[EVENTS * IDS] = {0};   // when the pipe that set each flag had finished what preceded the SetFlag
     std::string flag_by[EVENTS * IDS];
     uint8_t pool[EVENTS] = {0};
@@ -149,8 +164,26 @@ struct Core {
         allocs.emplace_back(what, bytes);
         return p;
     }
+    // The sync rule: data another pipe wrote (or still reads) is touched only after an event from that
+    // pipe to this one; without one the NPU reads it early or overwrites it under the reader.
+    void check_sync(const Slot& s, Pipe p, bool write) const {
+        if (s.writer >= 0 && s.writer != p && s.write_seq >= safe[s.writer][p])
+            fail("sync", std::string(pipe_name(p)) + (write ? " overwrites " : " reads ") + s.name + " after " +
+                 pipe_name(s.writer) + " wrote it, with no " + pipe_name(s.writer) + " -> " + pipe_name(p) +
+                 " event between (on the NPU it " + (write ? "races the write" : "reads it early") + ")");
+        if (write)   // the scalar unit's reads are done when it issues what follows them: no event needed
+            for (int r = 0; r < NPIPES; ++r)
+                if (r != p && r != SCALAR && s.read_seq[r] && s.read_seq[r] >= safe[r][p])
+                    fail("sync", std::string(pipe_name(p)) + " overwrites " + s.name + " that " + pipe_name(r) +
+                         " reads, with no " + pipe_name(r) + " -> " + pipe_name(p) + " event between");
+    }
     // Charge `cycles` to `pipe`, starting after its inputs are ready and its outputs are free.
     void issue(Pipe pipe, double cycles, std::initializer_list<Slot*> reads, std::initializer_list<Slot*> writes) {
+        const uint64_t now = ++seq;
+        for (Slot* s : reads) if (s) check_sync(*s, pipe, false);
+        for (Slot* s : writes) if (s) check_sync(*s, pipe, true);
+        for (Slot* s : reads) if (s) s->read_seq[pipe] = now;
+        for (Slot* s : writes) if (s) { s->writer = pipe; s->write_seq = now; }
         double start = std::max(c.at[pipe], c.at[SCALAR]);   // not before the scalar unit has issued it
         for (Slot* s : reads) if (s) start = std::max(start, s->ready);
         for (Slot* s : writes) if (s) start = std::max({start, s->free_at, s->ready});
@@ -354,7 +387,11 @@ inline ak::Pipe event_src(HardEvent e) {
         case HardEvent::MTE1_MTE2: case HardEvent::MTE1_M: case HardEvent::MTE1_FIX: return ak::MTE1;
         case HardEvent::M_MTE1: case HardEvent::M_FIX: case HardEvent::M_MTE2: case HardEvent::M_S: return ak::CUBE;
         case HardEvent::FIX_M: case HardEvent::FIX_MTE2: case HardEvent::FIX_MTE1: case HardEvent::FIX_S:
-        case HardEvent::FIX_FIX: return ak::FIX;
+        case HardEvent::FIX_FIX: case HardEvent::FIX_MTE3: return ak::FIX;
+        case HardEvent::M_V: return ak::CUBE;
+        case HardEvent::V_M: case HardEvent::V_MTE1: return ak::VEC;
+        case HardEvent::MTE3_MTE1: return ak::MTE3;
+        case HardEvent::MTE1_MTE3: case HardEvent::MTE1_V: return ak::MTE1;
         default: return ak::SCALAR;
     }
 }
@@ -367,6 +404,10 @@ inline ak::Pipe event_dst(HardEvent e) {
         case HardEvent::MTE2_MTE1: case HardEvent::M_MTE1: case HardEvent::FIX_MTE1: return ak::MTE1;
         case HardEvent::MTE1_M: case HardEvent::MTE2_M: case HardEvent::FIX_M: return ak::CUBE;
         case HardEvent::M_FIX: case HardEvent::MTE2_FIX: case HardEvent::MTE1_FIX: case HardEvent::FIX_FIX: return ak::FIX;
+        case HardEvent::M_V: case HardEvent::MTE1_V: return ak::VEC;
+        case HardEvent::V_M: return ak::CUBE;
+        case HardEvent::V_MTE1: case HardEvent::MTE3_MTE1: return ak::MTE1;
+        case HardEvent::MTE1_MTE3: case HardEvent::FIX_MTE3: return ak::MTE3;
         default: return ak::SCALAR;
     }
 }
@@ -383,6 +424,9 @@ inline void raise_flag(HardEvent e, int32_t id, const std::string& who) {
     k.flags[f] = 1;
     k.flag_by[f] = who;
     k.flag_at[f] = std::max(k.c.at[event_src(e)], k.c.at[ak::SCALAR]);
+    const int src = event_src(e);
+    const uint64_t now = ++k.seq;
+    for (int x = 0; x < ak::NPIPES; ++x) k.flag_safe[f][x] = x == src ? now : k.safe[x][src];
 }
 // Clear flag (e, id); when the signalling pipe reached the SetFlag.
 inline double lower_flag(HardEvent e, int32_t id) {
@@ -390,6 +434,12 @@ inline double lower_flag(HardEvent e, int32_t id) {
     const int f = flag_slot(e, id);
     if (k.flags[f] == 0) ak::fail("queue discipline", "WaitFlag on event " + event_str(e, id) + " that was never set");
     k.flags[f] = 0;
+    // the waiting pipe sees what the setter saw; a wait of the scalar unit holds back the issue of
+    // everything after it, so every pipe does
+    const int dst = event_dst(e);
+    for (int p = 0; p < ak::NPIPES; ++p)
+        if (p == dst || dst == ak::SCALAR)
+            for (int x = 0; x < ak::NPIPES; ++x) k.safe[x][p] = std::max(k.safe[x][p], k.flag_safe[f][x]);
     return k.flag_at[f];
 }
 // An ID of e from the pipe's pool, held for `who` until given back.
@@ -623,7 +673,13 @@ constexpr int16_t GetDataBlockSizeInBytes() { return 32; }
 template <pipe_t pipe> inline void PipeBarrier() {
     static_assert(pipe != PIPE_S, "PipeBarrier takes PIPE_V, PIPE_MTE2, PIPE_MTE3, PIPE_M, PIPE_MTE1, PIPE_FIX or PIPE_ALL");
     auto& c = ak::core().c;
-    if (pipe == PIPE_ALL) { const double t = c.makespan(); for (double& a : c.at) a = t; }
+    if (pipe == PIPE_ALL) {
+        const double t = c.makespan();
+        for (double& a : c.at) a = t;
+        auto& k = ak::core();
+        const uint64_t now = ++k.seq;
+        for (auto& row : k.safe) for (uint64_t& v : row) v = now;
+    }
 }
 template <bool isAIVOnly = true> void SyncAll();   // defined by the runner (a barrier across blocks)
 
