@@ -174,6 +174,11 @@ BROKEN = {
     "sync: MTE3 reads": "TQue<TPosition::VECIN, 1> q; pipe.InitBuffer(q, 1, 256); LocalTensor<float> t = q.AllocTensor<float>();"
                         " DataCopy(t, xg, 64); q.EnQue(t); LocalTensor<float> u = q.DeQue<float>(); Muls(u, u, 2.0f, 64);"
                         " DataCopy(yg, u, 64); q.FreeTensor(u);",
+    # Fixpipe reading L0C before the Mmad that writes it is known to be done (no M_FIX event)
+    "sync: FIX reads": "TBuf<TPosition::A2> a; pipe.InitBuffer(a, 512); TBuf<TPosition::B2> b; pipe.InitBuffer(b, 512);"
+                       " TBuf<TPosition::CO1> c; pipe.InitBuffer(c, 1024);"
+                       " Mmad(c.Get<float>(), a.Get<half>(), b.Get<half>(), MmadParams(16, 16, 16, 0, false, true));"
+                       " Fixpipe<float, float, CFG_ROW_MAJOR>(yg, c.Get<float>(), FixpipeParamsV220(16, 4, 16, 16, false));",
     "sync: V reads": "TBuf<TPosition::VECCALC> b; pipe.InitBuffer(b, 1024); LocalTensor<float> t = b.Get<float>();"
                      " t.SetValue(0, 1.0f); Adds(t, t, 1.0f, 64);",
     # the Cube side: each of its buffers against its own capacity; the documented fractal alignment and
