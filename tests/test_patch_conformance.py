@@ -240,12 +240,18 @@ def test_a_plan_with_a_knob_outside_its_domain_is_refused_before_anything_is_bui
     assert len(rejected) == 1 and f"knob {knob}={value} is outside rms_norm's domain" in rejected[0]["reason"]
 
 
-def test_tune_missing_tunes_the_widths_a_plan_lacks_and_the_model_still_computes_the_same(tmp_path):
+def test_tune_missing_tunes_the_widths_a_plan_lacks_and_the_model_still_computes_the_same(tmp_path, monkeypatch):
     """A plan tuned on one model's widths, applied to a wider model: without tune_missing the new
     widths stay on the reference (and the report says which extents are missing); with it they are
-    tuned here, recorded in the DB, swapped in, and the extended plan serves the next model as is."""
+    tuned here, recorded in the DB, swapped in, and the extended plan serves the next model as is.
+    Whether a kernel is swapped in is the measurement's call (one slower than eager is not), and at
+    these tiny widths a noisy machine can go either way: the timing is held fixed here, so what is
+    checked is the plan's extension, not the machine's load."""
     from aurakernel.db import TuningDB
     from aurakernel.swap import deepseek_v4_sites
+    from aurakernel.targets.host import target as host_target
+
+    monkeypatch.setattr(host_target, "measure_problem", lambda *a, **k: ({"aurakernel": 1.0, "eager": 2.0}, {}))
 
     cfg = _cfg()
     plan = plan_for(build_model(cfg.model, 0), ops={"rms_norm"})
