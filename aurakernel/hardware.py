@@ -40,14 +40,14 @@ class AscendPipes:
     scalar_op: float             # cycles per scalar GetValue / SetValue
     ub_usable: int               # UB bytes below the reserved top
     # the Cube side (AIC): its buffers' capacities and its pipes' rates
-    l1_usable: int = 524288 - 128
-    l0a_bytes: int = 65536
-    l0b_bytes: int = 65536
-    l0c_bytes: int = 131072
-    cube_macs_16bit: float = 4096.0   # MACs per cycle with half / bf16 operands (16 x 16 x 16)
-    cube_macs_fp32: float = 2048.0    # with fp32 operands (16 x 8 x 16 fractals)
-    mte1_bytes_per_cycle: float = 256.0   # L1 -> L0A / L0B
-    fix_bytes_per_cycle: float = 128.0    # L0C -> GM (what Fixpipe writes)
+    l1_usable: int
+    l0a_bytes: int
+    l0b_bytes: int
+    l0c_bytes: int
+    cube_macs_16bit: float        # MACs per cycle with half / bf16 operands (16 x 16 x 16)
+    cube_macs_fp32: float         # with fp32 operands (16 x 8 x 16 fractals)
+    mte1_bytes_per_cycle: float   # L1 -> L0A / L0B
+    fix_bytes_per_cycle: float    # L0C -> GM (what Fixpipe writes)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,6 @@ from rich.table import Table
 from aurakernel.targets import ascend
 from aurakernel.hardware import load_profile
 from aurakernel.ops import OPS
-from aurakernel.planner.ascend import bound_us
 from aurakernel.planner.model import ChoiceModel
 
 # (op, variant, shape ({rows}: the --rows option), dtype): the V4-Flash hidden norms, the flattened
@@ -65,11 +64,8 @@ def estimate(spec, problem, knobs, hw) -> dict[str, float]:
     errors = [e for r in reports.values() for e in r.errors]
     if errors:
         raise RuntimeError(errors[0])
-    est = sum(r.cycles for r in reports.values()) / (hw.clock_ghz * 1e3)
-    floors = ascend.kernel_of(spec).vector_floor(problem)
-    bounds = [bound_us(r.busiest_gm_bytes(), floors.get(phase), hw) for phase, r in reports.items()]
-    bound = sum(b for b, _ in bounds)
-    return {"est_us": est, "roofline_us": bound, "ratio": est / bound, "bound": "+".join(sorted({k for _, k in bounds}))}
+    d = ascend.estimate_summary(reports, hw, None, ascend.kernel_of(spec).vector_floor(problem))
+    return {"est_us": d["est_us"], "roofline_us": d["roofline_us"], "ratio": d["roofline_ratio"], "bound": d["bound"]}
 
 
 def main(argv=None) -> int:

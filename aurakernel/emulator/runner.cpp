@@ -150,7 +150,7 @@ int main(int argc, char** argv) {
                c.c.makespan(),
                (unsigned long long)c.c.gm_read, (unsigned long long)c.c.gm_written, (unsigned long long)c.c.vec_repeats,
                (unsigned long long)c.c.instrs[0], (unsigned long long)c.c.instrs[1], (unsigned long long)c.c.instrs[2],
-               (unsigned long long)c.c.instrs[3], c.ub_used);
+               (unsigned long long)c.c.instrs[3], c.mem_used[ak::UB]);
         for (size_t i = 0; i < c.allocs.size(); ++i)
             printf("%s[\"%s\", %u]", i ? ", " : "", json_escape(c.allocs[i].first).c_str(), c.allocs[i].second);
         printf("], \"error\": %s%s%s}", errors[b].empty() ? "null" : "\"", json_escape(errors[b]).c_str(), errors[b].empty() ? "" : "\"");

@@ -184,6 +184,11 @@ class VectorWork:
         return cycles / (hw.clock_ghz * 1e3)
 
 
+def cast_passes(dtype) -> int:
+    """fp32 passes a 16-bit dtype costs each way (A2/A3 compute in fp32: one Cast in, one out); fp32 none."""
+    return 0 if dtype.itemsize == 4 else 1
+
+
 def bound_us(gm_bytes_busiest_core: float, work: VectorWork | None, hw: HardwareProfile) -> tuple[float, str]:
     """A kernel's roofline bound and what sets it: the larger of its HBM traffic (roofline_us) and
     the vector work its math cannot avoid ("HBM" or "vector")."""

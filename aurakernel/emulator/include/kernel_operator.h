@@ -97,11 +97,10 @@ struct Counters {
 // Per-block context: the UB arena, the allocation cursor, counters and event bookkeeping.
 struct Core {
     int64_t block_idx = 0, block_num = 1;
-    std::vector<uint8_t> ub = std::vector<uint8_t>(AK_UB_BYTES + 64);
-    uint8_t* ub_base = nullptr;
-    uint32_t ub_used = 0;
     int init_count = 0;
-    std::vector<uint8_t> cube_mem[NMEMS];   // L1, L0A, L0B, L0C: allocated on a kernel's first use
+    // each memory's arena (the UB's made with the core, zeroed; the Cube side's on a kernel's first
+    // buffer there, poisoned: NaN for floats until written), its start and its allocation cursor
+    std::vector<uint8_t> mem[NMEMS];
     uint8_t* mem_base[NMEMS] = {};
     uint32_t mem_used[NMEMS] = {};
     std::vector<Slot*> slots;
@@ -127,40 +126,35 @@ struct Core {
     int kernel_type = -1;      // KERNEL_TASK_TYPE_DEFAULT's value, -1 when not declared
     std::vector<std::pair<std::string, uint32_t>> allocs;   // every InitBuffer, for the UB report
     Core() {
-        ub_base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(ub.data()) + 63) & ~uintptr_t(63));
+        arena(UB);
         for (int& f : fetched) f = -1;
     }
     ~Core() { for (auto* s : slots) delete s; }
     Slot* new_slot(const std::string& name, Mem m = UB) {
         slots.push_back(new Slot{name});
         slots.back()->mem = m;
-        slots.back()->base = m == UB ? ub_base : mem_base[m];
+        slots.back()->base = mem_base[m];
         return slots.back();
     }
-    // a buffer in one of the Cube side's memories, against its capacity
-    uint8_t* alloc_cube(uint32_t bytes, const std::string& what, Mem m) {
-        static const uint32_t cap[NMEMS] = {0, uint32_t(AK_L1_USABLE), uint32_t(AK_L0A_BYTES), uint32_t(AK_L0B_BYTES),
-                                            uint32_t(AK_L0C_BYTES)};
-        if (cube_mem[m].empty()) {
-            cube_mem[m].assign(cap[m] + 1024, 0xff);   // poisoned: NaN for floats until written
-            mem_base[m] = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(cube_mem[m].data()) + 1023) & ~uintptr_t(1023));
-        }
-        if (mem_used[m] + bytes > cap[m])
+    static uint32_t capacity(Mem m) {
+        static const uint32_t cap[NMEMS] = {uint32_t(AK_UB_USABLE), uint32_t(AK_L1_USABLE), uint32_t(AK_L0A_BYTES),
+                                            uint32_t(AK_L0B_BYTES), uint32_t(AK_L0C_BYTES)};
+        return cap[m];
+    }
+    void arena(Mem m) {
+        mem[m].assign((m == UB ? AK_UB_BYTES : capacity(m)) + 1024, m == UB ? 0 : 0xff);
+        mem_base[m] = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(mem[m].data()) + 1023) & ~uintptr_t(1023));
+    }
+    // a buffer in memory m, in order, against the part of it a kernel may use
+    uint8_t* alloc(uint32_t bytes, const std::string& what, Mem m = UB) {
+        if (mem[m].empty()) arena(m);
+        if (mem_used[m] + bytes > capacity(m))
             fail(std::string(mem_name(m)) + " capacity", what + " needs " + std::to_string(bytes) + " B at offset " +
-                 std::to_string(mem_used[m]) + ", beyond the " + std::to_string(cap[m]) + " B of " + mem_name(m));
+                 std::to_string(mem_used[m]) + ", beyond the " + std::to_string(capacity(m)) + " B usable" +
+                 (m == UB ? " (" + std::to_string(AK_UB_BYTES) + " B UB, top " + std::to_string(AK_UB_BYTES - AK_UB_USABLE) +
+                            " B reserved)" : std::string(" of ") + mem_name(m)));
         uint8_t* p = mem_base[m] + mem_used[m];
         mem_used[m] += bytes;
-        allocs.emplace_back(what, bytes);
-        return p;
-    }
-    uint8_t* alloc(uint32_t bytes, const std::string& what, Mem m = UB) {
-        if (m != UB) return alloc_cube(bytes, what, m);
-        if (ub_used + bytes > AK_UB_USABLE)
-            fail("UB capacity", what + " needs " + std::to_string(bytes) + " B at offset " + std::to_string(ub_used) +
-                 ", beyond the " + std::to_string(AK_UB_USABLE) + " B usable (" + std::to_string(AK_UB_BYTES) +
-                 " B UB, top " + std::to_string(AK_UB_BYTES - AK_UB_USABLE) + " B reserved)");
-        uint8_t* p = ub_base + ub_used;
-        ub_used += bytes;
         allocs.emplace_back(what, bytes);
         return p;
     }
@@ -1162,14 +1156,13 @@ template <typename T> void MrgSort(const LocalTensor<T>& dst, const MrgSortSrcLi
                      "stored one after the other, and no ifExhaustedSuspension");
     }
     const uint32_t span = total * uint32_t(repeats);   // structures a repeated call reads from src1 on, and writes
-    for (int i = 0; i < queues; ++i)
-        q[i]->check((repeats > 1 ? span - uint32_t(i) * len[0] : len[i]) * per_entry, "MrgSort", 8);
     dst.check(span * per_entry, "MrgSort");
     const uint8_t* dlo = reinterpret_cast<const uint8_t*>(dst.ak_ptr());
     for (int i = 0; i < queues; ++i) {
+        const uint32_t reads = repeats > 1 ? span - uint32_t(i) * len[0] : len[i];   // structures from queue i on
+        q[i]->check(reads * per_entry, "MrgSort", 8);
         const uint8_t* lo = reinterpret_cast<const uint8_t*>(q[i]->ak_ptr());
-        const uint32_t n = (repeats > 1 ? span - uint32_t(i) * len[0] : len[i]) * 8;
-        if (lo < dlo + span * 8 && dlo < lo + n)
+        if (lo < dlo + span * 8 && dlo < lo + reads * 8)
             ak::fail("MrgSort", "dst overlaps queue " + std::to_string(i + 1) + " (" + q[i]->slot()->name + ")");
     }
     std::vector<uint8_t> out;
@@ -1457,16 +1450,11 @@ template <typename T> void DataCopy(const LocalTensor<T>& dst, const GlobalTenso
     detail::range(api, "dstNzMatrixStride", p.dstNzMatrixStride, 1, 65535);
     constexpr uint32_t c0 = detail::c0_of<T>();
     const uint32_t blocks = (p.dValue + c0 - 1) / c0;
-    uint64_t extent = 0;
-    for (uint32_t i = 0; i < p.ndNum; ++i)
-        for (uint32_t r = 0; r < p.nValue; ++r) {
-            const uint64_t at = uint64_t(i) * p.srcNdMatrixStride + uint64_t(r) * p.srcDValue;
-            src.check(at, p.dValue);
-            for (uint32_t c = 0; c < blocks; ++c)
-                extent = std::max<uint64_t>(extent, uint64_t(i) * p.dstNzMatrixStride +
-                                            (uint64_t(r) * p.dstNzNStride + uint64_t(c) * p.dstNzC0Stride + 1) * c0);
-        }
-    dst.check_in(dst.mem() == ak::UB ? ak::UB : ak::L1, uint32_t(extent), api);
+    if (p.ndNum > 0 && p.nValue > 0 && blocks > 0) {   /* the strides are non-negative: the last row reaches furthest */
+        src.check(uint64_t(p.ndNum - 1) * p.srcNdMatrixStride + uint64_t(p.nValue - 1) * p.srcDValue, p.dValue);
+        dst.check_in(dst.mem() == ak::UB ? ak::UB : ak::L1, uint32_t(uint64_t(p.ndNum - 1) * p.dstNzMatrixStride +
+                     (uint64_t(p.nValue - 1) * p.dstNzNStride + uint64_t(blocks - 1) * p.dstNzC0Stride + 1) * c0), api);
+    }
     for (uint32_t i = 0; i < p.ndNum; ++i)
         for (uint32_t r = 0; r < p.nValue; ++r)
             for (uint32_t c = 0; c < blocks; ++c)
@@ -1494,13 +1482,9 @@ template <typename T> void LoadData(const LocalTensor<T>& dst, const LocalTensor
         ak::fail("position", std::string("LoadData writes A2 (L0A) or B2 (L0B), not ") + ak::mem_name(dst.mem()) +
                  " (" + dst.slot()->name + ")");
     constexpr uint32_t f = 512 / sizeof(T);
-    int64_t top = 0;
-    for (int64_t r = 0; r < p.repeatTimes; ++r) {
-        const int64_t s = int64_t(p.startIndex) + (p.addrMode ? -r : r) * int64_t(p.srcStride);
-        if (s < 0) ak::fail(api, "repeat " + std::to_string(r) + " reads fractal " + std::to_string(s) + " (before the source)");
-        top = std::max(top, s);
-    }
-    src.check_in(ak::L1, uint32_t((top + 1) * f), api);
+    const int64_t last = int64_t(p.startIndex) + (p.addrMode ? -1 : 1) * int64_t(p.repeatTimes - 1) * p.srcStride;
+    if (last < 0) ak::fail(api, "the last repeat reads fractal " + std::to_string(last) + " (before the source)");
+    src.check_in(ak::L1, uint32_t((std::max<int64_t>(last, p.startIndex) + 1) * f), api);
     dst.check_in(dst.mem(), uint32_t((uint64_t(p.repeatTimes - 1) * (1 + p.dstGap) + 1) * f), api, 512);
     for (int64_t r = 0; r < p.repeatTimes; ++r) {
         const T* s = src.ak_ptr() + (int64_t(p.startIndex) + (p.addrMode ? -r : r) * int64_t(p.srcStride)) * f;
@@ -1575,12 +1559,11 @@ void Fixpipe(const GlobalTensor<T>& dst, const LocalTensor<U>& src, const Fixpip
     detail::range(api, "ndNum", p.ndNum, 1, 65535);
     if (!nd && p.nSize % 16 != 0) ak::fail(api, "nSize " + std::to_string(p.nSize) + ": a multiple of 16 without NZ2ND");
     if (p.dstStride == 0) ak::fail(api, "dstStride 0");
-    uint64_t top = 0;
-    for (uint32_t t = 0; t < p.ndNum; ++t)
-        top = std::max<uint64_t>(top, uint64_t(t) * p.srcNdStride * 256 + uint64_t((p.nSize - 1) / 16) * p.srcStride * 16 +
-                                           uint64_t(p.mSize) * 16);
-    src.check_in(ak::L0C, uint32_t(top), api, 64);
-    const uint32_t blk = 32 / sizeof(T);
+    const uint32_t blk = 32 / sizeof(T), last = p.ndNum - 1;   /* the last matrix reaches furthest */
+    src.check_in(ak::L0C, uint32_t(uint64_t(last) * p.srcNdStride * 256 + uint64_t((p.nSize - 1) / 16) * p.srcStride * 16 +
+                                   uint64_t(p.mSize) * 16), api, 64);
+    dst.check(0, nd ? uint64_t(last) * p.dstNdStride + uint64_t(p.mSize - 1) * p.dstStride + p.nSize
+                    : uint64_t(last) * p.dstNdStride + uint64_t((p.nSize - 1) / 16) * p.dstStride * blk + uint64_t(p.mSize) * 16);
     for (uint32_t t = 0; t < p.ndNum; ++t)
         for (uint32_t i = 0; i < p.mSize; ++i)
             for (uint32_t j = 0; j < p.nSize; ++j) {
@@ -1588,7 +1571,6 @@ void Fixpipe(const GlobalTensor<T>& dst, const LocalTensor<U>& src, const Fixpip
                 if (p.reluEn && v < 0) v = 0.0f;
                 const uint64_t at = nd ? uint64_t(t) * p.dstNdStride + uint64_t(i) * p.dstStride + j
                                        : uint64_t(t) * p.dstNdStride + uint64_t(j / 16) * p.dstStride * blk + uint64_t(i) * 16 + j % 16;
-                dst.check(at, 1);
                 if constexpr (std::is_same_v<T, float>) dst.ak_ptr()[at] = v;
                 else dst.ak_ptr()[at] = detail::from_f<T>(v, RoundMode::CAST_RINT);   /* to nearest even */
             }

@@ -138,7 +138,7 @@ def verify(spec: OpSpec, problems: list[Problem], knobs: dict[str, int], emu: Em
     return result
 
 
-def estimate_summary(estimate: dict[str, emulator.RunReport], hw: HardwareProfile, the_plan: Plan,
+def estimate_summary(estimate: dict[str, emulator.RunReport], hw: HardwareProfile, the_plan: Plan | None,
                      floors: dict[str, VectorWork] | None = None) -> dict:
     """The emulator's run at the full shape as tune reports it: per phase its cycles, time, busiest
     pipes, UB use and roofline bound (the larger of its HBM traffic and the vector work of `floors`,
@@ -155,7 +155,7 @@ def estimate_summary(estimate: dict[str, emulator.RunReport], hw: HardwareProfil
     est_us = sum(ph["est_us"] for ph in phases.values())
     bound = sum(ph["roofline_us"] for ph in phases.values())
     kinds = sorted({ph["bound"] for ph in phases.values()})
-    return {"schedule": the_plan.schedule, "ub_bytes": max((ph["ub_bytes"] for ph in phases.values()), default=0),
+    return {"schedule": the_plan.schedule if the_plan else None, "ub_bytes": max((ph["ub_bytes"] for ph in phases.values()), default=0),
             "est_cycles": sum(ph["est_cycles"] for ph in phases.values()), "est_us": est_us, "roofline_us": bound,
             "bound": "+".join(kinds), "roofline_ratio": est_us / bound if bound else None, "phases": phases}
 

@@ -12,7 +12,7 @@ from ....dtypes import DType
 from ....emulator import from_bytes, to_bytes
 from ....ops.attn_softmax import AIV_MAX, SCALING, SPEC, _mask_rows
 from ....ops.base import Problem, Tensors
-from ....planner.ascend import AscendRowPhase, VectorWork, row_split
+from ....planner.ascend import AscendRowPhase, VectorWork, cast_passes, row_split
 from ....planner.schedule import phase_schedule
 from ..kernel import AscendKernel
 
@@ -71,7 +71,7 @@ class AttnSoftmaxAscend(AscendKernel):
         """Per score (16-bit dtypes cast once each way): forward the scale, the max, the subtraction,
         the exponential (slow), the sum and the normalisation; backward dp . p, dp - dot, the product
         with p and the scale. Below the HBM traffic of 2 (forward) / 3 (backward) elements moved."""
-        elems, c = math.prod(problem.shape), 0 if problem.dtype.itemsize == 4 else 1
+        elems, c = math.prod(problem.shape), cast_passes(problem.dtype)
         return {"forward": VectorWork(elems * (5 + 2 * c), elems), "backward": VectorWork(elems * (4 + 3 * c))}
 
     def params(self, problem: Problem, knobs: dict[str, int]) -> dict:

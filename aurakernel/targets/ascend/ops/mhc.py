@@ -10,7 +10,7 @@ from .... import emulator
 from ....emulator import from_bytes, to_bytes
 from ....ops.base import Problem, Tensors
 from ....ops.mhc import EPS, HEAD, ITERS, PRE
-from ....planner.ascend import AscendRowPhase, VectorWork, align32 as a32, row_split
+from ....planner.ascend import AscendRowPhase, VectorWork, cast_passes, align32 as a32, row_split
 from ....planner.schedule import phase_schedule
 from ..kernel import AscendKernel
 
@@ -79,7 +79,7 @@ class MhcAscend(AscendKernel):
         products). On the vector unit these products make both kernels vector-bound; the Cube takes
         them in issue 18."""
         rows, hc, d = problem.shape
-        n, c, elems, ys = self.spec.nout(hc), 0 if problem.dtype.itemsize == 4 else 1, rows * hc * d, rows * d
+        n, c, elems, ys = self.spec.nout(hc), cast_passes(problem.dtype), rows * hc * d, rows * d
         return {"forward": VectorWork(elems * (n + 2 + c) + ys * c),
                 "backward_head": VectorWork(elems * (1 + c) + ys * c),
                 "backward": VectorWork(elems * (2 * n + 2 + 2 * c) + ys * c)}

@@ -10,7 +10,7 @@ from .... import emulator
 from ....emulator import from_bytes, to_bytes
 from ....ops.base import Problem, Tensors
 from ....ops.mhc_post import SPEC
-from ....planner.ascend import AscendRowPhase, VectorWork, row_split, ub_pitch
+from ....planner.ascend import AscendRowPhase, VectorWork, cast_passes, row_split, ub_pitch
 from ..kernel import AscendKernel
 
 
@@ -42,7 +42,7 @@ class MhcPostAscend(AscendKernel):
         products and post * y; backward dx (HC products), d comb and d post (HC + 1 dot-product
         MulAdds) and dy (one). Far below the HBM traffic: the kernel is HBM-bound."""
         rows, hc, d = problem.shape
-        c, elems, ys = 0 if problem.dtype.itemsize == 4 else 1, rows * hc * d, rows * d
+        c, elems, ys = cast_passes(problem.dtype), rows * hc * d, rows * d
         return {"forward": VectorWork(elems * (hc + 1 + 2 * c) + ys * c),
                 "backward": VectorWork(elems * (2 * hc + 2 + 3 * c) + 2 * ys * c)}
 

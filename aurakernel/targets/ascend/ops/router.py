@@ -12,7 +12,7 @@ from ....emulator import from_bytes, to_bytes
 from ....errors import UserError
 from ....ops.base import Problem, Tensors
 from ....ops.router import SCALE, SPEC
-from ....planner.ascend import AscendRowPhase, VectorWork, row_split, ub_pitch
+from ....planner.ascend import AscendRowPhase, VectorWork, cast_passes, row_split, ub_pitch
 from ..kernel import AscendKernel
 
 
@@ -65,7 +65,7 @@ class RouterAscend(AscendKernel):
         value less than once); the K weights per row are negligible; backward the zeroed row and its
         cast. Far below the HBM traffic: HBM-bound."""
         rows, experts, _ = problem.shape
-        elems, c = rows * experts, 0 if problem.dtype.itemsize == 4 else 1
+        elems, c = rows * experts, cast_passes(problem.dtype)
         fwd = VectorWork(elems * c) if problem.variant == "hash" else VectorWork(elems * (2 + c))
         return {"forward": fwd, "backward": VectorWork(elems * (1 + c))}
 
