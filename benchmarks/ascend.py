@@ -64,7 +64,8 @@ def estimate(spec, problem, knobs, hw) -> dict[str, float]:
     errors = [e for r in reports.values() for e in r.errors]
     if errors:
         raise RuntimeError(errors[0])
-    d = ascend.estimate_summary(reports, hw, None, ascend.kernel_of(spec).vector_floor(problem))
+    kernel = ascend.kernel_of(spec)
+    d = ascend.estimate_summary(reports, hw, None, kernel.vector_floor(problem), kernel.cube_floor(problem))
     return {"est_us": d["est_us"], "roofline_us": d["roofline_us"], "ratio": d["roofline_ratio"], "bound": d["bound"]}
 
 

@@ -204,10 +204,15 @@ BROKEN = {
 }
 
 
+# the rules of the Cube side, on a Cube core (a vector core has no L1 / L0)
+ON_THE_CUBE = {"sync: FIX reads", "L0A capacity", "512 B alignment", "Mmad: m 5000", "position: Add takes a LocalTensor in UB",
+               "LoadData: ifTranspose with bfloat16_t"}
+
+
 @pytest.mark.parametrize("rule", list(BROKEN))
 def test_each_hardware_rule_trips_on_a_broken_kernel(rule):
     source = KERNEL_HEAD + "    " + BROKEN[rule] + "\n}\n"
-    exe = emulator.build(source, entry="k", nargs=2, hw=HW, block_dim=2)
+    exe = emulator.build(source, entry="k", nargs=2, hw=HW, block_dim=2, cores="aic" if rule in ON_THE_CUBE else "aiv")
     report = emulator.run(exe, 2, [bytearray(256), bytearray(256)])
     assert not report.ok
     assert rule.split(":")[0] in report.errors[0], report.errors
@@ -311,6 +316,7 @@ using TO = {to};
 constexpr uint32_t M = {m}, N = {n}, K = {k}, C0 = 32 / sizeof(T);
 constexpr uint32_t M1 = (M + 15) / 16, N1 = (N + 15) / 16, K1 = (K + C0 - 1) / C0;
 extern "C" __global__ __aicore__ void k(GM_ADDR a, GM_ADDR b, GM_ADDR c) {{
+    KERNEL_TASK_TYPE_DEFAULT(KERNEL_TYPE_AIC_ONLY);
     GlobalTensor<T> ag, bg;
     GlobalTensor<TO> cg;
     ag.SetGlobalBuffer((__gm__ T*)a, M * K);
@@ -387,7 +393,7 @@ def test_a_matmul_through_l1_l0_mmad_and_fixpipe_matches_torch(m, n, k, dtype, t
     source = CUBE_MATMUL.format(t="bfloat16_t" if dtype == "bf16" else "float", to="bfloat16_t" if dtype == "bf16" else "float",
                                 m=m, n=n, k=k, transpose="true" if transpose else "false", passes=passes,
                                 relu="true" if relu else "false", quant="F322BF16" if dtype == "bf16" else "NoQuant")
-    exe = emulator.build(source, entry="k", nargs=3, hw=HW, block_dim=1)
+    exe = emulator.build(source, entry="k", nargs=3, hw=HW, block_dim=1, cores="aic")
     b_gm = b if transpose else b.t().contiguous()
     out = torch.full((m, n), float("nan")).to(tdt)
     bufs = [emulator.to_bytes(a.contiguous()), emulator.to_bytes(b_gm), emulator.to_bytes(out)]
@@ -587,3 +593,99 @@ def test_every_kernel_compiles_against_the_real_ascendc_headers(tmp_path):
     bad.parent.mkdir()
     bad.write_text(KERNEL_HEAD + "    float v = INFINITY; (void)v;\n}\n")
     assert "INFINITY" in (first_error(bad) or "")
+
+
+# A mixed kernel: per block the AIC multiplies A (16 x 32) by B^T into a GM workspace, signals its two
+# AIVs (mode 2); each AIV scales its 8 rows by (its vector-core index + 1) and signals back.
+MIX_MATMUL = """#include "kernel_operator.h"
+using namespace AscendC;
+extern "C" __global__ __aicore__ void k(GM_ADDR a, GM_ADDR b, GM_ADDR work, GM_ADDR y) {
+    KERNEL_TASK_TYPE_DEFAULT(KERNEL_TYPE_MIX_AIC_1_2);
+    TPipe pipe;
+    GlobalTensor<float> wg; wg.SetGlobalBuffer((__gm__ float*)work + GetBlockIdx() / GetTaskRatio() * 256, 256);
+    if ASCEND_IS_AIC {
+        GlobalTensor<half> ag, bg; ag.SetGlobalBuffer((__gm__ half*)a, 512); bg.SetGlobalBuffer((__gm__ half*)b, 512);
+        TQue<TPosition::A1, 1> qa1, qb1; TQue<TPosition::A2, 1> qa2; TQue<TPosition::B2, 1> qb2; TQue<TPosition::CO1, 1> qc;
+        pipe.InitBuffer(qa1, 1, 1024); pipe.InitBuffer(qb1, 1, 1024); pipe.InitBuffer(qa2, 1, 1024);
+        pipe.InitBuffer(qb2, 1, 1024); pipe.InitBuffer(qc, 1, 1024);
+        LocalTensor<half> a1 = qa1.AllocTensor<half>(), b1 = qb1.AllocTensor<half>();
+        DataCopy(a1, ag, Nd2NzParams(1, 16, 32, 0, 32, 16, 1, 1)); DataCopy(b1, bg, Nd2NzParams(1, 16, 32, 0, 32, 16, 1, 1));
+        qa1.EnQue(a1); qb1.EnQue(b1); a1 = qa1.DeQue<half>(); b1 = qb1.DeQue<half>();
+        LocalTensor<half> a2 = qa2.AllocTensor<half>(), b2 = qb2.AllocTensor<half>();
+        LoadData(a2, a1, LoadData2DParams(0, 2, 1, 0, 0, false, 0)); LoadData(b2, b1, LoadData2DParams(0, 2, 1, 0, 0, false, 0));
+        qa2.EnQue(a2); qb2.EnQue(b2); qa1.FreeTensor(a1); qb1.FreeTensor(b1);
+        a2 = qa2.DeQue<half>(); b2 = qb2.DeQue<half>();
+        LocalTensor<float> c = qc.AllocTensor<float>();
+        Mmad(c, a2, b2, MmadParams(16, 16, 32, 0, false, true));
+        qc.EnQue(c); qa2.FreeTensor(a2); qb2.FreeTensor(b2); c = qc.DeQue<float>();
+        Fixpipe<float, float, CFG_ROW_MAJOR>(wg, c, FixpipeParamsV220(16, 16, 16, 16, false));
+        qc.FreeTensor(c);
+        CrossCoreSetFlag<2, PIPE_FIX>(SET_ID);
+        CrossCoreWaitFlag<2, PIPE_FIX>(DONE_ID);
+    }
+    if ASCEND_IS_AIV {
+        GlobalTensor<float> yg; yg.SetGlobalBuffer((__gm__ float*)y + GetBlockIdx() * 128, 128);
+        TBuf<TPosition::VECCALC> t; pipe.InitBuffer(t, 512);
+        LocalTensor<float> v = t.Get<float>();
+        CrossCoreWaitFlag<2, PIPE_MTE2>(0);
+        DataCopy(v, wg[GetSubBlockIdx() * 128], 128);
+        PipeWait<HardEvent::MTE2_V>();
+        Muls(v, v, float(GetBlockIdx() + 1), 128);
+        PipeWait<HardEvent::V_MTE3>();
+        DataCopy(yg, v, 128);
+        CrossCoreSetFlag<2, PIPE_MTE3>(1);
+    }
+}
+"""
+
+
+def _mix_run(source: str, block_dim: int = 2, cores: str = "mix_1_2"):
+    import torch
+    g = torch.Generator().manual_seed(7)
+    a, b = torch.randn(16, 32, generator=g).half(), torch.randn(16, 32, generator=g).half()
+    exe = emulator.build(source.replace("using namespace AscendC;\n", "using namespace AscendC;\n" + PIPE_WAIT, 1), entry="k", nargs=4, hw=HW, block_dim=block_dim, cores=cores)
+    bufs = [emulator.to_bytes(a), emulator.to_bytes(b), bytearray(block_dim * 1024), bytearray(block_dim * 1024)]
+    return emulator.run(exe, block_dim, bufs, timeout_s=60), a.float() @ b.float().t(), bufs[3]
+
+
+def test_a_mixed_kernel_runs_its_cube_and_vector_cores_side_by_side():
+    """The AIC's matmul reaches both AIVs of its block through the GM workspace after a mode-2 flag;
+    an AIV's GetBlockIdx counts vector cores (block * 2 + sub-block)."""
+    import torch
+    report, ref, y = _mix_run(MIX_MATMUL.replace("SET_ID", "0").replace("DONE_ID", "1"))
+    assert report.ok, report.errors
+    got = torch.frombuffer(y, dtype=torch.float32).reshape(2, 2, 8, 16)
+    for block in range(2):
+        for sub in range(2):
+            torch.testing.assert_close(got[block, sub], ref[8 * sub:8 * sub + 8] * (2 * block + sub + 1), rtol=1e-5, atol=1e-5)
+    assert sorted((b.block, b.core) for b in report.blocks) == [(0, "AIC"), (0, "AIV0"), (0, "AIV1"), (1, "AIC"), (1, "AIV0"), (1, "AIV1")]
+    aic = next(b for b in report.blocks if b.core == "AIC")
+    aiv = next(b for b in report.blocks if b.core == "AIV0")
+    assert aic.busy["Cube"] > 0 and aic.ub_used == 0 and aiv.busy["Vector"] > 0
+    assert aiv.makespan > aic.busy["FIX"]          # the AIVs start only after the AIC's Fixpipe
+    pipes = report.pipe_cycles()
+    assert pipes["Cube"] > 0 and pipes["Vector"] > 0 and report.cube_blocks
+
+
+@pytest.mark.parametrize("change,rule", [
+    (("DONE_ID", "2"), "hang: CrossCoreWaitFlag(2) of mode 2 on the AIC of block 0"),   # the AIVs set 1, never 2
+    (("SET_ID", "11"), "CrossCoreSetFlag: flagId 11"),
+    (("KERNEL_TYPE_MIX_AIC_1_2", "KERNEL_TYPE_AIV_ONLY"), "kernel type: declared with 0 AIC and 1 AIV"),
+    (("CrossCoreSetFlag<2, PIPE_FIX>(SET_ID);", "for (int i = 0; i < 17; ++i) CrossCoreSetFlag<2, PIPE_FIX>(0);"),
+     "counter holds at most 15"),   # the AIVs wait once
+])
+def test_mixed_kernel_rules(change, rule):
+    """A wait no set can meet hangs (reported, not waited out); flag IDs 0-10; the declared kernel type
+    is the launch; a flag's counter holds 15 sets."""
+    source = MIX_MATMUL.replace(*change).replace("SET_ID", "0").replace("DONE_ID", "1")
+    report, _, _ = _mix_run(source)
+    assert not report.ok and rule in report.errors[0], report.errors
+
+
+def test_each_core_has_only_its_own_memories():
+    """On the split A2/A3 cores a vector core has no L1 / L0 and the Cube core no UB."""
+    report, _, _ = _mix_run(MIX_MATMUL.replace("SET_ID", "0").replace("DONE_ID", "1"), cores="aiv")
+    assert not report.ok and "kernel type" in report.errors[0]
+    body = "    TBuf<TPosition::A1> b; pipe.InitBuffer(b, 1024);"
+    report, _ = _run_kernel(body, bytearray(256))
+    assert not report.ok and "position" in report.errors[0] and "vector core (AIV)" in report.errors[0]

@@ -4,6 +4,10 @@ with g++, run every block on the CPU, and read back outputs, per-pipe counters a
     exe = build(kernel_source, entry="rms_norm_fwd", nargs=6, hw=profile, block_dim=48)
     report = run(exe, block_dim=48, buffers=[x_bytes, gamma_bytes, ...])   # buffers updated in place
 
+A build's `cores` is its launch: per block one vector core ("aiv", the default), one Cube core
+("aic"), or an AI core's Cube core with one or two vector cores beside it ("mix_1_1", "mix_1_2",
+the split-core chips' mixed kernels); each core runs on its own thread.
+
 The runner executes in a subprocess so that an out-of-bounds GM access (a guard page fault) is a
 reported error, not a crash of the caller.
 """
@@ -32,6 +36,8 @@ RUNNER = HERE / "runner.cpp"
 PIPES = ("MTE2", "MTE3", "Vector", "Scalar", "MTE1", "Cube", "FIX")
 CUBE_PIPES = ("MTE1", "Cube", "FIX")   # reported only where a kernel used them
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# a launch's cores per block: (AIC, AIV)
+CORES = {"aiv": (0, 1), "aic": (1, 0), "mix_1_1": (1, 1), "mix_1_2": (1, 2)}
 
 
 def documented_apis() -> set[str]:
@@ -57,15 +63,19 @@ def pipe_defines(hw: HardwareProfile, block_dim: int) -> dict[str, float]:
 
 
 def build(kernel_source: str, *, entry: str, nargs: int, hw: HardwareProfile, block_dim: int,
-          include_dirs: tuple[Path, ...] = (), batch_mode: bool = False) -> Path:
+          include_dirs: tuple[Path, ...] = (), batch_mode: bool = False, cores: str = "aiv") -> Path:
     """Compile kernel + runner into an executable (cached by content hash); BuildError on failure.
-    `batch_mode`: the launch's schedule mode (the tiling's SetScheduleMode(1)), which SyncAll needs."""
+    `batch_mode`: the launch's schedule mode (the tiling's SetScheduleMode(1)), which SyncAll needs;
+    `cores`: the launch's cores per block (CORES)."""
     if not _NAME.match(entry) or not 0 < nargs <= 32:
         raise ValueError(f"bad kernel entry {entry!r} / nargs {nargs}")
+    if cores not in CORES:
+        raise ValueError(f"bad launch cores {cores!r}: one of {', '.join(CORES)}")
     cxx = compiler()
     if cxx is None:
         raise BuildError("no C++ compiler found for the AscendC emulator (set CXX or install g++)")
     defines = {**pipe_defines(hw, block_dim), "AK_KERNEL": entry, "AK_BATCH_MODE": int(bool(batch_mode)),
+               "AK_AIC_PER_BLOCK": CORES[cores][0], "AK_AIV_PER_BLOCK": CORES[cores][1],
                "AK_PARAMS": ",".join(["uint8_t*"] * nargs), "AK_ARGS": ",".join(f"gm[{i}]" for i in range(nargs))}
     flags = ["-std=c++20", "-O2", "-pthread", f"-I{INCLUDE}", *(f"-D{k}={v}" for k, v in defines.items())]
     # the kernel's own headers (its tiling struct) are copied beside it, so the cache key holds their
@@ -94,24 +104,40 @@ def build(kernel_source: str, *, entry: str, nargs: int, hw: HardwareProfile, bl
 
 @dataclass
 class BlockReport:
+    """One core's run (a vector core's, or in a Cube / mixed launch each AIC's and AIV's)."""
     busy: dict[str, float]          # cycles each pipe worked
-    makespan: float                 # cycles until the block's last instruction completed
+    makespan: float                 # cycles until the core's last instruction completed
     gm_read: int
     gm_written: int
     ub_used: int
     buffers: list[tuple[str, int]]  # every InitBuffer: name, bytes
     error: str | None
+    block: int = 0                  # its block (AI core)
+    core: str = "AIV0"              # "AIC", "AIV0" or "AIV1"
 
 
 @dataclass
 class RunReport:
-    blocks: list[BlockReport] = field(default_factory=list)
+    blocks: list[BlockReport] = field(default_factory=list)   # every core, by block
     fatal: str | None = None
 
     @property
     def errors(self) -> list[str]:
-        errs = [f"block {i}: {b.error}" for i, b in enumerate(self.blocks) if b.error]
+        """The rule errors, a hang after the others (a core that stopped on an error leaves its
+        partners waiting: the error is the cause)."""
+        errs = [f"block {b.block}{'' if b.core == 'AIV0' and self._vector_only else ' ' + b.core}: {b.error}"
+                for b in self.blocks if b.error]
+        errs.sort(key=lambda e: ": hang: " in e)
         return ([self.fatal] if self.fatal else []) + errs
+
+    @property
+    def _vector_only(self) -> bool:
+        return all(b.core == "AIV0" for b in self.blocks)
+
+    @property
+    def cube_blocks(self) -> bool:
+        """Whether the launch's blocks are AI cores (a Cube or mixed kernel), not single vector cores."""
+        return any(b.core == "AIC" for b in self.blocks)
 
     @property
     def ok(self) -> bool:
@@ -119,17 +145,34 @@ class RunReport:
 
     @property
     def cycles(self) -> float:
-        """The kernel's estimate: the slowest block's makespan (blocks run in parallel, one per core)."""
+        """The kernel's estimate: the slowest core's makespan (cores run in parallel)."""
         return max((b.makespan for b in self.blocks), default=0.0)
 
+    def _slowest_block(self) -> list[BlockReport]:
+        slowest = max(self.blocks, key=lambda b: b.makespan).block
+        return [b for b in self.blocks if b.block == slowest]
+
     def pipe_cycles(self) -> dict[str, float]:
-        """Busy cycles per pipe of the slowest block."""
-        slowest = max(self.blocks, key=lambda b: b.makespan)
-        return dict(slowest.busy)
+        """Busy cycles per pipe of the slowest block (of a mixed one: its AIC's Cube pipes, its busier AIV's)."""
+        busy: dict[str, float] = {}
+        for b in self._slowest_block():
+            for pipe, c in b.busy.items():
+                busy[pipe] = max(busy.get(pipe, 0.0), c)
+        return {p: busy[p] for p in PIPES if p in busy}
 
     def busiest_gm_bytes(self) -> int:
-        """Bytes the busiest block moved across GM (what its share of HBM bandwidth must carry)."""
-        return max((b.gm_read + b.gm_written for b in self.blocks), default=0)
+        """Bytes the busiest block (all its cores) moved across GM (what its share of HBM bandwidth must carry)."""
+        per_block: dict[int, int] = {}
+        for b in self.blocks:
+            per_block[b.block] = per_block.get(b.block, 0) + b.gm_read + b.gm_written
+        return max(per_block.values(), default=0)
+
+    def ub_used(self) -> int:
+        return max((b.ub_used for b in self.blocks), default=0)
+
+    def buffers(self) -> list[tuple[str, int]]:
+        """The InitBuffers of the core that used the most UB."""
+        return max(self.blocks, key=lambda b: b.ub_used).buffers if self.blocks else []
 
 
 def run(exe: Path, block_dim: int, buffers: list[bytearray], timeout_s: float = 600.0) -> RunReport:
@@ -152,7 +195,7 @@ def run(exe: Path, block_dim: int, buffers: list[bytearray], timeout_s: float = 
         busy = {p: c for p, c in zip(PIPES, blk["busy"]) if c > 0 or p not in CUBE_PIPES}
         report.blocks.append(BlockReport(busy, blk["makespan"], blk["gm_read"],
                                          blk["gm_written"], blk["ub_used"], [tuple(x) for x in blk["buffers"]],
-                                         blk["error"]))
+                                         blk["error"], blk["block"], blk["core"]))
     return report
 
 

@@ -1,5 +1,7 @@
-// AuraKernel's AscendC emulator runner: runs every block of one kernel entry over GM buffers and
-// prints a JSON report (per-block pipe counters, UB allocations, rule errors) on stdout.
+// AuraKernel's AscendC emulator runner: runs every core of every block of one kernel entry over GM
+// buffers (a thread each: per block its AIC and AIVs as the build's AK_AIC_PER_BLOCK /
+// AK_AIV_PER_BLOCK launch them) and prints a JSON report (per-core pipe counters, UB allocations,
+// rule errors) on stdout.
 //
 //   runner <blockDim> <dir> <nargs>      dir/arg<i>.bin holds argument i (inputs, poisoned outputs,
 //                                        workspace, tiling); every buffer is written back in place.
@@ -10,8 +12,10 @@
 // access faults; the SIGSEGV handler names the argument.
 #include "kernel_operator.h"
 
-#include <barrier>
+#include <condition_variable>
 #include <csignal>
+#include <functional>
+#include <mutex>
 #include <cstdio>
 #include <memory>
 #include <sys/mman.h>
@@ -24,7 +28,6 @@ namespace {
 
 struct GmBuffer { uint8_t* map = nullptr; size_t map_len = 0; uint8_t* data = nullptr; size_t size = 0; uint8_t* guard_lo = nullptr; uint8_t* guard_hi = nullptr; };
 std::vector<GmBuffer> g_bufs;
-std::unique_ptr<std::barrier<>> g_barrier;
 
 std::string json_escape(const std::string& s) {
     std::string o;
@@ -72,30 +75,121 @@ GmBuffer map_arg(const std::string& path) {
 
 }  // namespace
 
-// The hard SyncAll: every block waits for every other. The hardware needs the kernel declared a mix
-// type (vector-only: KERNEL_TYPE_MIX_AIV_1_0 with isAIVOnly; Cube + Vector: MIX_AIC_1_1 / 1_2 without)
-// and the launch in batch mode (SetScheduleMode(1)), or cores another stream holds never arrive.
-#ifndef AK_BATCH_MODE
-#define AK_BATCH_MODE 0
+// ---- between cores: cross-core flags and SyncAll over the launch's threads ----------------------
+// One mutex guards every counter. A core that waits registers what it waits for; when no core is
+// left running (each has ended or waits) and no wait can be met, the kernel would hang on the NPU:
+// every waiter is released with a `hang` error naming what it waited for.
+#ifndef AK_AIC_PER_BLOCK
+#define AK_AIC_PER_BLOCK 0
+#endif
+#ifndef AK_AIV_PER_BLOCK
+#define AK_AIV_PER_BLOCK 1
 #endif
 namespace {
-void sync_all(bool aiv_only) {
-    const int type = ak::core().kernel_type;
-    if (aiv_only && type != KERNEL_TYPE_MIX_AIV_1_0)
-        ak::fail("SyncAll", "SyncAll<true> in a kernel not declared KERNEL_TASK_TYPE_DEFAULT(KERNEL_TYPE_MIX_AIV_1_0)"
-                 " (the hard sync of a vector-only kernel needs the mix type; without it the cores hang)");
-    if (!aiv_only && type != KERNEL_TYPE_MIX_AIC_1_1 && type != KERNEL_TYPE_MIX_AIC_1_2)
-        ak::fail("SyncAll", "SyncAll<false> in a kernel not declared KERNEL_TYPE_MIX_AIC_1_1 or KERNEL_TYPE_MIX_AIC_1_2");
-    if (!AK_BATCH_MODE)
-        ak::fail("SyncAll", "SyncAll in a kernel launched without batch mode (the tiling's SetScheduleMode(1)):"
-                 " blocks another stream holds may never start, and the ones waiting hang");
-    g_barrier->arrive_and_wait();
+constexpr int FLAGS = 11, MODES = 3;
+struct Thread {
+    ak::Core* core = nullptr;
+    std::vector<double> sets[MODES][FLAGS];   // when each CrossCoreSetFlag got there, in order
+    int waits[MODES][FLAGS] = {};             // CrossCoreWaitFlags that returned
+    std::vector<double> syncs;                 // each SyncAll's arrival
+};
+std::vector<Thread> g_threads;
+std::mutex g_mu;
+std::condition_variable g_cv;
+int g_running = 0;
+bool g_hung = false;
+struct Waiter { std::function<bool()> met; std::string what; };
+std::vector<Waiter*> g_waiters;
+
+int tid_of(const ak::Core& c) {   // the thread order: per block its AIC, then its AIVs
+    return int(c.block_idx) * (AK_AIC_PER_BLOCK + AK_AIV_PER_BLOCK) + (c.kind == AscendC::AIC ? 0 : AK_AIC_PER_BLOCK + c.sub_idx);
+}
+std::string core_name(const ak::Core& c) {
+    return (c.kind == AscendC::AIC ? std::string("the AIC") : "AIV " + std::to_string(c.sub_idx)) + " of block " + std::to_string(c.block_idx);
+}
+// the threads whose sets (or arrivals) a wait of mode `mode` (3: SyncAll<true>, 4: SyncAll<false>) by t needs
+std::vector<int> partners(const ak::Core& c, int mode) {
+    std::vector<int> out;
+    for (size_t u = 0; u < g_threads.size(); ++u) {
+        const ak::Core& o = *g_threads[u].core;
+        const bool same_block = o.block_idx == c.block_idx;
+        if ((mode == 0 && o.kind == c.kind) || (mode == 1 && same_block && o.kind == AscendC::AIV) ||
+            (mode == 2 && same_block && o.kind != c.kind) || (mode == 3 && o.kind == AscendC::AIV) || mode == 4)
+            out.push_back(int(u));
+    }
+    return out;
+}
+bool stuck() {   // under g_mu: nobody runs and no registered wait can be met
+    if (g_running > 0) return false;
+    for (Waiter* w : g_waiters) if (w->met()) return false;
+    return !g_waiters.empty();
+}
+// Block until `met` (under g_mu), reported as `what` if it never can be.
+void block_until(std::unique_lock<std::mutex>& lock, const std::function<bool()>& met, const std::string& what) {
+    if (met()) return;
+    Waiter w{met, what};
+    g_waiters.push_back(&w);
+    --g_running;
+    if (stuck()) { g_hung = true; g_cv.notify_all(); }
+    g_cv.wait(lock, [&] { return g_hung || w.met(); });
+    g_waiters.erase(std::find(g_waiters.begin(), g_waiters.end(), &w));
+    ++g_running;
+    if (!w.met()) ak::fail("hang", what);
+}
+void thread_done() {
+    std::lock_guard<std::mutex> lock(g_mu);
+    --g_running;
+    if (stuck()) g_hung = true;
+    g_cv.notify_all();
 }
 }  // namespace
-namespace AscendC {
-template <> void SyncAll<true>() { sync_all(true); }
-template <> void SyncAll<false>() { sync_all(false); }
+
+namespace ak {
+void cross_core_set(int mode, int flag, double at) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    const Core& c = core();
+    Thread& me = g_threads[tid_of(c)];
+    const int mine = int(me.sets[mode][flag].size()) + 1;
+    for (int u : partners(c, mode)) {   // each receiver's counter: the sets it has not waited for
+        const Thread& r = g_threads[u];
+        if (mine - r.waits[mode][flag] > 15)
+            fail("CrossCoreSetFlag", "flag " + std::to_string(flag) + " (mode " + std::to_string(mode) + ") set a 16th time for " +
+                 core_name(*r.core) + " before it waited: its counter holds at most 15");
+    }
+    me.sets[mode][flag].push_back(at);
+    g_cv.notify_all();
 }
+double cross_core_wait(int mode, int flag) {
+    std::unique_lock<std::mutex> lock(g_mu);
+    const Core& c = core();
+    Thread& me = g_threads[tid_of(c)];
+    const int k = me.waits[mode][flag];   // this is the (k+1)-th wait: it needs each partner's (k+1)-th set
+    const std::vector<int> from = partners(c, mode);
+    if (from.empty()) fail("CrossCoreWaitFlag", "mode 2 on " + core_name(c) + ", whose AI core has no " +
+                           (c.kind == AscendC::AIC ? "AIV" : "AIC") + " in this launch");
+    block_until(lock, [&] { for (int u : from) if (int(g_threads[u].sets[mode][flag].size()) <= k) return false; return true; },
+                "CrossCoreWaitFlag(" + std::to_string(flag) + ") of mode " + std::to_string(mode) + " on " + core_name(c) +
+                " waits for a CrossCoreSetFlag that never comes (wait " + std::to_string(k + 1) + ")");
+    me.waits[mode][flag] = k + 1;
+    double at = 0;
+    for (int u : from) at = std::max(at, g_threads[u].sets[mode][flag][k]);
+    return at;
+}
+double sync_all(bool aiv_only, double at) {
+    std::unique_lock<std::mutex> lock(g_mu);
+    const Core& c = core();
+    Thread& me = g_threads[tid_of(c)];
+    const size_t k = me.syncs.size();
+    me.syncs.push_back(at);
+    g_cv.notify_all();
+    const std::vector<int> from = partners(c, aiv_only ? 3 : 4);
+    block_until(lock, [&] { for (int u : from) if (g_threads[u].syncs.size() <= k) return false; return true; },
+                "SyncAll " + std::to_string(k + 1) + " on " + core_name(c) + " waits for a core that never arrives");
+    double last = 0;
+    for (int u : from) last = std::max(last, g_threads[u].syncs[k]);
+    return last;
+}
+}  // namespace ak
 
 int main(int argc, char** argv) {
     if (argc != 4) { fprintf(stderr, "usage: runner <blockDim> <dir> <nargs>\n"); return 2; }
@@ -111,28 +205,39 @@ int main(int argc, char** argv) {
 
     std::vector<uint8_t*> gm(nargs);
     for (int i = 0; i < nargs; ++i) gm[i] = g_bufs[i].data;
-    g_barrier = std::make_unique<std::barrier<>>(block_dim);
-    std::vector<std::unique_ptr<ak::Core>> cores(block_dim);
-    std::vector<std::string> errors(block_dim);
+    const int per_block = AK_AIC_PER_BLOCK + AK_AIV_PER_BLOCK, nthreads = block_dim * per_block;
+    std::vector<std::unique_ptr<ak::Core>> cores(nthreads);
+    std::vector<std::string> errors(nthreads);
+    g_threads.resize(nthreads);
+    for (int t = 0; t < nthreads; ++t) {
+        cores[t] = std::make_unique<ak::Core>();
+        ak::Core& k = *cores[t];
+        const int slot = t % per_block;
+        k.block_idx = t / per_block;
+        k.block_num = block_dim;
+        k.kind = slot < AK_AIC_PER_BLOCK ? AscendC::AIC : AscendC::AIV;
+        k.sub_idx = slot < AK_AIC_PER_BLOCK ? 0 : slot - AK_AIC_PER_BLOCK;
+        k.aic_per_block = AK_AIC_PER_BLOCK;
+        k.aiv_per_block = AK_AIV_PER_BLOCK;
+        g_threads[t].core = &k;
+    }
+    g_running = nthreads;
     std::vector<std::thread> threads;
-    for (int b = 0; b < block_dim; ++b) {
-        cores[b] = std::make_unique<ak::Core>();
-        cores[b]->block_idx = b;
-        cores[b]->block_num = block_dim;
-        threads.emplace_back([&, b] {
-            ak::current = cores[b].get();
+    for (int t = 0; t < nthreads; ++t) {
+        threads.emplace_back([&, t] {
+            ak::current = cores[t].get();
             try {
                 AK_KERNEL(AK_ARGS);
-                const ak::Core& k = *cores[b];
+                const ak::Core& k = *cores[t];
                 for (int i = 0; i < ak::Core::EVENTS * ak::Core::IDS; ++i)   // a FreeTensor's wait is the TPipe's at exit
                     if (k.flags[i] && k.flag_by[i].rfind("the FreeTensor", 0) != 0)
                         ak::fail("queue discipline", k.flag_by[i] + " (event " +
                                  AscendC::detail::event_str(AscendC::HardEvent(i / ak::Core::IDS), i % ak::Core::IDS) +
                                  ") never met its WaitFlag");
             } catch (const std::exception& e) {
-                errors[b] = e.what();
-                g_barrier->arrive_and_drop();
+                errors[t] = e.what();
             }
+            thread_done();
         });
     }
     for (auto& t : threads) t.join();
@@ -142,11 +247,11 @@ int main(int argc, char** argv) {
         fclose(f);
     }
     printf("{\"blocks\": [");
-    for (int b = 0; b < block_dim; ++b) {
+    for (int b = 0; b < nthreads; ++b) {
         const ak::Core& c = *cores[b];
-        printf("%s{\"busy\": [%.1f, %.1f, %.1f, %.1f, %.1f, %.1f, %.1f], \"makespan\": %.1f, \"gm_read\": %llu, "
+        printf("%s{\"block\": %lld, \"core\": \"%s\", \"busy\": [%.1f, %.1f, %.1f, %.1f, %.1f, %.1f, %.1f], \"makespan\": %.1f, \"gm_read\": %llu, "
                "\"gm_written\": %llu, \"vec_repeats\": %llu, \"instrs\": [%llu, %llu, %llu, %llu], \"ub_used\": %u, \"buffers\": [",
-               b ? ", " : "", c.c.busy[0], c.c.busy[1], c.c.busy[2], c.c.busy[3], c.c.busy[4], c.c.busy[5], c.c.busy[6],
+               b ? ", " : "", (long long)c.block_idx, c.kind == AscendC::AIC ? "AIC" : ("AIV" + std::to_string(c.sub_idx)).c_str(), c.c.busy[0], c.c.busy[1], c.c.busy[2], c.c.busy[3], c.c.busy[4], c.c.busy[5], c.c.busy[6],
                c.c.makespan(),
                (unsigned long long)c.c.gm_read, (unsigned long long)c.c.gm_written, (unsigned long long)c.c.vec_repeats,
                (unsigned long long)c.c.instrs[0], (unsigned long long)c.c.instrs[1], (unsigned long long)c.c.instrs[2],

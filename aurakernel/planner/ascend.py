@@ -162,11 +162,13 @@ def ascend_rowwise_model(rows: int, cols: int, elem_bytes: int, phases: list[Asc
     return ChoiceModel(domains, constraints, model_phases)
 
 
-def roofline_us(gm_bytes_busiest_core: float, hw: HardwareProfile) -> float:
-    """The bound for a core that moves `gm_bytes_busiest_core`: its share of HBM bandwidth (all AIV
-    cores streaming), so a balanced kernel's bound is total bytes / HBM bandwidth."""
-    share = hw.memory["HBM"].bandwidth_gbps * 1e9 / hw.cores
-    return gm_bytes_busiest_core / share * 1e6
+def roofline_us(gm_bytes_busiest_block: float, hw: HardwareProfile, cube: bool = False) -> float:
+    """The bound for a block that moves `gm_bytes_busiest_block`: its share of HBM bandwidth (every
+    block of the chip streaming: a vector kernel's blocks are its AIV cores, a Cube or mixed
+    kernel's its AI cores), so a balanced kernel's bound is total bytes / HBM bandwidth."""
+    blocks = int(hw.extra.get("cube_cores", hw.cores)) if cube else hw.cores
+    share = hw.memory["HBM"].bandwidth_gbps * 1e9 / blocks
+    return gm_bytes_busiest_block / share * 1e6
 
 
 @dataclass(frozen=True)
@@ -189,9 +191,26 @@ def cast_passes(dtype) -> int:
     return 0 if dtype.itemsize == 4 else 1
 
 
-def bound_us(gm_bytes_busiest_core: float, work: VectorWork | None, hw: HardwareProfile) -> tuple[float, str]:
-    """A kernel's roofline bound and what sets it: the larger of its HBM traffic (roofline_us) and
-    the vector work its math cannot avoid ("HBM" or "vector")."""
-    hbm = roofline_us(gm_bytes_busiest_core, hw)
-    vec = work.floor_us(hw) if work is not None else 0.0
-    return (vec, "vector") if vec > hbm else (hbm, "HBM")
+@dataclass(frozen=True)
+class CubeWork:
+    """The multiply-accumulates a kernel's matmuls cannot avoid, with 16-bit or fp32 operands."""
+    macs: float
+    fp32: bool = False
+
+    def floor_us(self, hw: HardwareProfile) -> float:
+        """Those MACs spread evenly over every Cube core at the profile's peak rate."""
+        pipes = hw.ascend_pipes(hw.cores)
+        rate = pipes.cube_macs_fp32 if self.fp32 else pipes.cube_macs_16bit
+        return self.macs / rate / int(hw.extra.get("cube_cores", hw.cores)) / (hw.clock_ghz * 1e3)
+
+
+def bound_us(gm_bytes_busiest_block: float, work: VectorWork | None, hw: HardwareProfile, *,
+             cube: CubeWork | None = None, cube_blocks: bool = False) -> tuple[float, str]:
+    """A kernel's roofline bound and what sets it: the largest of its HBM traffic (roofline_us; its
+    blocks AI cores where `cube_blocks`), the vector work its math cannot avoid and its Cube MACs at
+    peak ("HBM", "vector" or "Cube")."""
+    floors = {"HBM": roofline_us(gm_bytes_busiest_block, hw, cube_blocks),
+              "vector": work.floor_us(hw) if work is not None else 0.0,
+              "Cube": cube.floor_us(hw) if cube is not None else 0.0}
+    kind = max(floors, key=floors.get)
+    return floors[kind], kind

@@ -97,6 +97,9 @@ struct Counters {
 // Per-block context: the UB arena, the allocation cursor, counters and event bookkeeping.
 struct Core {
     int64_t block_idx = 0, block_num = 1;
+    // which engine this is (AscendC::AIC 1 / AIV 2) and its place in its AI core: the launch gives
+    // each block 0 or 1 Cube cores (AIC) and 0, 1 or 2 vector cores (AIV); sub_idx is an AIV's index there
+    int kind = 2, sub_idx = 0, aic_per_block = 0, aiv_per_block = 1;
     int init_count = 0;
     // each memory's arena (the UB's made with the core, zeroed; the Cube side's on a kernel's first
     // buffer there, poisoned: NaN for floats until written), its start and its allocation cursor
@@ -126,7 +129,6 @@ struct Core {
     int kernel_type = -1;      // KERNEL_TASK_TYPE_DEFAULT's value, -1 when not declared
     std::vector<std::pair<std::string, uint32_t>> allocs;   // every InitBuffer, for the UB report
     Core() {
-        arena(UB);
         for (int& f : fetched) f = -1;
     }
     ~Core() { for (auto* s : slots) delete s; }
@@ -147,6 +149,10 @@ struct Core {
     }
     // a buffer in memory m, in order, against the part of it a kernel may use
     uint8_t* alloc(uint32_t bytes, const std::string& what, Mem m = UB) {
+        if ((kind == 2) != (m == UB))   // the A2/A3 cores are split: UB on the AIVs, L1 / L0 on the AIC
+            fail("position", what + " in " + mem_name(m) + " on " + (kind == 2 ? "a vector core (AIV), which has only the UB: "
+                 "the Cube's buffers are the AIC's (launch on it: KERNEL_TYPE_AIC_ONLY or a mix type)"
+                 : "the Cube core (AIC), which has no UB: vector buffers are the AIVs' (a mix type launches both)"));
         if (mem[m].empty()) arena(m);
         if (mem_used[m] + bytes > capacity(m))
             fail(std::string(mem_name(m)) + " capacity", what + " needs " + std::to_string(bytes) + " B at offset " +
@@ -193,6 +199,14 @@ struct Core {
 inline thread_local Core* current = nullptr;
 inline Core& core() { return *current; }
 
+// Between cores (the runner defines these over its threads): CrossCoreSetFlag of `mode` on `flag`,
+// its pipe having reached `at`; the matching CrossCoreWaitFlag, which blocks this core until the
+// set comes (a wait no set can ever meet is reported as a hang) and returns when the setter got
+// there; SyncAll over the AIVs (aiv_only) or every core, each arriving at `at`.
+void cross_core_set(int mode, int flag, double at);
+double cross_core_wait(int mode, int flag);
+double sync_all(bool aiv_only, double at);
+
 }  // namespace ak
 
 // ---- kernel type ---------------------------------------------------------------------------------
@@ -201,7 +215,23 @@ inline Core& core() { return *current; }
 enum KernelMetaType : uint8_t { KERNEL_TYPE_AIV_ONLY, KERNEL_TYPE_AIC_ONLY, KERNEL_TYPE_MIX_AIV_1_0, KERNEL_TYPE_MIX_AIC_1_0,
                                 KERNEL_TYPE_MIX_AIC_1_1, KERNEL_TYPE_MIX_AIC_1_2, KERNEL_TYPE_AICORE, KERNEL_TYPE_VECTORCORE,
                                 KERNEL_TYPE_MIX_AICORE, KERNEL_TYPE_MIX_VECTOR_CORE, KERNEL_TYPE_MAX };
-#define KERNEL_TASK_TYPE_DEFAULT(value) (::ak::core().kernel_type = int(value))
+// The launch (the emulator build's `cores`) must be the one the kernel declares: a Cube-only or
+// vector-only type on a mix launch, or the reverse, runs the wrong engines.
+#ifndef AK_BATCH_MODE
+#define AK_BATCH_MODE 0
+#endif
+namespace ak {
+inline void declare_kernel_type(int type) {
+    auto& k = core();
+    const int aic = type == 1 || type == 3 || type == 4 || type == 5, aiv = type == 0 || type == 2 ? 1 : type == 4 ? 1 : type == 5 ? 2 : 0;
+    if (aic != k.aic_per_block || aiv != k.aiv_per_block)
+        fail("kernel type", "declared with " + std::to_string(aic) + " AIC and " + std::to_string(aiv) + " AIV per block, "
+             "launched with " + std::to_string(k.aic_per_block) + " and " + std::to_string(k.aiv_per_block) +
+             " (the emulator build's cores: aiv, aic, mix_1_1 or mix_1_2)");
+    k.kernel_type = type;
+}
+}  // namespace ak
+#define KERNEL_TASK_TYPE_DEFAULT(value) (::ak::declare_kernel_type(int(value)))
 
 // ---- element types ---------------------------------------------------------------------------
 using half = _Float16;
@@ -660,9 +690,65 @@ inline TPipe* GetTPipePtr() {
 }
 
 // ---- core indexing and synchronisation ---------------------------------------------------------
-inline int64_t GetBlockIdx() { return ak::core().block_idx; }
+// On a split-core chip the AIC and each AIV run the kernel as separate programs: ASCEND_IS_AIV /
+// ASCEND_IS_AIC (or g_coreType) pick each one's part. An AIV's GetBlockIdx counts vector cores
+// (block * GetTaskRatio() + GetSubBlockIdx()); GetBlockNum is the launch's block count either way.
+constexpr int32_t MIX = 0, AIC = 1, AIV = 2;
+#define g_coreType (::ak::core().kind)
+#define ASCEND_IS_AIV (g_coreType == ::AscendC::AIV)
+#define ASCEND_IS_AIC (g_coreType == ::AscendC::AIC)
+#define ASCEND_IS_NOT_AIV (g_coreType != ::AscendC::AIV)
+#define ASCEND_IS_NOT_AIC (g_coreType != ::AscendC::AIC)
+inline int64_t GetTaskRatio() { auto& k = ak::core(); return k.kind == AIV ? k.aiv_per_block : 1; }
+inline int64_t GetBlockIdx() { auto& k = ak::core(); return k.kind == AIV ? k.block_idx * k.aiv_per_block + k.sub_idx : k.block_idx; }
 inline int64_t GetBlockNum() { return ak::core().block_num; }
+inline int64_t GetSubBlockIdx() { return ak::core().sub_idx; }
+inline int64_t GetSubBlockNum() { return GetTaskRatio(); }
 constexpr int16_t GetDataBlockSizeInBytes() { return 32; }
+
+namespace detail {
+inline ak::Pipe pipe_of(pipe_t p) {
+    switch (p) {
+        case PIPE_V: return ak::VEC; case PIPE_M: return ak::CUBE; case PIPE_MTE1: return ak::MTE1;
+        case PIPE_MTE2: return ak::MTE2; case PIPE_MTE3: return ak::MTE3; case PIPE_FIX: return ak::FIX;
+        default: return ak::SCALAR;
+    }
+}
+inline void check_cross_core(uint8_t mode, uint16_t flag, const char* api) {
+    if (mode > 2) ak::fail(api, "modeId " + std::to_string(mode) + ": Atlas A2/A3 have modes 0 (every core of a kind), "
+                           "1 (the two AIVs of an AI core) and 2 (an AIC and its AIVs); mode 4 is Ascend 950's");
+    if (flag > 10) ak::fail(api, "flagId " + std::to_string(flag) + " outside 0..10 (the Atlas A2/A3 range; 11-14 are SyncAll's)");
+    const int type = ak::core().kernel_type;
+    if (type != KERNEL_TYPE_MIX_AIV_1_0 && type != KERNEL_TYPE_MIX_AIC_1_0 && type != KERNEL_TYPE_MIX_AIC_1_1 &&
+        type != KERNEL_TYPE_MIX_AIC_1_2)
+        ak::fail(api, "in a kernel not declared a mix type (KERNEL_TASK_TYPE_DEFAULT(KERNEL_TYPE_MIX_AIC_1_2), or "
+                 "MIX_AIV_1_0 / MIX_AIC_1_0 for one kind of core): the cores it syncs with are not launched for it");
+    if (mode == 1 && ak::core().kind != AIV) ak::fail(api, "mode 1 syncs the two AIVs of an AI core: not for the AIC");
+}
+}  // namespace detail
+
+// Cross-core flags (documented for Atlas A2/A3): each flagId is a counter per receiving core, at
+// most 15 sets ahead of its waits. Mode 0: a wait returns once every core of the waiter's kind set
+// the flag; mode 1: once both AIVs of its AI core did; mode 2: an AIV's once its AIC did, the AIC's
+// once both its AIVs did. The setter's pipe signals when it reaches the set.
+template <uint8_t modeId, pipe_t pipe> inline void CrossCoreSetFlag(uint16_t flagId) {
+    static_assert(pipe != PIPE_S && pipe != PIPE_ALL, "CrossCoreSetFlag on Atlas A2/A3 takes a pipe (PIPE_S is Ascend 950's)");
+    detail::check_cross_core(modeId, flagId, "CrossCoreSetFlag");
+    auto& c = ak::core().c;
+    ak::cross_core_set(modeId, flagId, std::max(c.at[detail::pipe_of(pipe)], c.at[ak::SCALAR]));
+}
+template <uint8_t modeId = 0, pipe_t pipe = PIPE_S> inline void CrossCoreWaitFlag(uint16_t flagId) {
+    static_assert(pipe != PIPE_ALL, "CrossCoreWaitFlag takes one pipe");
+    detail::check_cross_core(modeId, flagId, "CrossCoreWaitFlag");
+    if (modeId == 0 && !AK_BATCH_MODE)
+        ak::fail("CrossCoreWaitFlag", "mode 0 in a kernel launched without batch mode (the tiling's SetScheduleMode(1)):"
+                 " cores another stream holds may never arrive");
+    const double at = ak::cross_core_wait(modeId, flagId);
+    auto& c = ak::core().c;   // the waiting pipe resumes then; a scalar wait holds back everything after it
+    const ak::Pipe p = detail::pipe_of(pipe);
+    for (int q = 0; q < ak::NPIPES; ++q)
+        if (q == p || p == ak::SCALAR) c.at[q] = std::max({c.at[q], c.at[ak::SCALAR], at});
+}
 
 template <pipe_t pipe> inline void PipeBarrier() {
     static_assert(pipe != PIPE_S, "PipeBarrier takes PIPE_V, PIPE_MTE2, PIPE_MTE3, PIPE_M, PIPE_MTE1, PIPE_FIX or PIPE_ALL");
@@ -675,7 +761,25 @@ template <pipe_t pipe> inline void PipeBarrier() {
         for (auto& row : k.safe) for (uint64_t& v : row) v = now;
     }
 }
-template <bool isAIVOnly = true> void SyncAll();   // defined by the runner (a barrier across blocks)
+// The hard SyncAll: every AIV (isAIVOnly) or every core waits for the others, then goes on from the
+// last one's arrival. The hardware needs the kernel declared a mix type (vector-only:
+// KERNEL_TYPE_MIX_AIV_1_0; Cube + Vector: MIX_AIC_1_1 / 1_2) and the launch in batch mode
+// (SetScheduleMode(1)), or cores another stream holds never arrive.
+template <bool isAIVOnly = true> void SyncAll() {
+    auto& k = ak::core();
+    if (isAIVOnly && k.kernel_type != KERNEL_TYPE_MIX_AIV_1_0 && k.kernel_type != KERNEL_TYPE_MIX_AIC_1_1 &&
+        k.kernel_type != KERNEL_TYPE_MIX_AIC_1_2)
+        ak::fail("SyncAll", "SyncAll<true> in a kernel not declared KERNEL_TASK_TYPE_DEFAULT(KERNEL_TYPE_MIX_AIV_1_0)"
+                 " (or a Cube + Vector mix type): without it the cores hang");
+    if (isAIVOnly && k.kind != AIV) ak::fail("SyncAll", "SyncAll<true> syncs the AIVs: not for the AIC (SyncAll<false> syncs every core)");
+    if (!isAIVOnly && k.kernel_type != KERNEL_TYPE_MIX_AIC_1_1 && k.kernel_type != KERNEL_TYPE_MIX_AIC_1_2)
+        ak::fail("SyncAll", "SyncAll<false> in a kernel not declared KERNEL_TYPE_MIX_AIC_1_1 or KERNEL_TYPE_MIX_AIC_1_2");
+    if (!AK_BATCH_MODE)
+        ak::fail("SyncAll", "SyncAll in a kernel launched without batch mode (the tiling's SetScheduleMode(1)):"
+                 " blocks another stream holds may never start, and the ones waiting hang");
+    const double at = ak::sync_all(isAIVOnly, k.c.makespan());
+    for (double& a : k.c.at) a = std::max(a, at);
+}
 
 // ---- data movement -----------------------------------------------------------------------------
 namespace detail {
@@ -1586,7 +1690,8 @@ void Fixpipe(const GlobalTensor<T>& dst, const LocalTensor<U>& src, const Fixpip
     "SetGlobalBuffer GetValue SetValue ReinterpretCast GetSize SetSize GetPhyAddr DataCopy DataCopyPad Add Sub Mul Div Max Min " \
     "Adds Muls Maxs Mins Exp Ln Sqrt Rsqrt Reciprocal Abs Relu Axpy MulAddDst Gather Copy Sort32 MrgSort Cast Duplicate Brcb ReduceSum ReduceMax WholeReduceSum " \
     "LoadData Mmad Fixpipe Nd2NzParams LoadData2DParams MmadParams FixpipeParamsV220 FixpipeConfig CFG_ROW_MAJOR CFG_NZ QuantMode_t " \
-    "WholeReduceMax Compare CompareScalar Select PipeBarrier SetFlag WaitFlag GetBlockIdx GetBlockNum SyncAll GetDataBlockSizeInBytes " \
+    "WholeReduceMax Compare CompareScalar Select PipeBarrier SetFlag WaitFlag GetBlockIdx GetBlockNum SyncAll GetDataBlockSizeInBytes "\
+    "GetSubBlockIdx GetSubBlockNum GetTaskRatio CrossCoreSetFlag CrossCoreWaitFlag ASCEND_IS_AIV ASCEND_IS_AIC g_coreType " \
     "GetTPipePtr AllocEventID ReleaseEventID FetchEventID KERNEL_TASK_TYPE_DEFAULT " \
     "DataCopyParams DataCopyExtParams DataCopyPadExtParams UnaryRepeatParams BinaryRepeatParams BrcbRepeatParams CopyRepeatParams " \
     "MrgSort4Info MrgSortSrcList"

@@ -24,7 +24,7 @@ from ...hardware import HardwareProfile, load_profile
 from ...ops.base import OpSpec, Problem
 from ...paths import write_text_atomic
 from ...planner import Plan, solve_tiling
-from ...planner.ascend import VectorWork, ascend_rowwise_model, bound_us, roofline_us
+from ...planner.ascend import CubeWork, VectorWork, ascend_rowwise_model, bound_us, roofline_us
 from ...planner.model import ChoiceModel
 from ...planner.schedule import Pipeline, Schedule, ascend_row_pipeline, schedule_knobs, simulate, solve_schedule
 from ...verify import Check, Verification, check_case
@@ -106,19 +106,20 @@ def render_project(spec: OpSpec, problem: Problem, knobs: dict[str, int], out_di
 
 class Emulated:
     """The project's kernels built against the emulator, launched as the project's tiling launches them
-    (block_dim blocks, batch mode where the kernel syncs its cores); `exe(entry, nargs)` builds on first use."""
+    (block_dim blocks of the kernel's cores, batch mode where it syncs them); `exe(entry, nargs)` builds on first use."""
 
     def __init__(self, spec: OpSpec, project: dict[str, Path], hw: HardwareProfile, block_dim: int):
         self.source = project["kernel.cpp.j2"].read_text()
         self.include = project["tiling.h.j2"].parent
         self.hw, self.block_dim, self.batch_mode = hw, block_dim, kernel_of(spec).syncs_cores
+        self.cores = kernel_of(spec).cores
         self._exes: dict[str, Path] = {}
 
     def exe(self, entry: str, nargs: int) -> Path:
         if entry not in self._exes:
             self._exes[entry] = emulator.build(self.source, entry=entry, nargs=nargs, hw=self.hw,
                                                block_dim=self.block_dim, include_dirs=(self.include,),
-                                               batch_mode=self.batch_mode)
+                                               batch_mode=self.batch_mode, cores=self.cores)
         return self._exes[entry]
 
 
@@ -139,19 +140,20 @@ def verify(spec: OpSpec, problems: list[Problem], knobs: dict[str, int], emu: Em
 
 
 def estimate_summary(estimate: dict[str, emulator.RunReport], hw: HardwareProfile, the_plan: Plan | None,
-                     floors: dict[str, VectorWork] | None = None) -> dict:
+                     floors: dict[str, VectorWork] | None = None, cube: dict[str, CubeWork] | None = None) -> dict:
     """The emulator's run at the full shape as tune reports it: per phase its cycles, time, busiest
-    pipes, UB use and roofline bound (the larger of its HBM traffic and the vector work of `floors`,
-    with which one it is), and their totals."""
+    pipes, UB use and roofline bound (the largest of its HBM traffic, the vector work of `floors`
+    and the Cube MACs of `cube`, with which one it is), and their totals."""
     phases = {}
     for phase, rep in estimate.items():
-        bound, kind = bound_us(rep.busiest_gm_bytes(), (floors or {}).get(phase), hw)
+        on_cube = rep.cube_blocks
+        bound, kind = bound_us(rep.busiest_gm_bytes(), (floors or {}).get(phase), hw,
+                               cube=(cube or {}).get(phase), cube_blocks=on_cube)
         est_us = rep.cycles / (hw.clock_ghz * 1e3)
-        slowest = max(rep.blocks, key=lambda b: b.makespan)
         phases[phase] = {"est_cycles": rep.cycles, "est_us": est_us, "pipes_cycles": rep.pipe_cycles(),
-                         "hbm_us": roofline_us(rep.busiest_gm_bytes(), hw), "roofline_us": bound, "bound": kind,
+                         "hbm_us": roofline_us(rep.busiest_gm_bytes(), hw, on_cube), "roofline_us": bound, "bound": kind,
                          "roofline_ratio": est_us / bound if bound else None,
-                         "ub_bytes": slowest.ub_used, "buffers": slowest.buffers}
+                         "ub_bytes": rep.ub_used(), "buffers": rep.buffers()}
     est_us = sum(ph["est_us"] for ph in phases.values())
     bound = sum(ph["roofline_us"] for ph in phases.values())
     kinds = sorted({ph["bound"] for ph in phases.values()})
@@ -187,7 +189,8 @@ def tune(spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, so
         verification.checks.append(Check(problem.shape, 0, "kernel", float("nan"), float("nan"), False, errors[0]))
         verification.passed = False
     result = TuneResult(problem, target, the_plan, source_hash, verification,
-                        estimate=estimate_summary(estimate, hw, the_plan, kernel.vector_floor(problem)),
+                        estimate=estimate_summary(estimate, hw, the_plan, kernel.vector_floor(problem),
+                                                 kernel.cube_floor(problem)),
                         project_dir=str(Path(out_dir)) if out_dir is not None else None)
     if not verification.passed:
         result.status, result.reasons = "verify_failed", [verification.summary]

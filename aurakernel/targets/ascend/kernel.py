@@ -16,7 +16,7 @@ from typing import ClassVar
 
 from ...ops.base import Problem, Tensors
 from ...parts import Part, Registry
-from ...planner.ascend import VectorWork
+from ...planner.ascend import CubeWork, VectorWork
 
 
 # operator name -> its kernel: the built-in ones (ops/__init__.py) and those registered from outside
@@ -34,6 +34,9 @@ class AscendKernel(Part, ABC):
     # the kernel's blocks meet in SyncAll: its launch is in batch mode (the tiling's SetScheduleMode(1),
     # rendered where the template's batch_mode is set, and the emulator's launch) and it declares the mix type
     syncs_cores: ClassVar[bool] = False
+    # the cores each block launches (emulator.CORES): "aiv" one vector core; "mix_1_2" an AI core's
+    # Cube core and its two vector cores (the kernel declares KERNEL_TYPE_MIX_AIC_1_2)
+    cores: ClassVar[str] = "aiv"
 
     @property
     def folder(self) -> str:
@@ -56,6 +59,11 @@ class AscendKernel(Part, ABC):
         """Per phase of `run`'s reports, the vector work the math cannot avoid (counted per element
         from the formulas, not from the template). Where it exceeds the phase's HBM traffic the phase
         is vector-bound and its roofline is that work; by default none (every phase HBM-bound)."""
+        return {}
+
+    def cube_floor(self, problem: Problem) -> dict[str, CubeWork]:
+        """Per phase, the MACs of the matmuls its math needs, for a kernel that runs them on the Cube:
+        where those at the Cube's peak exceed the phase's HBM traffic it is Cube-bound."""
         return {}
 
     def col_tiles(self, problem: Problem) -> list[int] | None:
