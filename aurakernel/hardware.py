@@ -48,6 +48,7 @@ class AscendPipes:
     cube_macs_fp32: float         # with fp32 operands (16 x 8 x 16 fractals)
     mte1_bytes_per_cycle: float   # L1 -> L0A / L0B
     fix_bytes_per_cycle: float    # L0C -> GM (what Fixpipe writes)
+    l2_bytes_per_cycle: float     # one core's MTE rate to data resident in L2 (its own limit, not an HBM share)
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,8 @@ class HardwareProfile:
                            cube_macs_16bit=float(pipes.get("cube_macs_per_cycle_16bit", 4096)),
                            cube_macs_fp32=float(pipes.get("cube_macs_per_cycle_fp32", 2048)),
                            mte1_bytes_per_cycle=float(pipes.get("mte1_bytes_per_cycle", 256)),
-                           fix_bytes_per_cycle=float(pipes.get("fix_bytes_per_cycle", 128)))
+                           fix_bytes_per_cycle=float(pipes.get("fix_bytes_per_cycle", 128)),
+                           l2_bytes_per_cycle=float(pipes.get("l2_bytes_per_cycle", pipes.get("mte_bytes_per_cycle", 64))))
 
     def _capacity(self, level: str, default: int) -> int:
         return int(self.memory[level].capacity) if level in self.memory else default

@@ -639,20 +639,22 @@ extern "C" __global__ __aicore__ void k(GM_ADDR a, GM_ADDR b, GM_ADDR work, GM_A
 """
 
 
-def _mix_run(source: str, block_dim: int = 2, cores: str = "mix_1_2"):
+def _mix_run(source: str, block_dim: int = 2, cores: str = "mix_1_2", l2_args=()):
     import torch
     g = torch.Generator().manual_seed(7)
     a, b = torch.randn(16, 32, generator=g).half(), torch.randn(16, 32, generator=g).half()
-    exe = emulator.build(source.replace("using namespace AscendC;\n", "using namespace AscendC;\n" + PIPE_WAIT, 1), entry="k", nargs=4, hw=HW, block_dim=block_dim, cores=cores)
+    exe = emulator.build(source.replace("using namespace AscendC;\n", "using namespace AscendC;\n" + PIPE_WAIT, 1), entry="k", nargs=4, hw=HW, block_dim=block_dim,
+                         cores=cores, l2_args=l2_args)
     bufs = [emulator.to_bytes(a), emulator.to_bytes(b), bytearray(block_dim * 1024), bytearray(block_dim * 1024)]
     return emulator.run(exe, block_dim, bufs, timeout_s=60), a.float() @ b.float().t(), bufs[3]
 
 
 def test_a_mixed_kernel_runs_its_cube_and_vector_cores_side_by_side():
     """The AIC's matmul reaches both AIVs of its block through the GM workspace after a mode-2 flag;
-    an AIV's GetBlockIdx counts vector cores (block * 2 + sub-block)."""
+    an AIV's GetBlockIdx counts vector cores (block * 2 + sub-block). The workspace, kept in L2, is
+    L2 traffic, not HBM traffic."""
     import torch
-    report, ref, y = _mix_run(MIX_MATMUL.replace("SET_ID", "0").replace("DONE_ID", "1"))
+    report, ref, y = _mix_run(MIX_MATMUL.replace("SET_ID", "0").replace("DONE_ID", "1"), l2_args=(2,))
     assert report.ok, report.errors
     got = torch.frombuffer(y, dtype=torch.float32).reshape(2, 2, 8, 16)
     for block in range(2):
@@ -665,6 +667,9 @@ def test_a_mixed_kernel_runs_its_cube_and_vector_cores_side_by_side():
     assert aiv.makespan > aic.busy["FIX"]          # the AIVs start only after the AIC's Fixpipe
     pipes = report.pipe_cycles()
     assert pipes["Cube"] > 0 and pipes["Vector"] > 0 and report.cube_blocks
+    # per block: the AIC writes 16 x 16 floats to the workspace and each AIV reads its half
+    assert [b.l2_bytes for b in report.blocks] == [1024, 512, 512] * 2
+    assert aic.gm_read == 2 * 512 * 2 and aic.gm_written == 0 and aiv.gm_read == 0 and aiv.gm_written == 512
 
 
 @pytest.mark.parametrize("change,rule", [

@@ -59,23 +59,29 @@ def pipe_defines(hw: HardwareProfile, block_dim: int) -> dict[str, float]:
             "AK_VEC_ISSUE": p.vec_issue, "AK_VEC_SLOW_FACTOR": p.vec_slow_factor, "AK_SCALAR_OP": p.scalar_op,
             "AK_L1_USABLE": p.l1_usable, "AK_L0A_BYTES": p.l0a_bytes, "AK_L0B_BYTES": p.l0b_bytes, "AK_L0C_BYTES": p.l0c_bytes,
             "AK_CUBE_MACS_16BIT": p.cube_macs_16bit, "AK_CUBE_MACS_FP32": p.cube_macs_fp32,
-            "AK_MTE1_BYTES_PER_CYCLE": p.mte1_bytes_per_cycle, "AK_FIX_BYTES_PER_CYCLE": p.fix_bytes_per_cycle}
+            "AK_MTE1_BYTES_PER_CYCLE": p.mte1_bytes_per_cycle, "AK_FIX_BYTES_PER_CYCLE": p.fix_bytes_per_cycle,
+            "AK_L2_BYTES_PER_CYCLE": p.l2_bytes_per_cycle}
 
 
 def build(kernel_source: str, *, entry: str, nargs: int, hw: HardwareProfile, block_dim: int,
-          include_dirs: tuple[Path, ...] = (), batch_mode: bool = False, cores: str = "aiv") -> Path:
+          include_dirs: tuple[Path, ...] = (), batch_mode: bool = False, cores: str = "aiv",
+          l2_args: tuple[int, ...] = ()) -> Path:
     """Compile kernel + runner into an executable (cached by content hash); BuildError on failure.
     `batch_mode`: the launch's schedule mode (the tiling's SetScheduleMode(1)), which SyncAll needs;
-    `cores`: the launch's cores per block (CORES)."""
+    `cores`: the launch's cores per block (CORES); `l2_args`: the arguments (a workspace that fits
+    the L2) whose traffic stays in L2: timed at the L2 rate, counted apart from HBM traffic."""
     if not _NAME.match(entry) or not 0 < nargs <= 32:
         raise ValueError(f"bad kernel entry {entry!r} / nargs {nargs}")
     if cores not in CORES:
         raise ValueError(f"bad launch cores {cores!r}: one of {', '.join(CORES)}")
+    if any(not 0 <= i < nargs for i in l2_args):
+        raise ValueError(f"l2_args {l2_args} outside the kernel's {nargs} arguments")
     cxx = compiler()
     if cxx is None:
         raise BuildError("no C++ compiler found for the AscendC emulator (set CXX or install g++)")
     defines = {**pipe_defines(hw, block_dim), "AK_KERNEL": entry, "AK_BATCH_MODE": int(bool(batch_mode)),
                "AK_AIC_PER_BLOCK": CORES[cores][0], "AK_AIV_PER_BLOCK": CORES[cores][1],
+               "AK_L2_ARGS": sum(1 << i for i in set(l2_args)),
                "AK_PARAMS": ",".join(["uint8_t*"] * nargs), "AK_ARGS": ",".join(f"gm[{i}]" for i in range(nargs))}
     flags = ["-std=c++20", "-O2", "-pthread", f"-I{INCLUDE}", *(f"-D{k}={v}" for k, v in defines.items())]
     # the kernel's own headers (its tiling struct) are copied beside it, so the cache key holds their
@@ -107,13 +113,14 @@ class BlockReport:
     """One core's run (a vector core's, or in a Cube / mixed launch each AIC's and AIV's)."""
     busy: dict[str, float]          # cycles each pipe worked
     makespan: float                 # cycles until the core's last instruction completed
-    gm_read: int
+    gm_read: int                    # HBM traffic
     gm_written: int
     ub_used: int
     buffers: list[tuple[str, int]]  # every InitBuffer: name, bytes
     error: str | None
     block: int = 0                  # its block (AI core)
     core: str = "AIV0"              # "AIC", "AIV0" or "AIV1"
+    l2_bytes: int = 0               # traffic to the buffers the launch keeps in L2 (its workspace)
 
 
 @dataclass
@@ -195,7 +202,7 @@ def run(exe: Path, block_dim: int, buffers: list[bytearray], timeout_s: float = 
         busy = {p: c for p, c in zip(PIPES, blk["busy"]) if c > 0 or p not in CUBE_PIPES}
         report.blocks.append(BlockReport(busy, blk["makespan"], blk["gm_read"],
                                          blk["gm_written"], blk["ub_used"], [tuple(x) for x in blk["buffers"]],
-                                         blk["error"], blk["block"], blk["core"]))
+                                         blk["error"], blk["block"], blk["core"], blk["l2_read"] + blk["l2_written"]))
     return report
 
 

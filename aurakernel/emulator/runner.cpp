@@ -144,7 +144,16 @@ void thread_done() {
 }
 }  // namespace
 
+#ifndef AK_L2_ARGS
+#define AK_L2_ARGS 0
+#endif
 namespace ak {
+bool gm_in_l2(const void* gm) {   // arguments the build's l2_args mark (a bit each)
+    const uint8_t* a = static_cast<const uint8_t*>(gm);
+    for (size_t i = 0; i < g_bufs.size() && i < 64; ++i)
+        if ((uint64_t(AK_L2_ARGS) >> i & 1u) && a >= g_bufs[i].data && a < g_bufs[i].data + g_bufs[i].size) return true;
+    return false;
+}
 void cross_core_set(int mode, int flag, double at) {
     std::lock_guard<std::mutex> lock(g_mu);
     const Core& c = core();
@@ -250,10 +259,11 @@ int main(int argc, char** argv) {
     for (int b = 0; b < nthreads; ++b) {
         const ak::Core& c = *cores[b];
         printf("%s{\"block\": %lld, \"core\": \"%s\", \"busy\": [%.1f, %.1f, %.1f, %.1f, %.1f, %.1f, %.1f], \"makespan\": %.1f, \"gm_read\": %llu, "
-               "\"gm_written\": %llu, \"vec_repeats\": %llu, \"instrs\": [%llu, %llu, %llu, %llu], \"ub_used\": %u, \"buffers\": [",
+               "\"gm_written\": %llu, \"l2_read\": %llu, \"l2_written\": %llu, \"vec_repeats\": %llu, \"instrs\": [%llu, %llu, %llu, %llu], \"ub_used\": %u, \"buffers\": [",
                b ? ", " : "", (long long)c.block_idx, c.kind == AscendC::AIC ? "AIC" : ("AIV" + std::to_string(c.sub_idx)).c_str(), c.c.busy[0], c.c.busy[1], c.c.busy[2], c.c.busy[3], c.c.busy[4], c.c.busy[5], c.c.busy[6],
                c.c.makespan(),
-               (unsigned long long)c.c.gm_read, (unsigned long long)c.c.gm_written, (unsigned long long)c.c.vec_repeats,
+               (unsigned long long)c.c.gm_read, (unsigned long long)c.c.gm_written, (unsigned long long)c.c.l2_read,
+               (unsigned long long)c.c.l2_written, (unsigned long long)c.c.vec_repeats,
                (unsigned long long)c.c.instrs[0], (unsigned long long)c.c.instrs[1], (unsigned long long)c.c.instrs[2],
                (unsigned long long)c.c.instrs[3], c.mem_used[ak::UB]);
         for (size_t i = 0; i < c.allocs.size(); ++i)

@@ -47,7 +47,8 @@
 #if !defined(AK_UB_BYTES) || !defined(AK_UB_USABLE) || !defined(AK_MTE_BYTES_PER_CYCLE) || !defined(AK_MTE_LATENCY) || \
     !defined(AK_VEC_ISSUE) || !defined(AK_VEC_SLOW_FACTOR) || !defined(AK_SCALAR_OP) || !defined(AK_L1_USABLE) || \
     !defined(AK_L0A_BYTES) || !defined(AK_L0B_BYTES) || !defined(AK_L0C_BYTES) || !defined(AK_CUBE_MACS_16BIT) || \
-    !defined(AK_CUBE_MACS_FP32) || !defined(AK_MTE1_BYTES_PER_CYCLE) || !defined(AK_FIX_BYTES_PER_CYCLE)
+    !defined(AK_CUBE_MACS_FP32) || !defined(AK_MTE1_BYTES_PER_CYCLE) || !defined(AK_FIX_BYTES_PER_CYCLE) || \
+    !defined(AK_L2_BYTES_PER_CYCLE)
 #error "build through aurakernel.emulator.build: it defines the target's AK_* figures"
 #endif
 
@@ -90,7 +91,7 @@ inline const char* pipe_name(int p) {
 struct Counters {
     double busy[NPIPES] = {};   // cycles each pipe worked
     double at[NPIPES] = {};     // when each pipe is next free
-    uint64_t gm_read = 0, gm_written = 0, vec_repeats = 0, instrs[NPIPES] = {};
+    uint64_t gm_read = 0, gm_written = 0, l2_read = 0, l2_written = 0, vec_repeats = 0, instrs[NPIPES] = {};
     double makespan() const { return *std::max_element(at, at + NPIPES); }
 };
 
@@ -204,6 +205,7 @@ inline Core& core() { return *current; }
 // set comes (a wait no set can ever meet is reported as a hang) and returns when the setter got
 // there; SyncAll over the AIVs (aiv_only) or every core, each arriving at `at`.
 void cross_core_set(int mode, int flag, double at);
+bool gm_in_l2(const void* gm);   // whether the launch keeps the GM buffer holding `gm` in L2
 double cross_core_wait(int mode, int flag);
 double sync_all(bool aiv_only, double at);
 
@@ -783,7 +785,15 @@ template <bool isAIVOnly = true> void SyncAll() {
 
 // ---- data movement -----------------------------------------------------------------------------
 namespace detail {
-inline double mte_cycles(uint64_t bytes) { return AK_MTE_LATENCY + double(bytes) / AK_MTE_BYTES_PER_CYCLE; }
+// GM traffic of `bytes` at `gm`: HBM traffic, or L2 traffic where the launch keeps that buffer in L2
+// (a workspace small enough to stay there: the build's l2_args); the MTE cycles of `moved` bytes at
+// that level's rate (HBM: the core's share; L2: the core's own MTE limit)
+inline double gm_cycles(const void* gm, uint64_t bytes, bool write, uint64_t moved) {
+    auto& c = ak::core().c;
+    const bool l2 = ak::gm_in_l2(gm);
+    (l2 ? (write ? c.l2_written : c.l2_read) : (write ? c.gm_written : c.gm_read)) += bytes;
+    return AK_MTE_LATENCY + double(moved) / (l2 ? AK_L2_BYTES_PER_CYCLE : AK_MTE_BYTES_PER_CYCLE);
+}
 // the count form moves count * size bytes only when that is a multiple of 32 B
 inline void check_copy_32b(uint32_t count, size_t size, const char* dir, const ak::Slot* slot) {
     if ((uint64_t(count) * size) % 32 != 0)
@@ -797,16 +807,14 @@ template <typename T> void DataCopy(const LocalTensor<T>& dst, const GlobalTenso
     dst.check_in(dst.mem() == ak::L1 ? ak::L1 : ak::UB, count, "DataCopy");   /* GM -> UB, or GM -> A1 / B1 */
     src.check(0, count);
     std::memcpy(dst.ak_ptr(), src.ak_ptr(), count * sizeof(T));
-    ak::core().c.gm_read += count * sizeof(T);
-    ak::core().issue(ak::MTE2, detail::mte_cycles(count * sizeof(T)), {}, {dst.slot()});
+    ak::core().issue(ak::MTE2, detail::gm_cycles(src.ak_ptr(), count * sizeof(T), false, count * sizeof(T)), {}, {dst.slot()});
 }
 template <typename T> void DataCopy(const GlobalTensor<T>& dst, const LocalTensor<T>& src, const uint32_t count) {
     detail::check_copy_32b(count, sizeof(T), "UB->GM", src.slot());
     src.check(count, "DataCopy");
     dst.check(0, count);
     std::memcpy(dst.ak_ptr(), src.ak_ptr(), count * sizeof(T));
-    ak::core().c.gm_written += count * sizeof(T);
-    ak::core().issue(ak::MTE3, detail::mte_cycles(count * sizeof(T)), {src.slot()}, {});
+    ak::core().issue(ak::MTE3, detail::gm_cycles(dst.ak_ptr(), count * sizeof(T), true, count * sizeof(T)), {src.slot()}, {});
 }
 template <typename T> void DataCopy(const LocalTensor<T>& dst, const LocalTensor<T>& src, const uint32_t count) {
     detail::check_copy_32b(count, sizeof(T), "UB->UB", src.slot());
@@ -823,8 +831,8 @@ template <typename T> void DataCopy(const LocalTensor<T>& dst, const GlobalTenso
         std::memcpy(dst.ak_ptr() + i * (p.blockLen + p.dstStride) * blk,
                     src.GetPhyAddr(uint64_t(i) * (p.blockLen + p.srcStride) * blk), p.blockLen * 32);
     }
-    ak::core().c.gm_read += uint64_t(p.blockCount) * p.blockLen * 32;
-    ak::core().issue(ak::MTE2, detail::mte_cycles(uint64_t(p.blockCount) * p.blockLen * 32), {}, {dst.slot()});
+    const uint64_t bytes = uint64_t(p.blockCount) * p.blockLen * 32;
+    ak::core().issue(ak::MTE2, detail::gm_cycles(src.ak_ptr(), bytes, false, bytes), {}, {dst.slot()});
 }
 template <typename T> void DataCopy(const GlobalTensor<T>& dst, const LocalTensor<T>& src, const DataCopyParams& p) {
     const uint32_t blk = 32 / sizeof(T);
@@ -834,8 +842,8 @@ template <typename T> void DataCopy(const GlobalTensor<T>& dst, const LocalTenso
         std::memcpy(dst.GetPhyAddr(uint64_t(i) * (p.blockLen + p.dstStride) * blk),
                     src.ak_ptr() + i * (p.blockLen + p.srcStride) * blk, p.blockLen * 32);
     }
-    ak::core().c.gm_written += uint64_t(p.blockCount) * p.blockLen * 32;
-    ak::core().issue(ak::MTE3, detail::mte_cycles(uint64_t(p.blockCount) * p.blockLen * 32), {src.slot()}, {});
+    const uint64_t bytes = uint64_t(p.blockCount) * p.blockLen * 32;
+    ak::core().issue(ak::MTE3, detail::gm_cycles(dst.ak_ptr(), bytes, true, bytes), {src.slot()}, {});
 }
 // GM -> UB with padding: blockLen and srcStride (GM) in bytes, dstStride (UB) in 32 B blocks. Each block
 // lands in UB as [leftPadding][data][rightPadding][dummy] up to 32 B alignment: with isPad the paddings
@@ -867,8 +875,8 @@ template <typename T> void DataCopyPad(const LocalTensor<T>& dst, const GlobalTe
         for (uint32_t j = left + n; j < left + n + right; ++j) row[j] = side;
         for (uint32_t j = left + n + right; j < padded; ++j) row[j] = dummy;
     }
-    ak::core().c.gm_read += uint64_t(p.blockCount) * p.blockLen;
-    ak::core().issue(ak::MTE2, detail::mte_cycles(uint64_t(p.blockCount) * padded * sizeof(T)), {}, {dst.slot()});
+    ak::core().issue(ak::MTE2, detail::gm_cycles(src.ak_ptr(), uint64_t(p.blockCount) * p.blockLen, false,
+                                                 uint64_t(p.blockCount) * padded * sizeof(T)), {}, {dst.slot()});
 }
 // UB -> GM: only blockLen bytes per block are written; srcStride (UB) in 32 B blocks, dstStride (GM) in bytes.
 template <typename T> void DataCopyPad(const GlobalTensor<T>& dst, const LocalTensor<T>& src, const DataCopyExtParams& p) {
@@ -884,8 +892,8 @@ template <typename T> void DataCopyPad(const GlobalTensor<T>& dst, const LocalTe
         dst.check(goff / sizeof(T), n);
         std::memcpy(g + goff, src.ak_ptr() + i * pitch, p.blockLen);
     }
-    ak::core().c.gm_written += uint64_t(p.blockCount) * p.blockLen;
-    ak::core().issue(ak::MTE3, detail::mte_cycles(uint64_t(p.blockCount) * padded * sizeof(T)), {src.slot()}, {});
+    ak::core().issue(ak::MTE3, detail::gm_cycles(dst.ak_ptr(), uint64_t(p.blockCount) * p.blockLen, true,
+                                                 uint64_t(p.blockCount) * padded * sizeof(T)), {src.slot()}, {});
 }
 
 // ---- vector compute (count form and level-0 form) ----------------------------------------------
@@ -1568,8 +1576,7 @@ template <typename T> void DataCopy(const LocalTensor<T>& dst, const GlobalTenso
                         col < p.dValue ? src.ak_ptr()[uint64_t(i) * p.srcNdMatrixStride + uint64_t(r) * p.srcDValue + col] : T(0);
                 }
     const uint64_t bytes = uint64_t(p.ndNum) * p.nValue * p.dValue * sizeof(T);
-    ak::core().c.gm_read += bytes;
-    ak::core().issue(ak::MTE2, AK_MTE_LATENCY + double(bytes) / AK_MTE_BYTES_PER_CYCLE, {}, {dst.slot()});
+    ak::core().issue(ak::MTE2, detail::gm_cycles(src.ak_ptr(), bytes, false, bytes), {}, {dst.slot()});
 }
 
 // LoadData (2D): repeatTimes fractals of 512 B from L1 (A1 / B1) to L0A (A2) or L0B (B2): fractal
@@ -1679,7 +1686,7 @@ void Fixpipe(const GlobalTensor<T>& dst, const LocalTensor<U>& src, const Fixpip
                 else dst.ak_ptr()[at] = detail::from_f<T>(v, RoundMode::CAST_RINT);   /* to nearest even */
             }
     const uint64_t bytes = uint64_t(p.ndNum) * p.mSize * p.nSize * sizeof(T);
-    ak::core().c.gm_written += bytes;
+    detail::gm_cycles(dst.ak_ptr(), bytes, true, bytes);   /* counted as HBM or L2 traffic; timed at the Fixpipe's rate */
     ak::core().issue(ak::FIX, AK_VEC_ISSUE + double(bytes) / AK_FIX_BYTES_PER_CYCLE, {src.slot()}, {});
 }
 

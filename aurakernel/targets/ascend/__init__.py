@@ -106,21 +106,25 @@ def render_project(spec: OpSpec, problem: Problem, knobs: dict[str, int], out_di
 
 class Emulated:
     """The project's kernels built against the emulator, launched as the project's tiling launches them
-    (block_dim blocks of the kernel's cores, batch mode where it syncs them); `exe(entry, nargs)` builds on first use."""
+    (block_dim blocks of the entry's cores, batch mode where the kernel syncs them); `exe(entry, nargs)`
+    builds on first use."""
 
     def __init__(self, spec: OpSpec, project: dict[str, Path], hw: HardwareProfile, block_dim: int):
         self.source = project["kernel.cpp.j2"].read_text()
         self.include = project["tiling.h.j2"].parent
         self.hw, self.block_dim, self.batch_mode = hw, block_dim, kernel_of(spec).syncs_cores
-        self.cores = kernel_of(spec).cores
-        self._exes: dict[str, Path] = {}
+        self._exes: dict[tuple, Path] = {}
 
-    def exe(self, entry: str, nargs: int) -> Path:
-        if entry not in self._exes:
-            self._exes[entry] = emulator.build(self.source, entry=entry, nargs=nargs, hw=self.hw,
-                                               block_dim=self.block_dim, include_dirs=(self.include,),
-                                               batch_mode=self.batch_mode, cores=self.cores)
-        return self._exes[entry]
+    def exe(self, entry: str, nargs: int, *, cores: str = "aiv", block_dim: int | None = None,
+            l2_args: tuple[int, ...] = ()) -> Path:
+        """The entry built for `block_dim` blocks (the plan's by default) of `cores` (emulator.CORES),
+        with the workspace arguments `l2_args` kept in L2."""
+        key = (entry, nargs, cores, block_dim, l2_args)
+        if key not in self._exes:
+            self._exes[key] = emulator.build(self.source, entry=entry, nargs=nargs, hw=self.hw,
+                                             block_dim=block_dim or self.block_dim, include_dirs=(self.include,),
+                                             batch_mode=self.batch_mode, cores=cores, l2_args=l2_args)
+        return self._exes[key]
 
 
 def verify(spec: OpSpec, problems: list[Problem], knobs: dict[str, int], emu: Emulated, seeds=SEEDS) -> Verification:

@@ -34,9 +34,6 @@ class AscendKernel(Part, ABC):
     # the kernel's blocks meet in SyncAll: its launch is in batch mode (the tiling's SetScheduleMode(1),
     # rendered where the template's batch_mode is set, and the emulator's launch) and it declares the mix type
     syncs_cores: ClassVar[bool] = False
-    # the cores each block launches (emulator.CORES): "aiv" one vector core; "mix_1_2" an AI core's
-    # Cube core and its two vector cores (the kernel declares KERNEL_TYPE_MIX_AIC_1_2)
-    cores: ClassVar[str] = "aiv"
 
     @property
     def folder(self) -> str:
