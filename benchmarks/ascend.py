@@ -1,7 +1,8 @@
 """AscendC kernels at V4-Flash shapes on an Ascend profile, in the emulator: the estimated time of
 the planner's pick and of the naive tiling (one buffer, rows split evenly over the cores, the
-largest tile and chunk that fit the UB), each against its roofline bound (1.0 = at the bound): per
-kernel the larger of its HBM traffic and the vector work its math cannot avoid, and which one it is.
+largest tile and chunk that fit the UB; a Cube kernel's one query row per tile), each against its
+roofline bound (1.0 = at the bound): per kernel the largest of its HBM traffic, the vector work its
+math cannot avoid and its Cube MACs at peak, and which one it is.
 
     python -m benchmarks.ascend [--target ascend910b2] [--rows 8192] [--json]
 """
@@ -29,7 +30,8 @@ CASES = (("rms_norm", "weighted", "{rows}x4096", "bf16"), ("rms_norm", "unweight
          ("swiglu", "default", "{rows}x2048", "bf16"), ("adamw", "default", "8388608", "fp32"),
          ("cross_entropy", "default", "1024x129280", "bf16"),
          # the lightning indexer: 64 heads x 128 over the 1024 compressed keys of a 4096-token sequence (CSA,
-         # m = 4), 96 queries (2 per core; the time per query row is what scales); on the vector unit only
+         # m = 4), 96 queries (4 per AI core; the time per query row is what scales); the forward on the
+         # Cube (a mixed kernel), the backward on the vector unit
          ("indexer_score", "default", "1x96x64x128x1024", "bf16"),
          ("mhc_post", "default", "{rows}x4x4096", "bf16"),   # 1024 tokens: the emulator runs every logit
          # mHC pre and head: 1024 tokens (the emulator runs NOUT products per element; the d_fn partials
@@ -54,6 +56,21 @@ def naive_knobs(model: ChoiceModel) -> dict[str, int]:
                 if model.feasible(choice):
                     return choice
     raise RuntimeError("nothing fits the UB")
+
+
+def naive_cube_knobs(model: ChoiceModel | None) -> dict[str, int]:
+    """A Cube tiling without planning: one q buffer, one query row per tile, then the widest key tile
+    and key chunk that fit."""
+    if model is None:
+        return {}
+    d = model.domains
+    for kn in sorted(d["cube_keys"], reverse=True):
+        for ch in sorted(d["key_chunk"], reverse=True):
+            choice = {"cube_rows": min(d["cube_rows"]), "cube_keys": kn, "key_chunk": ch,
+                      "cube_buffers": min(d["cube_buffers"]), "cube_blocks": d["cube_blocks"][0]}
+            if model.feasible(choice):
+                return choice
+    raise RuntimeError("no Cube tile fits")
 
 
 def estimate(spec, problem, knobs, hw) -> dict[str, float]:
@@ -83,7 +100,8 @@ def main(argv=None) -> int:
         problem = spec.problem(shape.format(rows=args.rows), dtype, variant)
         console.log(problem.describe())
         plan = ascend.plan(spec, problem, hw, target=args.target, solver="highs")
-        naive = naive_knobs(ascend.model(spec, problem, hw))
+        naive = {**naive_knobs(ascend.model(spec, problem, hw)),
+                 **naive_cube_knobs(ascend.kernel_of(spec).cube_model(problem, hw))}
         picked, base = estimate(spec, problem, plan.knobs, hw), estimate(spec, problem, naive, hw)
         rows.append({"op": f"{op}[{variant}]", "shape": problem.shape_text, "dtype": dtype, "plan": plan.knobs,
                      "cols": ascend.kernel_of(spec).rows_cols(problem)[1],

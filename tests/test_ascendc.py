@@ -42,6 +42,7 @@ SPREAD_TESTS = True   # no shared fixtures: xdist spreads these long emulator ca
     ("router", "hash", "60x256x6", "bf16"),             # the hash layers: tid2eid's experts
     ("router", "topk", "52x256x6", "fp32"),
     ("indexer_score", "default", "1x60x64x128x64", "bf16"),   # V4-Flash and V4-Pro: 64 heads x index_head_dim 128
+    ("indexer_score", "default", "2x37x64x128x70", "fp32"),   # fp32 operands on the Cube: 16 x 8 fractals
     ("rope", "default", "5x64x512x64", "bf16"),         # V4-Flash q: 64 heads of 512, rope slice 64
     ("rope", "default", "3x128x512x64", "bf16"),        # V4-Pro q: 128 heads
     ("rope", "default", "60x1x512x64", "fp32"),         # the shared kv head

@@ -7,10 +7,10 @@ fused so the [B, S, H, T] products are never materialised. Its top-k stays torch
 scores in the indexer; the scores match the reference to fp32 rounding, so only entries whose
 reference scores are equal to rounding can be picked differently (a test pins this down).
 
-On Ascend targets (templates/ascendc/indexer_score/) the three products run on the vector unit, the
-only one AuraKernel's emulator covers (on hardware they are Cube work): compute-bound there, so its
-time is to be read against the vector Mul + Add bound (2 B S H D T / 64 cycles per product over the
-cores), not the HBM roofline.
+On Ascend targets (templates/ascendc/indexer_score/) the forward is a mixed kernel: q . k on the Cube
+(ReLU on the way out of L0C), the heads' weighted sum on the vector cores; the backward's three
+products still run on the vector unit (compute-bound there: to be read against the vector Mul + Add
+bound, 2 B S H D T / 64 cycles per product over the cores, not the HBM roofline).
 """
 
 from __future__ import annotations

@@ -214,3 +214,30 @@ def bound_us(gm_bytes_busiest_block: float, work: VectorWork | None, hw: Hardwar
               "Cube": cube.floor_us(hw) if cube is not None else 0.0}
     kind = max(floors, key=floors.get)
     return floors[kind], kind
+
+
+# ---- the Cube side: what one Mmad tile costs on each of the AI core's pipes ---------------------
+
+@dataclass(frozen=True)
+class CubeTileCycles:
+    """Cycles of one m x n x k matmul tile on the AIC's pipes, as the emulator charges them: the
+    L1 -> L0 loads of its operands (MTE1), the Mmad (Cube) and the Fixpipe of its fp32 result (FIX)."""
+    mte1_a: float
+    mte1_b: float
+    cube: float
+    fix: float
+
+
+def cube_tile_cycles(m: int, n: int, k: int, elem_bytes: int, hw: HardwareProfile, block_dim: int,
+                     a_loads: int = 1, b_loads: int = 1, out_bytes: int = 4) -> CubeTileCycles:
+    """One tile's cycles: A (m x k) and B (k x n) in 16 x 32 B fractals, loaded in `a_loads` / `b_loads`
+    LoadData calls; the Mmad over whole fractals (16-bit: 16 x 16 x 16 per cycle at the profile's
+    rate); the result (m x n, out_bytes each) out through Fixpipe."""
+    p = hw.ascend_pipes(block_dim)
+    c0 = 32 // elem_bytes
+    m16, n16, kc = math.ceil(m / 16) * 16, math.ceil(n / 16) * 16, math.ceil(k / c0) * c0
+    rate = p.cube_macs_fp32 if elem_bytes == 4 else p.cube_macs_16bit
+    return CubeTileCycles(mte1_a=a_loads * p.vec_issue + m16 * kc * elem_bytes / p.mte1_bytes_per_cycle,
+                          mte1_b=b_loads * p.vec_issue + n16 * kc * elem_bytes / p.mte1_bytes_per_cycle,
+                          cube=p.vec_issue + m16 * n16 * kc / rate,
+                          fix=p.vec_issue + m * n * out_bytes / p.fix_bytes_per_cycle)

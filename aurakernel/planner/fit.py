@@ -54,6 +54,7 @@ import numpy as np
 from ..errors import UserError
 from ..hardware import HardwareProfile
 from .model import ChoiceModel
+from .tiling import solve_tiling
 from ..targets.host.ops import kernel_of as host_kernel
 
 LAMBDA = 1e-4          # weight of the pull to the prior: one unit away costs as much as a 1% error on one record
@@ -447,7 +448,11 @@ def ascend_samples(target: str, n: int, seed: int = 0, progress=None) -> tuple[l
             problem = calibration_problem(spec, hw)
             choices = feasible_choices(ascend.model(spec, problem, hw))
             rng.shuffle(choices)
-            pools.append((spec, problem, choices))
+            # a kernel's Cube phases are planned by their own model: held at its plan, not fitted here
+            cube = ascend.kernel_of(spec).cube_model(problem, hw)
+            fixed = solve_tiling(cube, op=problem.op, variant=problem.variant, shape=problem.shape,
+                                 dtype=problem.dtype.value, target=target).knobs if cube is not None else {}
+            pools.append((spec, problem, [{**c, **fixed} for c in choices]))
     samples, failed = [], Counter()
     for i in range(n):
         spec, problem, choices = pools[i % len(pools)]
@@ -492,7 +497,7 @@ def ascend_observations(samples: list[AscendSample], hw: HardwareProfile) -> lis
             continue
         group = f"{s.op}|{s.shape}|{sorted(s.knobs.items())}"
         parts = decompose(models, choice, current)
-        total = sum(ph["cycles"] for ph in s.phases.values()) / clock + launch * len(parts)
+        total = sum(s.phases[name]["cycles"] for name, _, _ in parts) / clock + launch * len(parts)   # the row-wise phases
         obs.append(Observation([list(pipes.values()) for _, pipes, _ in parts],
                                (sum(a[0] for _, _, a in parts), sum(a[1] for _, _, a in parts)), total, group,
                                problem=f"{s.op}|{s.variant}|{s.shape}|{s.dtype}"))

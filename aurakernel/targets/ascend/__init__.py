@@ -77,6 +77,15 @@ def plan(spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, so
     of each phase at that tiling; a schedule that cannot be solved leaves the plain order."""
     the_plan = solve_tiling(model(spec, problem, hw), op=problem.op, variant=problem.variant, shape=problem.shape,
                             dtype=problem.dtype.value, target=target, solver=solver)
+    cube = kernel_of(spec).cube_model(problem, hw)
+    if cube is not None:   # the Cube phases' own tiling, solved apart (no knob in common) and merged
+        on_cube = solve_tiling(cube, op=problem.op, variant=problem.variant, shape=problem.shape,
+                               dtype=problem.dtype.value, target=target, solver=solver)
+        the_plan.knobs = dict(sorted({**the_plan.knobs, **on_cube.knobs}.items()))
+        the_plan.predicted_us += on_cube.predicted_us
+        the_plan.pipes_us = {**the_plan.pipes_us, **on_cube.pipes_us}
+        the_plan.solve_s += on_cube.solve_s
+        the_plan.binding_constraint = f"{the_plan.binding_constraint}; {on_cube.binding_constraint}"
     if not scheduled:
         return the_plan
     try:

@@ -17,6 +17,7 @@ from typing import ClassVar
 from ...ops.base import Problem, Tensors
 from ...parts import Part, Registry
 from ...planner.ascend import CubeWork, VectorWork
+from ...planner.model import ChoiceModel
 
 
 # operator name -> its kernel: the built-in ones (ops/__init__.py) and those registered from outside
@@ -57,6 +58,11 @@ class AscendKernel(Part, ABC):
         from the formulas, not from the template). Where it exceeds the phase's HBM traffic the phase
         is vector-bound and its roofline is that work; by default none (every phase HBM-bound)."""
         return {}
+
+    def cube_model(self, problem: Problem, hw) -> ChoiceModel | None:
+        """For a kernel with Cube phases (a mixed launch), the tiling model of those (their knobs beside
+        the row-wise model's, planned by the same solver); None: every phase is row-wise on the vector cores."""
+        return None
 
     def cube_floor(self, problem: Problem) -> dict[str, CubeWork]:
         """Per phase, the MACs of the matmuls its math needs, for a kernel that runs them on the Cube:

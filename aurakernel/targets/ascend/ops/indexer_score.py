@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import struct
 
 import torch
@@ -9,19 +10,29 @@ import torch
 from .... import emulator
 from ....emulator import from_bytes, to_bytes
 from ....errors import PlanInfeasible
+from ....hardware import HardwareProfile
 from ....ops.base import Problem, Tensors
 from ....ops.indexer_score import SPEC
-from ....planner.ascend import AscendRowPhase, row_split
+from ....planner.ascend import AscendRowPhase, CubeWork, align32, cube_tile_cycles, row_split
+from ....planner.model import ChoiceModel, Constraint, Phase, Term
 from ..kernel import AscendKernel
 
 
+
+def cube_split(tiles: int, cores: int) -> tuple[int, int]:
+    """Query tiles per AI core and the AI cores used (as the tiling's AkIndexerScoreMakeTiling)."""
+    block_tiles = -(-tiles // max(1, min(tiles, cores)))
+    return block_tiles, -(-tiles // block_tiles)
+
+
 class IndexerScoreAscend(AscendKernel):
-    syncs_cores = True   # its blocks meet in SyncAll
-    # --- AscendC (templates/ascendc/indexer_score/): vector-unit kernel, query rows over the cores ---
-    # The products are Cube work on real hardware; the emulator covers the vector unit only, so the
-    # kernel multiplies on the vector pipe (see the template's header) and is compute-bound there.
-    # The row-wise UB model sees it as rows = B x S query rows of T keys: `chunk` is the key tile
-    # (keys per UB tile), `tile_rows` the query rows sharing a key tile, `buffers` the row queues' depth.
+    syncs_cores = True   # the backward's blocks meet in SyncAll
+    # --- AscendC (templates/ascendc/indexer_score/) ---
+    # forward: a mixed kernel (per AI core its Cube core and two vector cores): q k^T on the Cube in
+    #   query tiles of `cube_rows` rows x `cube_keys` keys, the keys resident in L1 `key_chunk` at a
+    #   time; the heads' weighted sum on the vector cores (cube_model plans it).
+    # backward: on the vector cores, the row-wise UB model: rows = B x S query rows of T keys, `chunk`
+    #   the key tile, `tile_rows` the query rows sharing it, `buffers` the row queues' depth.
     split_cols = False
 
     def rows_cols(self, problem: Problem) -> tuple[int, int]:
@@ -39,14 +50,7 @@ class IndexerScoreAscend(AscendKernel):
         # fast ops per key-row element: one unit = T/64 repeats per query row (see planner/ascend.py)
         dots = 128 * pieces + pieces - 1              # Mul + WholeReduceSum per piece, pieces added
         # the score / gradient rows' UB pitch rounds T up to the key tile: up to 1 KB more per row
-        return [
-            # q, w in; score row (fp32) out; per head: the dot products, ReLU, weight, accumulate
-            # (resident per row: q as fp32, c w[h] and its Brcb blocks); per key of the tile: the k tile,
-            # the Mul products of one piece, every head's dot products (two pieces' worth)
-            AscendRowPhase("forward", 0, fp32_streams, rows_in + cast * heads * dim * 4 + heads * 36, 1024, 288,
-                           work_buffers=key_tile + 64 + 1 + 2 * heads,
-                           fast_ops_per_elem=heads * (128 * pieces + 4) + 64 * pieces * cast,
-                           slow_ops_per_elem=0, instrs_per_chunk=heads * 2 * pieces + 10 + cast),
+        return [   # the backward (the forward runs on the Cube: cube_model)
             # q, w, score gradient row in; dq and dw accumulated per row (fp32, resident over the key
             # tiles); per key tile the dk accumulator and the key-row products; per head: dots, dw,
             # coef (Compare/Select), Brcb, dk += coef q (Mul, Add), dq += coef k (Mul, halving tree)
@@ -56,6 +60,74 @@ class IndexerScoreAscend(AscendKernel):
                            fast_ops_per_elem=heads * (dots + 6 + 8 + 4 * 64 * pieces) + 64 * pieces * cast,
                            slow_ops_per_elem=0, instrs_per_chunk=heads * (5 * pieces + 14) + 6),
         ]
+
+    def cube_model(self, problem: Problem, hw: HardwareProfile) -> ChoiceModel:
+        """The forward's tiling on the AI cores: per query tile (cube_rows rows of one batch row, M =
+        rows x H) and key tile (cube_keys keys) the AIC's loads, Mmad and Fixpipe and its AIVs' read of
+        the products (from the L2-resident workspace) and weighted sum, against L0A / L0B / L0C / L1 /
+        UB; the keys are loaded key_chunk at a time (q is read again for each chunk). Objective: per
+        core its tiles times the slowest pipe, plus one tile's fill and the launch."""
+        batch, seq, heads, dim, keys = problem.shape
+        e = problem.dtype.itemsize
+        cores = int(hw.extra.get("cube_cores", hw.cores))
+        p = hw.ascend_pipes(cores)
+        lat, rate, l2, issue = p.mte_latency, p.mte_bytes_per_cycle, p.l2_bytes_per_cycle, p.vec_issue
+        keys64 = -(-keys // 64) * 64
+        domains = {"cube_rows": [r for r in (1, 2, 4, 8) if r <= seq and r * heads <= 4095],
+                   "cube_keys": [k for k in (64, 128, 256) if k <= keys64],
+                   "key_chunk": sorted({min(keys64, c) for c in (256, 512, 1024, 2048, 4096)}),
+                   "cube_buffers": [1, 2],
+                   "cube_blocks": [cores]}
+
+        def per_core(rows, kn, chunk, nb):   # cycles of each pipe on the busiest AI core
+            tiles = batch * -(-seq // rows)
+            tc = cube_split(tiles, cores)[0]
+            m, mine = rows * heads, -(-rows // 2)
+            chunks = [min(chunk, keys - c0) for c0 in range(0, keys, chunk)]
+            key_tiles = sum(-(-nk // kn) for nk in chunks)
+            t = cube_tile_cycles(m, kn, dim, e, hw, cores, a_loads=-(-m // 16), b_loads=dim * e // 32)
+            batches = 1 + math.ceil(tc * rows / seq)                      # batch rows one core's tiles touch
+            vec = (heads * kn / 64 * 2 + heads / 64 + 2 * kn / 64 + heads / 8) + issue * (kn / 64 + math.log2(heads) + 5)
+            return {"MTE2": len(chunks) * tc * (lat + m * dim * e / rate) + batches * sum(lat + nk * dim * e / rate for nk in chunks),
+                    "MTE1": tc * (len(chunks) * t.mte1_a + key_tiles * t.mte1_b),
+                    "Cube": tc * key_tiles * t.cube, "FIX": tc * key_tiles * t.fix,
+                    "AIV MTE2": tc * key_tiles * (lat + mine * heads * kn * 4 / l2) + tc * len(chunks) * (lat + mine * heads * 4 / rate),
+                    "Vector": tc * key_tiles * mine * vec,
+                    "AIV MTE3": tc * key_tiles * (lat + mine * kn * 4 / rate),
+                    "tile": key_tiles * tc}
+        clock = hw.clock_ghz * 1e9
+        knobs = ("cube_rows", "cube_keys", "key_chunk", "cube_buffers")
+
+        def overlapped(pipe):   # with one q buffer the next tile's q load waits for this tile's Mmads
+            def cycles(r, kn, ch, nb):
+                c = per_core(r, kn, ch, nb)
+                return (c[pipe] if nb == 2 or pipe != "MTE2" else c["MTE2"] + c["Cube"]) / clock
+            return [Term.of(knobs, domains, cycles)]
+        pipes = {pipe: overlapped(pipe) for pipe in ("MTE2", "MTE1", "Cube", "FIX", "AIV MTE2", "Vector", "AIV MTE3")}
+        fill = Term.of(knobs, domains, lambda r, kn, ch, nb: sum(v for k, v in per_core(r, kn, ch, nb).items() if k != "tile")
+                       / per_core(r, kn, ch, nb)["tile"] / clock)
+        launch = Term.of(("cube_blocks",), domains, lambda bd: hw.call_overhead_us * 1e-6)
+
+        def cap(name, fn, limit, formula):
+            return Constraint(name, Term.of(knobs, domains, fn), limit, formula)
+        def ub(r, kn, ch, nb):   # per AIV: its rows' products (2 slots), their score rows (2), w and its Brcb blocks
+            mine = -(-r // 2)
+            return (2 * mine * heads * kn * 4 + 2 * mine * kn * 4 + 2 * align32(mine * heads * 4) + align32((mine * heads + 8) * 4)
+                    + (mine * heads + 8) * 32)
+        constraints = [
+            cap("L0A capacity", lambda r, kn, ch, nb: nb * r * heads * dim * e, p.l0a_bytes,
+                "cube_buffers x cube_rows x H x D x elem (q's fractals)"),
+            cap("L0B capacity", lambda r, kn, ch, nb: 2 * kn * dim * e, p.l0b_bytes, "2 x cube_keys x D x elem (k's fractals)"),
+            cap("L0C capacity", lambda r, kn, ch, nb: 2 * r * heads * kn * 4, p.l0c_bytes, "2 x M x cube_keys x fp32"),
+            cap("L1 capacity", lambda r, kn, ch, nb: (nb * r * heads + -(-min(ch, keys) // 16) * 16) * dim * e, p.l1_usable,
+                "(cube_buffers x M + key_chunk) x D x elem"),
+            cap("UB capacity", ub, p.ub_usable, "2 x rows/2 x H x cube_keys fp32 products + 2 score tiles + w and its Brcb blocks"),
+        ]
+        return ChoiceModel(domains, constraints, [Phase("forward", pipes, [fill, launch])])
+
+    def cube_floor(self, problem: Problem) -> dict[str, CubeWork]:
+        batch, seq, heads, dim, keys = problem.shape
+        return {"forward": CubeWork(batch * seq * heads * dim * keys, fp32=problem.dtype.itemsize == 4)}
 
     def params(self, problem: Problem, knobs: dict[str, int]) -> dict:
         _, _, heads, dim, _ = problem.shape
@@ -67,9 +139,15 @@ class IndexerScoreAscend(AscendKernel):
         if key_tile % 64 or key_tile > 255 or key_tile * 4 < heads * problem.dtype.itemsize:
             raise PlanInfeasible("key tile", f"{key_tile} keys must be a multiple of 64, <= 255 (one level-0 repeat "
                                              f"per key) and hold a row of dq")
+        cube_rows, cube_keys = int(knobs["cube_rows"]), int(knobs["cube_keys"])
+        if cube_keys % 64 or cube_keys > 2040 or not 0 < cube_rows * heads <= 4095:
+            raise PlanInfeasible("Cube tile", f"{cube_rows} query rows x {heads} heads (M <= 4095) by {cube_keys} keys "
+                                              f"(a multiple of 64: one Mul per 64 columns)")
         return {"dtype": problem.dtype, "heads": int(heads), "dim": int(dim), "key_tile": key_tile,
                 "tile_rows": int(knobs["tile_rows"]), "buffers": int(knobs["buffers"]),
-                "block_dim": int(knobs["block_dim"])}
+                "block_dim": int(knobs["block_dim"]), "cube_rows": cube_rows, "cube_keys": cube_keys,
+                "key_chunk": int(knobs["key_chunk"]), "cube_blocks": int(knobs["cube_blocks"]),
+                "cube_buffers": int(knobs["cube_buffers"])}
 
     def verification_problems(self, problem: Problem, knobs: dict[str, int]) -> list[Problem]:
         """One batch row of (at most 64) queries over the cores, leaving a tail core; and two batch rows
@@ -91,13 +169,19 @@ class IndexerScoreAscend(AscendKernel):
         entries = k.shape[1]
         rows = batch * seq
         block_rows, block_dim = row_split(rows, knobs["block_dim"])
-        tiling = bytearray(struct.pack("<10If", rows, seq, entries, batch, block_rows, block_dim, knobs["chunk"],
+        per_batch = -(-seq // knobs["cube_rows"])
+        block_tiles, cube_blocks = cube_split(batch * per_batch, knobs["cube_blocks"])
+        tiling = bytearray(struct.pack("<10If8I", rows, seq, entries, batch, block_rows, block_dim, knobs["chunk"],
                                        knobs["tile_rows"], -(-entries // knobs["chunk"]) * knobs["chunk"], -(-batch * entries // block_dim),
-                                       dim ** -0.5))
+                                       dim ** -0.5, cube_blocks, knobs["cube_rows"], knobs["cube_keys"], knobs["key_chunk"],
+                                       per_batch, batch * per_batch, block_tiles, knobs["cube_buffers"]))
         w = self.spec.weights(hidden, proj, heads).contiguous()
         score = torch.full((batch, seq, entries), float("nan"))
-        fwd_bufs = [to_bytes(q), to_bytes(k), to_bytes(w), to_bytes(score), bytearray(32), tiling]
-        fwd = emulator.run(emu.exe("ak_indexer_score_fwd", 6), block_dim, fwd_bufs)
+        # the forward's workspace: two fp32 product slots per AI core, kept in L2
+        workspace = bytearray(cube_blocks * 2 * knobs["cube_rows"] * heads * knobs["cube_keys"] * 4)
+        fwd_bufs = [to_bytes(q), to_bytes(k), to_bytes(w), to_bytes(score), workspace, tiling]
+        fwd = emulator.run(emu.exe("ak_indexer_score_fwd", 6, cores="mix_1_2", block_dim=cube_blocks, l2_args=(4,)),
+                           cube_blocks, fwd_bufs)
         dq, dk, dw = (torch.full_like(t, float("nan")) for t in (q, k, w))
         g = grad_out["y"].float().contiguous()
         bwd_bufs = [to_bytes(q), to_bytes(k), to_bytes(w), to_bytes(g), to_bytes(dq), to_bytes(dk), to_bytes(dw),
