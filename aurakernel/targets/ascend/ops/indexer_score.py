@@ -86,7 +86,7 @@ class IndexerScoreAscend(AscendKernel):
             chunks = [min(chunk, keys - c0) for c0 in range(0, keys, chunk)]
             key_tiles = sum(-(-nk // kn) for nk in chunks)
             t = cube_tile_cycles(m, kn, dim, e, hw, cores, a_loads=-(-m // 16), b_loads=dim * e // 32)
-            batches = 1 + math.ceil(tc * rows / seq)                      # batch rows one core's tiles touch
+            batches = min(batch, 1 + math.ceil((tc * rows - 1) / seq))    # batch rows one core's tiles touch
             vec = (heads * kn / 64 * 2 + heads / 64 + 2 * kn / 64 + heads / 8) + issue * (kn / 64 + math.log2(heads) + 5)
             return {"MTE2": len(chunks) * tc * (lat + m * dim * e / rate) + batches * sum(lat + nk * dim * e / rate for nk in chunks),
                     "MTE1": tc * (len(chunks) * t.mte1_a + key_tiles * t.mte1_b),
