@@ -83,7 +83,9 @@ def estimate(spec, problem, knobs, hw) -> dict[str, float]:
         raise RuntimeError(errors[0])
     kernel = ascend.kernel_of(spec)
     d = ascend.estimate_summary(reports, hw, None, kernel.vector_floor(problem), kernel.cube_floor(problem))
-    return {"est_us": d["est_us"], "roofline_us": d["roofline_us"], "ratio": d["roofline_ratio"], "bound": d["bound"]}
+    return {"est_us": d["est_us"], "roofline_us": d["roofline_us"], "ratio": d["roofline_ratio"], "bound": d["bound"],
+            "phases": {ph: {"est_us": v["est_us"], "roofline_us": v["roofline_us"], "bound": v["bound"],
+                            "ratio": v["roofline_ratio"]} for ph, v in d["phases"].items()}}
 
 
 def main(argv=None) -> int:
@@ -107,21 +109,26 @@ def main(argv=None) -> int:
                      "cols": ascend.kernel_of(spec).rows_cols(problem)[1],
                      "naive": naive, "plan_est_us": picked["est_us"], "naive_est_us": base["est_us"],
                      "roofline_us": picked["roofline_us"], "bound": picked["bound"], "plan_vs_roofline": picked["ratio"],
-                     "naive_vs_roofline": base["ratio"], "plan_speedup_vs_naive": base["est_us"] / picked["est_us"]})
+                     "naive_vs_roofline": base["ratio"], "plan_speedup_vs_naive": base["est_us"] / picked["est_us"],
+                     "plan_phases": picked["phases"], "naive_phases": base["phases"]})
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
     t = Table(title=f"AscendC fwd+bwd on {args.target} (emulator estimates; 1.0x = at the roofline bound)")
-    for col in ("op", "shape", "bound", "bound us", "plan", "plan us", "vs bound", "naive", "naive us", "vs bound",
-                "plan vs naive"):
+    for col in ("op", "shape", "bound", "bound us", "plan", "plan us", "vs bound", "fwd / bwd", "naive", "naive us",
+                "vs bound", "plan vs naive"):
         t.add_column(col)
     def knobs(k, cols):
+        cube = (f"; Cube: rows {k['cube_rows']} x keys {k['cube_keys']}, chunk {k['key_chunk']}, q buffers "
+                f"{k['cube_buffers']}, AI cores {k['cube_blocks']}" if "cube_rows" in k else "")
         return (f"rows {k['tile_rows']}, buffers {k['buffers']}, chunk {k['chunk']}, cores {k['block_dim']}"
-                + (f", col tile {k['col_tile']}" if k["col_tile"] < cols else ""))
+                + (f", col tile {k['col_tile']}" if k["col_tile"] < cols else "") + cube)
+    def per_phase(phases):   # each phase against its own bound, and what bounds it
+        return " / ".join(f"{v['ratio']:.2f}x {v['bound']}" for v in phases.values())
     for r in rows:
         t.add_row(escape(r["op"]), r["shape"], r["bound"], f"{r['roofline_us']:.0f}", knobs(r["plan"], r["cols"]),
                   f"{r['plan_est_us']:.0f}",
-                  f"{r['plan_vs_roofline']:.2f}x", knobs(r["naive"], r["cols"]), f"{r['naive_est_us']:.0f}", f"{r['naive_vs_roofline']:.2f}x",
+                  f"{r['plan_vs_roofline']:.2f}x", per_phase(r["plan_phases"]), knobs(r["naive"], r["cols"]), f"{r['naive_est_us']:.0f}", f"{r['naive_vs_roofline']:.2f}x",
                   f"{r['plan_speedup_vs_naive']:.2f}x")
     console.print(t)
     return 0

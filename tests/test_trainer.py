@@ -49,6 +49,59 @@ def test_bad_config_is_one_clear_error(tmp_path, section, values, fragment):
         build_model(cfg.model, 0)
 
 
+# every numeric setting: values out of its range (each of which trained wrong, or failed late, before)
+OUT_OF_RANGE = {
+    ("train", "lr"): [-1, 0, float("nan"), "abc", None, True],
+    ("train", "min_lr"): [-1e-4, 1.0],            # above lr
+    ("train", "warmup_steps"): [-5, 2.5],
+    ("train", "weight_decay"): [-0.1, float("inf")],
+    ("train", "grad_clip"): [-1, 0],
+    ("train", "betas"): [5, "abc", [0.9], [0.9, 1.0], [-0.1, 0.9], [0.9, "x"]],
+    ("train", "seed"): [-1, 1.5],
+    ("train", "steps"): [0, 2.5],
+    ("train", "grad_accum"): [0],
+    ("train", "max_bad_steps"): [0],
+    ("train", "checkpoint_every"): [-1],
+    ("train", "indexer_kl_weight"): [-1],
+    ("data", "seq_len"): [0, 2.5, None, "1e8"],
+    ("data", "batch_size"): [0, -2, 1.5],
+}
+
+
+@pytest.mark.parametrize("section,key", list(OUT_OF_RANGE))
+def test_every_numeric_setting_refuses_out_of_range_values_in_one_line(tmp_path, section, key):
+    for value in OUT_OF_RANGE[section, key]:
+        path = write_config(tmp_path, **{section: {key: value}})
+        with pytest.raises(UserError) as exc:
+            load_config(path)
+        message = str(exc.value)
+        assert f"{section}.{key}" in message and "\n" not in message, message
+
+
+def test_in_range_settings_load_and_grad_clip_null_means_no_clipping(tmp_path):
+    cfg = load_config(write_config(tmp_path, train={"grad_clip": None, "warmup_steps": 0, "betas": [0.0, 0.999]}))
+    assert cfg.train.grad_clip is None and cfg.train.betas == (0.0, 0.999)
+
+
+def test_a_typo_in_the_model_section_is_refused_with_its_near_miss(tmp_path):
+    with pytest.raises(UserError, match="unknown model key 'vocab_sizee' \\(did you mean 'vocab_size'\\?\\)"):
+        load_config(write_config(tmp_path, model={"vocab_sizee": 300}))
+
+
+def test_a_batch_that_cannot_fit_in_memory_is_refused_before_anything_is_built(tmp_path, monkeypatch):
+    import trainer.train as tt
+    cfg = load_config(write_config(tmp_path, data={"batch_size": 100_000_000}))
+    monkeypatch.setattr(tt, "initial_model", lambda cfg: pytest.fail("the model was built before the memory check"))
+    with pytest.raises(UserError, match=r"data.batch_size 100000000 .* GiB for the logits"):
+        train(cfg, steps=1, show_progress=False)
+
+
+def test_text_data_that_is_not_utf8_is_refused(tmp_path):
+    (tmp_path / "a.txt").write_bytes(bytes(range(128, 256)) * 100)
+    with pytest.raises(UserError, match="not UTF-8"):
+        TokenBatches("text", str(tmp_path / "a.txt"), seq_len=16, batch_size=2, vocab_size=512, seed=0)
+
+
 def test_text_and_jsonl_data(tmp_path):
     (tmp_path / "a.txt").write_text("hello world " * 50)
     batches = TokenBatches("text", str(tmp_path / "a.txt"), seq_len=16, batch_size=2, vocab_size=512, seed=0)

@@ -97,13 +97,33 @@ def load_config(path: str | Path) -> TrainConfig:
     if cfg.train.dtype not in ("fp32", "bf16"):
         raise UserError(f"config {path}: train.dtype {cfg.train.dtype!r}: accepted are fp32, bf16")
     for name in ("seq_len", "batch_size"):
-        if int(getattr(cfg.data, name)) < 1:
-            raise UserError(f"config {path}: data.{name} must be >= 1")
-    cfg.train.betas = tuple(cfg.train.betas)
+        _number(f"config {path}", f"data.{name}", getattr(cfg.data, name), integer=True, low=1)
     _check_train(cfg.train, f"config {path}")
-    if cfg.train.model_dir:
+    cfg.train.betas = tuple(cfg.train.betas)
+    if cfg.train.model_dir:   # a checkpoint's config.json is transformers' to read (it may carry more)
         use_model_dir(cfg, cfg.train.model_dir)
+    else:
+        check_model_keys(cfg.model, f"config {path}")
     return cfg
+
+
+def _number(source: str, name: str, value, *, integer: bool = False, low: float | None = None, low_open: bool = False,
+            high: float | None = None, high_open: bool = False, nullable: bool = False, off: str = "") -> None:
+    """One numeric setting in its range, or a one-line error naming the key, the value and the range."""
+    if value is None and nullable:
+        return
+    kind = "an integer" if integer else "a number"
+    lo = "" if low is None else f"{'>' if low_open else '>='} {low:g}"
+    hi = "" if high is None else f"{'<' if high_open else '<='} {high:g}"
+    wanted = f"{kind}{' ' + lo if lo else ''}{' and ' + hi if lo and hi else ' ' + hi if hi else ''}{off}"
+    ok = isinstance(value, int) if integer else isinstance(value, int | float)
+    ok = ok and not isinstance(value, bool) and value == value and value not in (float("inf"), float("-inf"))
+    if ok and low is not None:
+        ok = value > low if low_open else value >= low
+    if ok and high is not None:
+        ok = value < high if high_open else value <= high
+    if not ok:
+        raise UserError(f"{source}: {name} must be {wanted}, got {value!r}")
 
 
 def _check_train(t: TrainSettings, source: str) -> None:
@@ -123,8 +143,71 @@ def _check_train(t: TrainSettings, source: str) -> None:
             raise UserError(f"{source}: train.{name} must be a directory path or null, got {value!r}")
     if t.log is not None and not (isinstance(t.log, str) and t.log):
         raise UserError(f"{source}: train.log must be a file path or null, got {t.log!r}")
-    if t.indexer_kl_weight < 0:
-        raise UserError(f"{source}: train.indexer_kl_weight must be >= 0, got {t.indexer_kl_weight!r}")
+    # the optimizer's and the schedule's numbers: a value out of range trains wrong without failing
+    # (grad_clip -1 flips the gradients, lr 0 stops after a step), so each is checked here
+    _number(source, "train.lr", t.lr, low=0, low_open=True)
+    _number(source, "train.min_lr", t.min_lr, low=0, high=t.lr if _is_number(t.lr) else None, off=" (train.lr)")
+    _number(source, "train.warmup_steps", t.warmup_steps, integer=True, low=0)
+    _number(source, "train.weight_decay", t.weight_decay, low=0)
+    _number(source, "train.grad_clip", t.grad_clip, low=0, low_open=True, nullable=True, off=", or null for no clipping")
+    _number(source, "train.seed", t.seed, integer=True, low=0)
+    _number(source, "train.indexer_kl_weight", t.indexer_kl_weight, low=0)
+    if not (isinstance(t.betas, list | tuple) and len(t.betas) == 2):
+        raise UserError(f"{source}: train.betas must be two numbers in [0, 1), got {t.betas!r}")
+    for i, b in enumerate(t.betas):
+        _number(source, f"train.betas[{i}]", b, low=0, high=1, high_open=True)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def check_model_keys(model: dict, source: str) -> None:
+    """The model section's keys are DeepseekV4Config's: a typo (vocab_sizee) would be dropped silently
+    and the model built with the default, so an unknown key is an error naming its near miss."""
+    import difflib
+
+    from transformers import DeepseekV4Config, PretrainedConfig
+
+    known = (set(DeepseekV4Config().to_dict()) | set(PretrainedConfig().to_dict()) | set(DeepseekV4Config.attribute_map)
+             | _legacy_keys() | {"model_type", "architectures"})
+    unknown = sorted(k for k in model if k not in known)
+    if unknown:
+        k = unknown[0]
+        near = difflib.get_close_matches(k, sorted(known), n=1)
+        raise UserError(f"{source}: unknown model key {k!r}" + (f" (did you mean {near[0]!r}?)" if near else "")
+                        + ": the model section takes DeepseekV4Config's fields")
+
+
+def _legacy_keys() -> set[str]:
+    """The config.json names DeepseekV4Config still takes and folds into its fields (compress_ratios,
+    num_hash_layers, ...): the ones its __post_init__ pops from its kwargs."""
+    import inspect
+    import re
+
+    from transformers import DeepseekV4Config
+
+    return set(re.findall(r'kwargs\.pop\(\s*"(\w+)"', inspect.getsource(DeepseekV4Config)))
+
+
+def check_fits_memory(cfg: TrainConfig, source: str) -> None:
+    """A batch whose logits alone (and their gradient: batch x seq x vocab fp32, twice) exceed this
+    machine's memory cannot train: refused before the model is built, not by the OOM killer (the
+    trainer calls it; a modeled profile on the meta device needs no memory)."""
+    import os
+
+    vocab = cfg.model.get("vocab_size")
+    if not _is_number(vocab):
+        return
+    need = 2 * cfg.data.batch_size * cfg.data.seq_len * int(vocab) * 4
+    try:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    if need > have:
+        raise UserError(f"{source}: data.batch_size {cfg.data.batch_size} x data.seq_len {cfg.data.seq_len} needs "
+                        f"{need / 2**30:.1f} GiB for the logits and their gradient alone (vocab {vocab}); this machine "
+                        f"has {have / 2**30:.1f} GiB: lower batch_size (or use train.grad_accum)")
 
 
 def use_model_dir(cfg: TrainConfig, model_dir: str) -> TrainConfig:

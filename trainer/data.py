@@ -143,6 +143,14 @@ def _jsonl(p: Path):
         yield n, rec
 
 
+def _utf8(p: Path) -> str:
+    """A text data file, refused unless it is UTF-8 (decoding with replacement would train on U+FFFD)."""
+    try:
+        return p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"data file {p}: not UTF-8 ({exc.reason} at byte {exc.start}): text data must be UTF-8") from None
+
+
 def _documents(source: str, path: str | None) -> list[str]:
     if not path:
         raise UserError(f"data.source {source} needs data.path")
@@ -151,11 +159,11 @@ def _documents(source: str, path: str | None) -> list[str]:
         files = sorted(p.rglob("*.txt"))
         if not files:
             raise UserError(f"data directory {p}: no .txt files (empty dataset)")
-        docs = [f.read_text(encoding="utf-8", errors="replace") for f in files]
+        docs = [_utf8(f) for f in files]
     elif not p.is_file():
         raise UserError(f"data file {p}: no such file")
     elif source == "text":
-        docs = [p.read_text(encoding="utf-8", errors="replace")]
+        docs = [_utf8(p)]
     else:
         docs = []
         for n, rec in _jsonl(p):

@@ -59,7 +59,7 @@ from aurakernel.errors import UserError
 from aurakernel.hardware import load_calibration, load_profile
 from aurakernel.paths import write_text_atomic
 
-from .config import TrainConfig
+from .config import TrainConfig, check_fits_memory
 from .data import IGNORE, TokenBatches
 from .metrics import JsonlLog, flops_per_token, mfu, parameter_counts
 from .model import build_model
@@ -338,7 +338,8 @@ def train_step(run: Run, batch, cfg: TrainConfig) -> tuple[float, float, float]:
         total.backward()
         lm_loss += loss.detach()
     step_loss = float(_sum_over_ranks(lm_loss))
-    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.train.grad_clip)
+    clip = cfg.train.grad_clip if cfg.train.grad_clip is not None else float("inf")   # null: no clipping
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), clip)
     grad_norm = float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)
     if run.no_grad_params is None:
         objectives = optional_module("objectives", "the report of parameters without gradient")
@@ -535,6 +536,7 @@ def train(cfg: TrainConfig, *, kernels=None, steps: int | None = None, compare: 
 def _train(cfg, world, kernels, steps, compare, log_path, show_progress, console, resume, export_dir) -> dict:
     t = cfg.train
     _check_options(cfg, world, kernels, compare, resume, export_dir, log_path)
+    check_fits_memory(cfg, f"config {cfg.path}")
     torch.manual_seed(t.seed)
     random.seed(t.seed)
     base_model = initial_model(cfg)
