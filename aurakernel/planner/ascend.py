@@ -114,7 +114,7 @@ def ascend_rowwise_model(rows: int, cols: int, elem_bytes: int, phases: list[Asc
         return (nb * per_buf + align32(p.resident_bytes) + p.work_buffers * ch * 4 + align32((8 + ch * 4 / 256) * 4)
                 + p.f32_tiles * tr * align32(ct * 4))
 
-    usage = Term.of(knobs, domains, lambda tr, nb, ch, ct: max(ub_bytes(p, tr, nb, ch, ct) for p in phases))
+    usage = Term.of(knobs, domains, lambda tr, nb, ch, ct: max((ub_bytes(p, tr, nb, ch, ct) for p in phases), default=0))
     constraints = [Constraint("UB capacity", usage, figures.ub_usable,
                               "buffers x (row tiles + per-row outputs) + resident + work chunks + reduce scratch")]
 

@@ -128,6 +128,7 @@ struct Core {
     int fetched[EVENTS];
     void* pipe = nullptr;      // the kernel's TPipe (GetTPipePtr), once constructed
     int kernel_type = -1;      // KERNEL_TASK_TYPE_DEFAULT's value, -1 when not declared
+    int atomic = 0;            // SetAtomicAdd<T>'s type (1 float, 2 half, 3 bfloat16_t): writes to GM add; 0: off
     std::vector<std::pair<std::string, uint32_t>> allocs;   // every InitBuffer, for the UB report
     Core() {
         for (int& f : fetched) f = -1;
@@ -785,6 +786,35 @@ template <bool isAIVOnly = true> void SyncAll() {
 
 // ---- data movement -----------------------------------------------------------------------------
 namespace detail {
+// A store of n elements to GM: a copy, or with SetAtomicAdd<T> on, an atomic add of each (the NPU
+// adds in the memory system, so cores adding to the same GM at once all count). The atomic type
+// must be the stored one.
+template <typename T> T atomic_add(T* at, T v) {
+    static_assert(sizeof(T) == 2 || sizeof(T) == 4);
+    using Bits = std::conditional_t<sizeof(T) == 4, uint32_t, uint16_t>;
+    auto* word = reinterpret_cast<Bits*>(at);
+    Bits seen = __atomic_load_n(word, __ATOMIC_RELAXED), next;
+    do {
+        T cur;
+        std::memcpy(&cur, &seen, sizeof(T));
+        const T sum = T(float(cur) + float(v));
+        std::memcpy(&next, &sum, sizeof(T));
+    } while (!__atomic_compare_exchange_n(word, &seen, next, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
+    return v;
+}
+template <typename T> constexpr int atomic_tag() {
+    return std::is_same_v<T, float> ? 1 : std::is_same_v<T, half> ? 2 : std::is_same_v<T, bfloat16_t> ? 3 : -1;
+}
+template <typename T> void gm_store(T* dst, const T* src, uint64_t n, const char* api) {
+    const int atomic = ak::core().atomic;
+    if (!atomic) { std::memcpy(dst, src, n * sizeof(T)); return; }
+    if (atomic != atomic_tag<T>())
+        ak::fail("atomic", std::string(api) + " of another type than SetAtomicAdd's: the add would read the bits as that type");
+    if constexpr (atomic_tag<T>() > 0) {
+        for (uint64_t i = 0; i < n; ++i) atomic_add(dst + i, src[i]);
+    }
+}
+
 // GM traffic of `bytes` at `gm`: HBM traffic, or L2 traffic where the launch keeps that buffer in L2
 // (a workspace small enough to stay there: the build's l2_args); the MTE cycles of `moved` bytes at
 // that level's rate (HBM: the core's share; L2: the core's own MTE limit)
@@ -802,6 +832,15 @@ inline void check_copy_32b(uint32_t count, size_t size, const char* dir, const a
 }
 }
 
+// SetAtomicAdd<T>: the GM writes that follow (UB -> GM copies, Fixpipe) add to what is there, as T
+// (float, half, bfloat16_t here); DisableDmaAtomic turns it off. GM is not cleared first.
+template <typename T> inline void SetAtomicAdd() {
+    static_assert(std::is_same_v<T, float> || std::is_same_v<T, half> || std::is_same_v<T, bfloat16_t>,
+                  "SetAtomicAdd here: float, half or bfloat16_t");
+    ak::core().atomic = detail::atomic_tag<T>();
+}
+inline void DisableDmaAtomic() { ak::core().atomic = 0; }
+
 template <typename T> void DataCopy(const LocalTensor<T>& dst, const GlobalTensor<T>& src, const uint32_t count) {
     detail::check_copy_32b(count, sizeof(T), "GM->UB", dst.slot());
     dst.check_in(dst.mem() == ak::L1 ? ak::L1 : ak::UB, count, "DataCopy");   /* GM -> UB, or GM -> A1 / B1 */
@@ -813,7 +852,7 @@ template <typename T> void DataCopy(const GlobalTensor<T>& dst, const LocalTenso
     detail::check_copy_32b(count, sizeof(T), "UB->GM", src.slot());
     src.check(count, "DataCopy");
     dst.check(0, count);
-    std::memcpy(dst.ak_ptr(), src.ak_ptr(), count * sizeof(T));
+    detail::gm_store(dst.ak_ptr(), src.ak_ptr(), count, "DataCopy");
     ak::core().issue(ak::MTE3, detail::gm_cycles(dst.ak_ptr(), count * sizeof(T), true, count * sizeof(T)), {src.slot()}, {});
 }
 template <typename T> void DataCopy(const LocalTensor<T>& dst, const LocalTensor<T>& src, const uint32_t count) {
@@ -890,7 +929,7 @@ template <typename T> void DataCopyPad(const GlobalTensor<T>& dst, const LocalTe
     for (uint32_t i = 0; i < p.blockCount; ++i) {
         const uint64_t goff = uint64_t(i) * (p.blockLen + p.dstStride);
         dst.check(goff / sizeof(T), n);
-        std::memcpy(g + goff, src.ak_ptr() + i * pitch, p.blockLen);
+        detail::gm_store(reinterpret_cast<T*>(g + goff), src.ak_ptr() + i * pitch, n, "DataCopyPad");
     }
     ak::core().issue(ak::MTE3, detail::gm_cycles(dst.ak_ptr(), uint64_t(p.blockCount) * p.blockLen, true,
                                                  uint64_t(p.blockCount) * padded * sizeof(T)), {src.slot()}, {});
@@ -1682,8 +1721,8 @@ void Fixpipe(const GlobalTensor<T>& dst, const LocalTensor<U>& src, const Fixpip
                 if (p.reluEn && v < 0) v = 0.0f;
                 const uint64_t at = nd ? uint64_t(t) * p.dstNdStride + uint64_t(i) * p.dstStride + j
                                        : uint64_t(t) * p.dstNdStride + uint64_t(j / 16) * p.dstStride * blk + uint64_t(i) * 16 + j % 16;
-                if constexpr (std::is_same_v<T, float>) dst.ak_ptr()[at] = v;
-                else dst.ak_ptr()[at] = detail::from_f<T>(v, RoundMode::CAST_RINT);   /* to nearest even */
+                const T out = std::is_same_v<T, float> ? T(v) : detail::from_f<T>(v, RoundMode::CAST_RINT);   /* to nearest even */
+                detail::gm_store(dst.ak_ptr() + at, &out, 1, "Fixpipe");
             }
     const uint64_t bytes = uint64_t(p.ndNum) * p.mSize * p.nSize * sizeof(T);
     detail::gm_cycles(dst.ak_ptr(), bytes, true, bytes);   /* counted as HBM or L2 traffic; timed at the Fixpipe's rate */
@@ -1698,7 +1737,8 @@ void Fixpipe(const GlobalTensor<T>& dst, const LocalTensor<U>& src, const Fixpip
     "Adds Muls Maxs Mins Exp Ln Sqrt Rsqrt Reciprocal Abs Relu Axpy MulAddDst Gather Copy Sort32 MrgSort Cast Duplicate Brcb ReduceSum ReduceMax WholeReduceSum " \
     "LoadData Mmad Fixpipe Nd2NzParams LoadData2DParams MmadParams FixpipeParamsV220 FixpipeConfig CFG_ROW_MAJOR CFG_NZ QuantMode_t " \
     "WholeReduceMax Compare CompareScalar Select PipeBarrier SetFlag WaitFlag GetBlockIdx GetBlockNum SyncAll GetDataBlockSizeInBytes "\
-    "GetSubBlockIdx GetSubBlockNum GetTaskRatio CrossCoreSetFlag CrossCoreWaitFlag ASCEND_IS_AIV ASCEND_IS_AIC g_coreType " \
+    "GetSubBlockIdx GetSubBlockNum GetTaskRatio CrossCoreSetFlag CrossCoreWaitFlag ASCEND_IS_AIV ASCEND_IS_AIC g_coreType "\
+    "SetAtomicAdd DisableDmaAtomic " \
     "GetTPipePtr AllocEventID ReleaseEventID FetchEventID KERNEL_TASK_TYPE_DEFAULT " \
     "DataCopyParams DataCopyExtParams DataCopyPadExtParams UnaryRepeatParams BinaryRepeatParams BrcbRepeatParams CopyRepeatParams " \
     "MrgSort4Info MrgSortSrcList"

@@ -75,17 +75,21 @@ def plan(spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, so
          scheduled: bool = True) -> Plan:
     """Tiling (the UB-partition MILP), then, where the template renders one, the pipeline schedule
     of each phase at that tiling; a schedule that cannot be solved leaves the plain order."""
-    the_plan = solve_tiling(model(spec, problem, hw), op=problem.op, variant=problem.variant, shape=problem.shape,
-                            dtype=problem.dtype.value, target=target, solver=solver)
+    rows = model(spec, problem, hw)
+    common = dict(op=problem.op, variant=problem.variant, shape=problem.shape, dtype=problem.dtype.value, target=target)
+    if rows.phases:
+        the_plan = solve_tiling(rows, solver=solver, **common)
+    else:   # every phase runs on the Cube: the row-wise knobs only fill the template's unused vector part
+        the_plan = Plan(knobs={k: v[0] for k, v in rows.domains.items()}, predicted_us=0.0, pipes_us={},
+                        binding_constraint="", solver=solver, solve_s=0.0, status="optimal", **common)
     cube = kernel_of(spec).cube_model(problem, hw)
     if cube is not None:   # the Cube phases' own tiling, solved apart (no knob in common) and merged
-        on_cube = solve_tiling(cube, op=problem.op, variant=problem.variant, shape=problem.shape,
-                               dtype=problem.dtype.value, target=target, solver=solver)
+        on_cube = solve_tiling(cube, solver=solver, **common)
         the_plan.knobs = dict(sorted({**the_plan.knobs, **on_cube.knobs}.items()))
         the_plan.predicted_us += on_cube.predicted_us
         the_plan.pipes_us = {**the_plan.pipes_us, **on_cube.pipes_us}
         the_plan.solve_s += on_cube.solve_s
-        the_plan.binding_constraint = f"{the_plan.binding_constraint}; {on_cube.binding_constraint}"
+        the_plan.binding_constraint = "; ".join(b for b in (the_plan.binding_constraint, on_cube.binding_constraint) if b)
     if not scheduled:
         return the_plan
     try:

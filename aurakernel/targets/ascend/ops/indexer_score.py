@@ -39,7 +39,15 @@ class IndexerScoreAscend(AscendKernel):
         batch, seq, _, _, entries = problem.shape
         return batch * seq, entries
 
+    @staticmethod
+    def cube_backward(problem: Problem) -> bool:
+        """16-bit q and k run the backward on the Cube too (its transposes are the 2D LoadData's, of
+        16 x 16 fractals only); fp32 keeps it on the vector cores."""
+        return problem.dtype.itemsize == 2
+
     def phases(self, problem: Problem):
+        if self.cube_backward(problem):
+            return []   # every phase is the Cube model's
         _, _, heads, dim, _ = problem.shape
         e = problem.dtype.itemsize
         pieces = -(-dim // 64)                        # 64-lane fp32 repeats per key row
@@ -123,11 +131,76 @@ class IndexerScoreAscend(AscendKernel):
                 "(cube_buffers x M + key_chunk) x D x elem"),
             cap("UB capacity", ub, p.ub_usable, "2 x rows/2 x H x cube_keys fp32 products + 2 score tiles + w and its Brcb blocks"),
         ]
-        return ChoiceModel(domains, constraints, [Phase("forward", pipes, [fill, launch])])
+        phases = [Phase("forward", pipes, [fill, launch])]
+        if self.cube_backward(problem):
+            bwd_phase, bwd_constraints = self._backward_model(problem, hw, domains)
+            phases.append(bwd_phase)
+            constraints += bwd_constraints
+        return ChoiceModel(domains, constraints, phases)
+
+    def _backward_model(self, problem: Problem, hw: HardwareProfile, domains: dict) -> tuple[Phase, list[Constraint]]:
+        """The Cube backward's tiling (bwd_rows query rows x bwd_keys keys per tile, every key in L1):
+        per production the AIC's P, dq and dk Mmads with their loads and Fixpipes, the AIVs' read of P
+        and g, coefficients and write of them; L0A / L0B / L0C each hold one of every operand."""
+        batch, seq, heads, dim, keys = problem.shape
+        e = problem.dtype.itemsize
+        cores = int(hw.extra.get("cube_cores", hw.cores))
+        p = hw.ascend_pipes(cores)
+        lat, rate, l2, issue = p.mte_latency, p.mte_bytes_per_cycle, p.l2_bytes_per_cycle, p.vec_issue
+        keys64 = -(-keys // 64) * 64
+        domains["bwd_rows"] = [r for r in (1, 2, 4) if r <= seq and r * heads <= 4095]
+        domains["bwd_keys"] = [k for k in (64, 128) if k <= keys64]
+        knobs = ("bwd_rows", "bwd_keys")
+
+        def per_core(rows, kn):
+            tc = cube_split(batch * -(-seq // rows), cores)[0]
+            m, mine, kt = rows * heads, -(-rows // 2), -(-keys // kn)
+            pt = cube_tile_cycles(m, kn, dim, e, hw, cores, a_loads=-(-m // 16), b_loads=dim * e // 32)   # P
+            dq = cube_tile_cycles(m, dim, kn, e, hw, cores, a_loads=-(-m // 16), b_loads=-(-kn // 16), out_bytes=0)
+            dk = cube_tile_cycles(kn, dim, m, e, hw, cores, a_loads=1, b_loads=0)
+            batches = min(batch, 1 + math.ceil((tc * rows - 1) / seq))
+            vec = 9 * heads * kn / 64 + issue * (3 * kn / 64 + 12)
+            n = tc * kt
+            return {"MTE2": tc * (lat + m * dim * e / rate) + batches * (lat * kt + keys * dim * e / rate) + n * (lat + m * kn * e / l2),
+                    "MTE1": tc * (pt.mte1_a + dk.mte1_b) + n * (pt.mte1_b + dq.mte1_a + dk.mte1_a + dq.mte1_b),
+                    "Cube": n * (pt.cube + dq.cube + dk.cube),
+                    "FIX": n * (pt.fix + dk.fix) + tc * (issue + m * dim * e / p.fix_bytes_per_cycle),
+                    "AIV MTE2": n * (2 * lat + mine * heads * kn * 4 / l2 + mine * kn * 4 / rate) + tc * (lat + mine * heads * 4 / rate),
+                    "Vector": n * mine * vec, "AIV MTE3": n * (lat + mine * heads * kn * e / l2), "tile": n}
+        clock = hw.clock_ghz * 1e9
+        pipes = {pipe: [Term.of(knobs, domains, lambda r, kn, pipe=pipe: per_core(r, kn)[pipe] / clock)]
+                 for pipe in ("MTE2", "MTE1", "Cube", "FIX", "AIV MTE2", "Vector", "AIV MTE3")}
+        fill = Term.of(knobs, domains, lambda r, kn: sum(v for k, v in per_core(r, kn).items() if k != "tile")
+                       / per_core(r, kn)["tile"] / clock)
+        launch = Term.of(("cube_blocks",), domains, lambda bd: hw.call_overhead_us * 1e-6)
+
+        def cap(name, fn, limit, formula):
+            return Constraint(name, Term.of(knobs, domains, fn), limit, formula)
+        def ub(r, kn):
+            mine = -(-r // 2)
+            return (2 * mine * heads * kn * 4 + 2 * mine * kn * 4 + 2 * align32(mine * heads * 4) + 2 * mine * heads * kn * e
+                    + 2 * align32(mine * heads * 4) + align32((mine * heads + 8) * 4) + (mine * heads + 8) * 32
+                    + 2 * heads * kn * 4 + heads * kn // 8 + align32(heads * 4) + 4096 * (4 + e))
+        constraints = [
+            cap("backward L0A capacity", lambda r, kn: (r * heads * dim + 2 * r * heads * kn) * e, p.l0a_bytes,
+                "(M x D + 2 x M x bwd_keys) x elem (q, coef, coef^T)"),
+            cap("backward L0B capacity", lambda r, kn: (2 * kn * dim + r * heads * dim) * e, p.l0b_bytes,
+                "(2 x bwd_keys x D + M x D) x elem (k^T, k, q)"),
+            cap("backward L0C capacity", lambda r, kn: (r * heads * kn + r * heads * dim + kn * dim) * 4, p.l0c_bytes,
+                "(M x bwd_keys + M x D + bwd_keys x D) x fp32 (P, dq, dk)"),
+            cap("backward L1 capacity", lambda r, kn: (r * heads * dim + -(-keys // 16) * 16 * dim + 2 * r * heads * kn) * e,
+                p.l1_usable, "(M x D + T x D + 2 x M x bwd_keys) x elem (q, every key, 2 coef tiles)"),
+            cap("backward UB capacity", ub, p.ub_usable, "per AIV: 2 P and g tiles, 2 coef tiles, w, work tiles, the dk conversion"),
+        ]
+        return Phase("backward", pipes, [fill, launch]), constraints
 
     def cube_floor(self, problem: Problem) -> dict[str, CubeWork]:
         batch, seq, heads, dim, keys = problem.shape
-        return {"forward": CubeWork(batch * seq * heads * dim * keys, fp32=problem.dtype.itemsize == 4)}
+        macs = batch * seq * heads * dim * keys
+        floors = {"forward": CubeWork(macs, fp32=problem.dtype.itemsize == 4)}
+        if self.cube_backward(problem):   # P again, dq and dk
+            floors["backward"] = CubeWork(3 * macs)
+        return floors
 
     def params(self, problem: Problem, knobs: dict[str, int]) -> dict:
         _, _, heads, dim, _ = problem.shape
@@ -147,7 +220,8 @@ class IndexerScoreAscend(AscendKernel):
                 "tile_rows": int(knobs["tile_rows"]), "buffers": int(knobs["buffers"]),
                 "block_dim": int(knobs["block_dim"]), "cube_rows": cube_rows, "cube_keys": cube_keys,
                 "key_chunk": int(knobs["key_chunk"]), "cube_blocks": int(knobs["cube_blocks"]),
-                "cube_buffers": int(knobs["cube_buffers"])}
+                "cube_buffers": int(knobs["cube_buffers"]), "cube_backward": self.cube_backward(problem),
+                "bwd_rows": int(knobs.get("bwd_rows", 1)), "bwd_keys": int(knobs.get("bwd_keys", 64))}
 
     def verification_problems(self, problem: Problem, knobs: dict[str, int]) -> list[Problem]:
         """One batch row of (at most 64) queries over the cores, leaving a tail core; and two batch rows
@@ -171,10 +245,14 @@ class IndexerScoreAscend(AscendKernel):
         block_rows, block_dim = row_split(rows, knobs["block_dim"])
         per_batch = -(-seq // knobs["cube_rows"])
         block_tiles, cube_blocks = cube_split(batch * per_batch, knobs["cube_blocks"])
-        tiling = bytearray(struct.pack("<10If8I", rows, seq, entries, batch, block_rows, block_dim, knobs["chunk"],
+        bwd_rows, bwd_keys = knobs.get("bwd_rows", 1), knobs.get("bwd_keys", 64)
+        bwd_per_batch = -(-seq // bwd_rows)
+        bwd_block_tiles, bwd_blocks = cube_split(batch * bwd_per_batch, knobs["cube_blocks"])
+        tiling = bytearray(struct.pack("<10If14I", rows, seq, entries, batch, block_rows, block_dim, knobs["chunk"],
                                        knobs["tile_rows"], -(-entries // knobs["chunk"]) * knobs["chunk"], -(-batch * entries // block_dim),
                                        dim ** -0.5, cube_blocks, knobs["cube_rows"], knobs["cube_keys"], knobs["key_chunk"],
-                                       per_batch, batch * per_batch, block_tiles, knobs["cube_buffers"]))
+                                       per_batch, batch * per_batch, block_tiles, knobs["cube_buffers"],
+                                       bwd_rows, bwd_keys, bwd_per_batch, batch * bwd_per_batch, bwd_block_tiles, bwd_blocks))
         w = self.spec.weights(hidden, proj, heads).contiguous()
         score = torch.full((batch, seq, entries), float("nan"))
         # the forward's workspace: two fp32 product slots per AI core, kept in L2
@@ -184,9 +262,14 @@ class IndexerScoreAscend(AscendKernel):
                            cube_blocks, fwd_bufs)
         dq, dk, dw = (torch.full_like(t, float("nan")) for t in (q, k, w))
         g = grad_out["y"].float().contiguous()
-        bwd_bufs = [to_bytes(q), to_bytes(k), to_bytes(w), to_bytes(g), to_bytes(dq), to_bytes(dk), to_bytes(dw),
-                    bytearray(block_dim * batch * entries * dim * 4), bytearray(tiling)]
-        bwd = emulator.run(emu.exe("ak_indexer_score_bwd", 9), block_dim, bwd_bufs)
+        if self.cube_backward(problem):   # per AI core 2 P slots (fp32) and 2 coef slots, then the fp32 dk (in L2)
+            ws = bytearray(bwd_blocks * 2 * bwd_rows * heads * bwd_keys * (4 + q.element_size()) + batch * entries * dim * 4)
+            exe, blocks = emu.exe("ak_indexer_score_bwd", 9, cores="mix_1_2", block_dim=bwd_blocks, l2_args=(7,)), bwd_blocks
+        else:
+            ws, exe, blocks = bytearray(block_dim * batch * entries * dim * 4), emu.exe("ak_indexer_score_bwd", 9), block_dim
+        bwd_bufs = [to_bytes(q), to_bytes(k), to_bytes(w), to_bytes(g), to_bytes(dq), to_bytes(dk), to_bytes(dw), ws,
+                    bytearray(tiling)]
+        bwd = emulator.run(exe, blocks, bwd_bufs)
         dq, dk, dw = (from_bytes(bwd_bufs[4 + i], t) for i, t in enumerate((dq, dk, dw)))
         dw = dw * heads**-0.5   # back through the scaling and the projection (torch, as run_backward does)
         grads = {"q": dq, "k": dk, "hidden": (dw.to(hidden.dtype) @ proj).to(hidden.dtype),
