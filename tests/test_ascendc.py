@@ -42,7 +42,8 @@ SPREAD_TESTS = True   # no shared fixtures: xdist spreads these long emulator ca
     ("router", "hash", "60x256x6", "bf16"),             # the hash layers: tid2eid's experts
     ("router", "topk", "52x256x6", "fp32"),
     ("indexer_score", "default", "1x60x64x128x64", "bf16"),   # V4-Flash and V4-Pro: 64 heads x index_head_dim 128
-    ("indexer_score", "default", "2x37x64x128x70", "fp32"),   # fp32 operands on the Cube: 16 x 8 fractals
+    ("indexer_score", "default", "2x37x64x128x70", "fp32"),   # fp32 operands on the Cube: 16 x 8 fractals (vector backward)
+    ("indexer_score", "default", "1x37x64x128x100", "fp16"),  # fp16: dq out of the Fixpipe as F322F16
     ("rope", "default", "5x64x512x64", "bf16"),         # V4-Flash q: 64 heads of 512, rope slice 64
     ("rope", "default", "3x128x512x64", "bf16"),        # V4-Pro q: 128 heads
     ("rope", "default", "60x1x512x64", "fp32"),         # the shared kv head
@@ -182,6 +183,9 @@ BROKEN = {
                        " Fixpipe<float, float, CFG_ROW_MAJOR>(yg, c.Get<float>(), FixpipeParamsV220(16, 4, 16, 16, false));",
     "sync: V reads": "TBuf<TPosition::VECCALC> b; pipe.InitBuffer(b, 1024); LocalTensor<float> t = b.Get<float>();"
                      " t.SetValue(0, 1.0f); Adds(t, t, 1.0f, 64);",
+    # an atomic add of floats while SetAtomicAdd is set for half would add the bits as half
+    "atomic: of another type": "TBuf<TPosition::VECCALC> b; pipe.InitBuffer(b, 1024); LocalTensor<float> t = b.Get<float>();"
+                               " SetAtomicAdd<half>(); DataCopy(yg, t, 64);",
     # the Cube side: each of its buffers against its own capacity; the documented fractal alignment and
     # Mmad's limits; vector instructions on the UB only; the documented transpose takes half
     "L0A capacity": "TBuf<TPosition::A2> b; pipe.InitBuffer(b, 70 * 1024);",
@@ -458,6 +462,26 @@ def test_cast_rounds_to_the_target_precision_in_the_documented_modes():
     LocalTensor<float> f = b.Get<float>(); LocalTensor<bfloat16_t> h = f[64].ReinterpretCast<bfloat16_t>();
     Cast(h, f, RoundMode::CAST_NONE, 16);""", bytearray(256))
     assert not report.ok and "not a combination" in report.errors[0]
+
+
+def test_atomic_adds_of_every_block_to_one_gm_buffer_all_count():
+    """SetAtomicAdd<float>: each of 8 blocks adds its (block + 1) x x into y, at once; DisableDmaAtomic
+    turns it off again (the last plain copy of block 0 is not an add)."""
+    import struct
+    body = """
+    TBuf<TPosition::VECCALC> b; pipe.InitBuffer(b, 256);
+    LocalTensor<float> t = b.Get<float>();
+    DataCopy(t, xg, 64);
+    PipeWait<HardEvent::MTE2_V>();
+    Muls(t, t, float(GetBlockIdx() + 1), 64);
+    PipeWait<HardEvent::V_MTE3>();
+    SetAtomicAdd<float>();
+    DataCopy(yg, t, 64);
+    DisableDmaAtomic();"""
+    x = bytearray(struct.pack("<64f", *range(64)))
+    report, y = _run_kernel(body, x, block_dim=8)
+    assert report.ok, report.errors
+    assert list(struct.unpack("<64f", y)) == [36.0 * i for i in range(64)]   # (1 + ... + 8) x
 
 
 def test_sync_all_needs_the_mix_type_and_batch_mode():

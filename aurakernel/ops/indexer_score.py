@@ -7,10 +7,10 @@ fused so the [B, S, H, T] products are never materialised. Its top-k stays torch
 scores in the indexer; the scores match the reference to fp32 rounding, so only entries whose
 reference scores are equal to rounding can be picked differently (a test pins this down).
 
-On Ascend targets (templates/ascendc/indexer_score/) the forward is a mixed kernel: q . k on the Cube
-(ReLU on the way out of L0C), the heads' weighted sum on the vector cores; the backward's three
-products still run on the vector unit (compute-bound there: to be read against the vector Mul + Add
-bound, 2 B S H D T / 64 cycles per product over the cores, not the HBM roofline).
+On Ascend targets (templates/ascendc/indexer_score/) both directions are mixed kernels: the products
+on the Cube (q . k with the ReLU on the way out of L0C; in the backward q . k again, coef . k and
+coef^T . q), the heads' weighted sum and the coefficients on the vector cores. With fp32 q and k the
+backward stays on the vector unit (the Cube path needs LoadData's 16-bit fractal transposes).
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ class IndexerScoreAscend(AscendKernel):
     # forward: a mixed kernel (per AI core its Cube core and two vector cores): q k^T on the Cube in
     #   query tiles of `cube_rows` rows x `cube_keys` keys, the keys resident in L1 `key_chunk` at a
     #   time; the heads' weighted sum on the vector cores (cube_model plans it).
-    # backward: on the vector cores, the row-wise UB model: rows = B x S query rows of T keys, `chunk`
+    # backward, 16-bit: mixed as well, `bwd_rows` query rows x `bwd_keys` keys per tile (cube_model);
+    #   fp32: on the vector cores, the row-wise UB model: rows = B x S query rows of T keys, `chunk`
     #   the key tile, `tile_rows` the query rows sharing it, `buffers` the row queues' depth.
     split_cols = False
 
