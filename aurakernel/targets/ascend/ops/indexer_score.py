@@ -151,9 +151,10 @@ class IndexerScoreAscend(AscendKernel):
         keys64 = -(-keys // 64) * 64
         domains["bwd_rows"] = [r for r in (1, 2, 4) if r <= seq and r * heads <= 4095]
         domains["bwd_keys"] = [k for k in (64, 128) if k <= keys64]
-        knobs = ("bwd_rows", "bwd_keys")
+        domains["bwd_stream"] = [0, 1]   # 1: the keys stream through L1 a tile at a time (they do not fit it)
+        knobs = ("bwd_rows", "bwd_keys", "bwd_stream")
 
-        def per_core(rows, kn):
+        def per_core(rows, kn, stream):
             tc = cube_split(batch * -(-seq // rows), cores)[0]
             m, mine, kt = rows * heads, -(-rows // 2), -(-keys // kn)
             pt = cube_tile_cycles(m, kn, dim, e, hw, cores, a_loads=-(-m // 16), b_loads=dim * e // 32)   # P
@@ -162,35 +163,37 @@ class IndexerScoreAscend(AscendKernel):
             batches = min(batch, 1 + math.ceil((tc * rows - 1) / seq))
             vec = 9 * heads * kn / 64 + issue * (3 * kn / 64 + 12)
             n = tc * kt
-            return {"MTE2": tc * (lat + m * dim * e / rate) + batches * (lat * kt + keys * dim * e / rate) + n * (lat + m * kn * e / l2),
+            key_loads = n * (lat + kn * dim * e / rate) if stream else batches * (lat * kt + keys * dim * e / rate)
+            return {"MTE2": tc * (lat + m * dim * e / rate) + key_loads + n * (lat + m * kn * e / l2),
                     "MTE1": tc * (pt.mte1_a + dk.mte1_b) + n * (pt.mte1_b + dq.mte1_a + dk.mte1_a + dq.mte1_b),
                     "Cube": n * (pt.cube + dq.cube + dk.cube),
                     "FIX": n * (pt.fix + dk.fix) + tc * (issue + m * dim * e / p.fix_bytes_per_cycle),
                     "AIV MTE2": n * (2 * lat + mine * heads * kn * 4 / l2 + mine * kn * 4 / rate) + tc * (lat + mine * heads * 4 / rate),
                     "Vector": n * mine * vec, "AIV MTE3": n * (lat + mine * heads * kn * e / l2), "tile": n}
         clock = hw.clock_ghz * 1e9
-        pipes = {pipe: [Term.of(knobs, domains, lambda r, kn, pipe=pipe: per_core(r, kn)[pipe] / clock)]
+        pipes = {pipe: [Term.of(knobs, domains, lambda r, kn, st, pipe=pipe: per_core(r, kn, st)[pipe] / clock)]
                  for pipe in ("MTE2", "MTE1", "Cube", "FIX", "AIV MTE2", "Vector", "AIV MTE3")}
-        fill = Term.of(knobs, domains, lambda r, kn: sum(v for k, v in per_core(r, kn).items() if k != "tile")
-                       / per_core(r, kn)["tile"] / clock)
+        fill = Term.of(knobs, domains, lambda r, kn, st: sum(v for k, v in per_core(r, kn, st).items() if k != "tile")
+                       / per_core(r, kn, st)["tile"] / clock)
         launch = Term.of(("cube_blocks",), domains, lambda bd: hw.call_overhead_us * 1e-6)
 
         def cap(name, fn, limit, formula):
             return Constraint(name, Term.of(knobs, domains, fn), limit, formula)
-        def ub(r, kn):
+        def ub(r, kn, st):
             mine = -(-r // 2)
             return (2 * mine * heads * kn * 4 + 2 * mine * kn * 4 + 2 * align32(mine * heads * 4) + 2 * mine * heads * kn * e
                     + 2 * align32(mine * heads * 4) + align32((mine * heads + 8) * 4) + (mine * heads + 8) * 32
                     + 2 * heads * kn * 4 + heads * kn // 8 + align32(heads * 4) + 4096 * (4 + e))
         constraints = [
-            cap("backward L0A capacity", lambda r, kn: (r * heads * dim + 2 * r * heads * kn) * e, p.l0a_bytes,
+            cap("backward L0A capacity", lambda r, kn, st: (r * heads * dim + 2 * r * heads * kn) * e, p.l0a_bytes,
                 "(M x D + 2 x M x bwd_keys) x elem (q, coef, coef^T)"),
-            cap("backward L0B capacity", lambda r, kn: (2 * kn * dim + r * heads * dim) * e, p.l0b_bytes,
+            cap("backward L0B capacity", lambda r, kn, st: (2 * kn * dim + r * heads * dim) * e, p.l0b_bytes,
                 "(2 x bwd_keys x D + M x D) x elem (k^T, k, q)"),
-            cap("backward L0C capacity", lambda r, kn: (r * heads * kn + r * heads * dim + kn * dim) * 4, p.l0c_bytes,
+            cap("backward L0C capacity", lambda r, kn, st: (r * heads * kn + r * heads * dim + kn * dim) * 4, p.l0c_bytes,
                 "(M x bwd_keys + M x D + bwd_keys x D) x fp32 (P, dq, dk)"),
-            cap("backward L1 capacity", lambda r, kn: (r * heads * dim + -(-keys // 16) * 16 * dim + 2 * r * heads * kn) * e,
-                p.l1_usable, "(M x D + T x D + 2 x M x bwd_keys) x elem (q, every key, 2 coef tiles)"),
+            cap("backward L1 capacity", lambda r, kn, st: (r * heads * dim + (2 * kn if st else -(-keys // 16) * 16) * dim
+                                                           + 2 * r * heads * kn) * e,
+                p.l1_usable, "(M x D + (every key, or 2 streamed key tiles) x D + 2 x M x bwd_keys) x elem"),
             cap("backward UB capacity", ub, p.ub_usable, "per AIV: 2 P and g tiles, 2 coef tiles, w, work tiles, the dk conversion"),
         ]
         return Phase("backward", pipes, [fill, launch]), constraints
@@ -222,7 +225,8 @@ class IndexerScoreAscend(AscendKernel):
                 "block_dim": int(knobs["block_dim"]), "cube_rows": cube_rows, "cube_keys": cube_keys,
                 "key_chunk": int(knobs["key_chunk"]), "cube_blocks": int(knobs["cube_blocks"]),
                 "cube_buffers": int(knobs["cube_buffers"]), "cube_backward": self.cube_backward(problem),
-                "bwd_rows": int(knobs.get("bwd_rows", 1)), "bwd_keys": int(knobs.get("bwd_keys", 64))}
+                "bwd_rows": int(knobs.get("bwd_rows", 1)), "bwd_keys": int(knobs.get("bwd_keys", 64)),
+                "bwd_stream": int(knobs.get("bwd_stream", 0))}
 
     def verification_problems(self, problem: Problem, knobs: dict[str, int]) -> list[Problem]:
         """One batch row of (at most 64) queries over the cores, leaving a tail core; and two batch rows
@@ -249,11 +253,12 @@ class IndexerScoreAscend(AscendKernel):
         bwd_rows, bwd_keys = knobs.get("bwd_rows", 1), knobs.get("bwd_keys", 64)
         bwd_per_batch = -(-seq // bwd_rows)
         bwd_block_tiles, bwd_blocks = cube_split(batch * bwd_per_batch, knobs["cube_blocks"])
-        tiling = bytearray(struct.pack("<10If14I", rows, seq, entries, batch, block_rows, block_dim, knobs["chunk"],
+        tiling = bytearray(struct.pack("<10If15I", rows, seq, entries, batch, block_rows, block_dim, knobs["chunk"],
                                        knobs["tile_rows"], -(-entries // knobs["chunk"]) * knobs["chunk"], -(-batch * entries // block_dim),
                                        dim ** -0.5, cube_blocks, knobs["cube_rows"], knobs["cube_keys"], knobs["key_chunk"],
                                        per_batch, batch * per_batch, block_tiles, knobs["cube_buffers"],
-                                       bwd_rows, bwd_keys, bwd_per_batch, batch * bwd_per_batch, bwd_block_tiles, bwd_blocks))
+                                       bwd_rows, bwd_keys, bwd_per_batch, batch * bwd_per_batch, bwd_block_tiles, bwd_blocks,
+                                       knobs.get("bwd_stream", 0)))
         w = self.spec.weights(hidden, proj, heads).contiguous()
         score = torch.full((batch, seq, entries), float("nan"))
         # the forward's workspace: two fp32 product slots per AI core, kept in L2
