@@ -10,6 +10,7 @@ math cannot avoid and its Cube MACs at peak, and which one it is.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import tempfile
 from pathlib import Path
@@ -59,17 +60,17 @@ def naive_knobs(model: ChoiceModel) -> dict[str, int]:
 
 
 def naive_cube_knobs(model: ChoiceModel | None) -> dict[str, int]:
-    """A Cube tiling without planning: one q buffer, one query row per tile, then the widest key tile
-    and key chunk that fit."""
+    """A Cube tiling without planning: one query row per tile, one q buffer, keys resident where they
+    fit, then the widest key tiles and chunk that fit."""
     if model is None:
         return {}
-    d = model.domains
-    for kn in sorted(d["cube_keys"], reverse=True):
-        for ch in sorted(d["key_chunk"], reverse=True):
-            choice = {"cube_rows": min(d["cube_rows"]), "cube_keys": kn, "key_chunk": ch,
-                      "cube_buffers": min(d["cube_buffers"]), "cube_blocks": d["cube_blocks"][0]}
-            if model.feasible(choice):
-                return choice
+    small_first = ("rows", "buffers", "stream")
+    names = list(model.domains)
+    orders = [sorted(model.domains[k], reverse=not any(w in k for w in small_first)) for k in names]
+    for values in itertools.product(*orders):
+        choice = dict(zip(names, values))
+        if model.feasible(choice):
+            return choice
     raise RuntimeError("no Cube tile fits")
 
 
