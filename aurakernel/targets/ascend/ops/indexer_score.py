@@ -19,6 +19,13 @@ from ..kernel import AscendKernel
 
 
 
+def _cube_figures(problem: Problem, hw: HardwareProfile):
+    """What both Cube models start from: the element size, the AI cores, their pipe figures and the
+    key count rounded up to the 64-key granule of the tiles."""
+    cores = int(hw.extra.get("cube_cores", hw.cores))
+    return problem.dtype.itemsize, cores, hw.ascend_pipes(cores), -(-problem.shape[4] // 64) * 64
+
+
 def cube_split(tiles: int, cores: int) -> tuple[int, int]:
     """Query tiles per AI core and the AI cores used (as the tiling's AkIndexerScoreMakeTiling)."""
     block_tiles = -(-tiles // max(1, min(tiles, cores)))
@@ -77,11 +84,8 @@ class IndexerScoreAscend(AscendKernel):
         UB; the keys are loaded key_chunk at a time (q is read again for each chunk). Objective: per
         core its tiles times the slowest pipe, plus one tile's fill and the launch."""
         batch, seq, heads, dim, keys = problem.shape
-        e = problem.dtype.itemsize
-        cores = int(hw.extra.get("cube_cores", hw.cores))
-        p = hw.ascend_pipes(cores)
+        e, cores, p, keys64 = _cube_figures(problem, hw)
         lat, rate, l2, issue = p.mte_latency, p.mte_bytes_per_cycle, p.l2_bytes_per_cycle, p.vec_issue
-        keys64 = -(-keys // 64) * 64
         domains = {"cube_rows": [r for r in (1, 2, 4, 8) if r <= seq and r * heads <= 4095],
                    "cube_keys": [k for k in (64, 128, 256) if k <= keys64],
                    "key_chunk": sorted({min(keys64, c) for c in (256, 512, 1024, 2048, 4096)}),
@@ -144,11 +148,8 @@ class IndexerScoreAscend(AscendKernel):
         per production the AIC's P, dq and dk Mmads with their loads and Fixpipes, the AIVs' read of P
         and g, coefficients and write of them; L0A / L0B / L0C each hold one of every operand."""
         batch, seq, heads, dim, keys = problem.shape
-        e = problem.dtype.itemsize
-        cores = int(hw.extra.get("cube_cores", hw.cores))
-        p = hw.ascend_pipes(cores)
+        e, cores, p, keys64 = _cube_figures(problem, hw)
         lat, rate, l2, issue = p.mte_latency, p.mte_bytes_per_cycle, p.l2_bytes_per_cycle, p.vec_issue
-        keys64 = -(-keys // 64) * 64
         domains["bwd_rows"] = [r for r in (1, 2, 4) if r <= seq and r * heads <= 4095]
         domains["bwd_keys"] = [k for k in (64, 128) if k <= keys64]
         domains["bwd_stream"] = [0, 1]   # 1: the keys stream through L1 a tile at a time (they do not fit it)
