@@ -214,7 +214,8 @@ class IndexerScoreAscend(AscendKernel):
             raise PlanInfeasible("index_head_dim", f"{dim} must be a multiple of 16 and <= 2040 (V4: 128)")
         if heads > 255:              # one level-0 repeat per head
             raise PlanInfeasible("index_n_heads", f"{heads} must be <= 255 (V4: 64)")
-        if key_tile % 64 or key_tile > 255 or key_tile * 4 < heads * problem.dtype.itemsize:
+        vector_backward = not self.cube_backward(problem)
+        if vector_backward and (key_tile % 64 or key_tile > 255 or key_tile * 4 < heads * problem.dtype.itemsize):
             raise PlanInfeasible("key tile", f"{key_tile} keys must be a multiple of 64, <= 255 (one level-0 repeat "
                                              f"per key) and hold a row of dq")
         cube_rows, cube_keys = int(knobs["cube_rows"]), int(knobs["cube_keys"])
