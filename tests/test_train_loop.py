@@ -321,7 +321,7 @@ def test_activation_checkpointing_recomputes_with_the_same_loss_and_grads(tmp_pa
     ("activation_checkpointing", "yes", "train.activation_checkpointing must be true or false"),
     ("checkpoint_dir", 3, "train.checkpoint_dir must be a directory path or null"),
     ("log", 5, "train.log must be a file path or null"),
-    ("indexer_kl_weight", -1.0, "train.indexer_kl_weight must be >= 0"),
+    ("indexer_kl_weight", -1.0, "train.indexer_kl_weight must be a number >= 0"),
     ("model_dir", "/nonexistent", "model dir /nonexistent: no config.json"),
 ])
 def test_bad_loop_keys_are_one_line_errors(tmp_path, key, value, fragment):
