@@ -6,6 +6,7 @@ process killed mid-write leaves either the whole row or none. Readers get pandas
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import time
@@ -63,6 +64,14 @@ class Record:
     created: float = 0.0
 
 
+# Our files carry SQLite's application_id ("AKDB") and their schema version in user_version, so a
+# foreign SQLite file or one a newer AuraKernel wrote is refused before anything is written to it.
+APPLICATION_ID = 0x414B4442
+SCHEMA_VERSION = 1
+COLUMNS = ("id", "op", "variant", "shape", "dtype", "target", "source_hash", "version", "hardware", "plan",
+           "predicted_us", "measured_us", "eager_us", "compiled_us", "verified", "status", "detail", "created")
+
+
 class TuningDB:
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -70,10 +79,35 @@ class TuningDB:
             raise UserError(f"--db {self.path}: not a file")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
+            with contextlib.closing(sqlite3.connect(self.path, timeout=30)) as plain:   # before WAL: it writes the header
+                self._check_ours(plain)
             with self._connect() as conn:
                 conn.executescript(SCHEMA)
+                conn.execute(f"PRAGMA application_id={APPLICATION_ID}")
+                conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         except sqlite3.DatabaseError as exc:
             raise UserError(f"--db {self.path}: not a usable SQLite database ({exc})") from None
+
+    def _check_ours(self, conn: sqlite3.Connection) -> None:
+        """Refuse a file that is not an AuraKernel tuning DB (another program's SQLite file, one whose
+        records table has another schema) or that a newer AuraKernel wrote; an unmarked file holding
+        only our records table (an older AuraKernel's) is ours."""
+        app = conn.execute("PRAGMA application_id").fetchone()[0]
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        tables = sorted(r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'"))
+        if app == APPLICATION_ID:
+            if version > SCHEMA_VERSION:
+                raise UserError(f"--db {self.path}: written by a newer AuraKernel (schema {version}; this one reads "
+                                f"{SCHEMA_VERSION}): upgrade, or pass another --db")
+            return
+        if app != 0 or any(t != "records" for t in tables):
+            raise UserError(f"--db {self.path}: not an AuraKernel tuning DB (it holds "
+                            f"{', '.join(tables) or 'another application id'}): pass another --db; it was left unchanged")
+        if tables:
+            columns = tuple(r[1] for r in conn.execute("PRAGMA table_info(records)"))
+            if columns != COLUMNS:
+                raise UserError(f"--db {self.path}: its records table is not a tuning DB's (columns "
+                                f"{', '.join(columns)}): pass another --db; it was left unchanged")
 
     def _connect(self) -> sqlite3.Connection:
         conn = sqlite3.connect(self.path, timeout=30)

@@ -106,8 +106,9 @@ def _rebuild_and_verify(entry: PlanEntry, hw) -> tuple[str | None, str | None]:
     except Exception as exc:  # noqa: BLE001 - any unusable entry is rejected with its reason
         return None, f"unusable entry: {exc}"
     if kernel.source_hash != entry.source_hash:
-        return None, (f"source hash {kernel.source_hash} differs from the verified {entry.source_hash} "
-                      f"(templates changed since tuning): re-run autotune")
+        return None, (f"the kernel its knobs render hashes to {kernel.source_hash}, not the verified {entry.source_hash}: "
+                      f"the entry's knobs do not match its hash (edited after tuning), or the templates changed "
+                      f"since: re-run autotune")
     # quick re-verification on this machine, on the tail shapes only (cheap)
     simd_elems = max(hw.simd_bytes // 4, 1)
     cases = [(p, build_kernel(spec, p, entry.knobs)) for p in host_kernel(spec).verification_problems(problem, entry.knobs, simd_elems)[1:]]

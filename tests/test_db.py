@@ -65,3 +65,42 @@ def test_killed_writer_leaves_no_half_row(db_path):
     with sqlite3.connect(db_path) as conn:
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     assert os.path.exists(db_path)
+
+
+def _foreign(path, sql):
+    import sqlite3
+    with sqlite3.connect(path) as conn:
+        conn.executescript(sql)
+    return path.read_bytes()
+
+
+def test_a_foreign_sqlite_file_is_refused_and_left_unchanged(tmp_path):
+    """Another program's SQLite file (other tables, or a records table of another schema) gets one
+    line and not a byte written: no records table added, no journal mode changed."""
+    for name, sql in (("app.db", "CREATE TABLE users (id INTEGER, name TEXT); INSERT INTO users VALUES (1, 'a');"),
+                      ("other.db", "CREATE TABLE records (id INTEGER, payload TEXT);")):
+        path = tmp_path / name
+        before = _foreign(path, sql)
+        with pytest.raises(UserError, match="not an AuraKernel tuning DB|not a tuning DB's"):
+            TuningDB(path)
+        assert path.read_bytes() == before
+
+
+def test_our_db_is_marked_and_a_newer_schema_is_refused(db_path):
+    import sqlite3
+    TuningDB(db_path).add(record())
+    with sqlite3.connect(db_path) as conn:
+        assert conn.execute("PRAGMA application_id").fetchone()[0] == 0x414B4442
+        conn.execute("PRAGMA user_version=99")
+    with pytest.raises(UserError, match="written by a newer AuraKernel"):
+        TuningDB(db_path)
+
+
+def test_an_unmarked_db_of_an_older_aurakernel_is_still_ours(db_path):
+    import sqlite3
+    from aurakernel.db import SCHEMA
+    with sqlite3.connect(db_path) as conn:
+        conn.executescript(SCHEMA)
+    db = TuningDB(db_path)
+    db.add(record())
+    assert len(db.frame()) == 1

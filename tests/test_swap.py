@@ -169,7 +169,7 @@ def test_tampered_or_broken_plan_entries_are_rejected(cfg, tmp_path):
     report = apply(model, str(path))
     reasons = " | ".join(r["reason"] for r in report.rejected)
     assert len(report.rejected) == 2
-    assert "differs from the verified" in reasons
+    assert "the entry's knobs do not match its hash" in reasons
     # the modules whose kernel was rejected run the reference
     rejected_keys = {tuple(r["kernel_key"]) for r in report.rejected}
     for r in report.reference:
