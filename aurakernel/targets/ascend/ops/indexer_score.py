@@ -18,7 +18,6 @@ from ....planner.model import ChoiceModel, Constraint, Phase, Term
 from ..kernel import AscendKernel
 
 
-
 def _cube_figures(problem: Problem, hw: HardwareProfile):
     """What both Cube models start from: the element size, the AI cores, their pipe figures and the
     key count rounded up to the 64-key granule of the tiles."""
