@@ -52,12 +52,21 @@ def _print_calibration() -> None:
     out.print(("[yellow]" if cal and cal.get("warnings") else "") + escape(describe(cal)))
 
 
+def _calibrate(progress=None) -> dict:
+    from .calibrate import calibrate
+    from .errors import BuildError
+    try:
+        return calibrate(progress=progress)
+    except BuildError as exc:   # the machine's compiler, not a template: the user's to fix
+        raise UserError(f"calibration needs a working C compiler: {str(exc).splitlines()[0]} "
+                        "(set CC to gcc or clang)") from None
+
+
 def _ensure_calibrated(target: str) -> None:
     from .hardware import load_calibration
     if target == "host" and load_calibration() is None:
-        from .calibrate import calibrate
         with err.status("calibrating this machine (first run only)..."):
-            calibrate()
+            _calibrate()
 
 
 @app.command()
@@ -102,7 +111,13 @@ def tune(
                               with_compiled=compiled, out_dir=Path(out_dir) if out_dir is not None else None)
     if as_json:
         print(json.dumps(result.to_json(), default=str))
-        return
+    else:
+        _print_tune(result)
+    if result.status in ("build_failed", "verify_failed"):   # no kernel came of it: a failure for scripts and CI
+        raise typer.Exit(1)
+
+
+def _print_tune(result) -> None:
     d = result.to_json()
     if result.estimate is not None:   # a target that estimates instead of running (the emulator)
         _print_estimate(d)
@@ -459,10 +474,8 @@ def calibrate(
         return
     if target != "host" or db is not None or samples is not None:
         raise UserError("--target, --db and --samples apply to --fit; plain `calibrate` measures this machine")
-    from .calibrate import calibrate as run_calibrate
-
     with err.status("calibrating...") as status:
-        cal = run_calibrate(progress=lambda msg: status.update(f"calibrating: {msg}"))
+        cal = _calibrate(progress=lambda msg: status.update(f"calibrating: {msg}"))
     if as_json:
         print(json.dumps(cal))
         return

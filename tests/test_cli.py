@@ -185,3 +185,19 @@ def test_tune_out_that_is_a_file_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"--out {taken}: exists and is not a directory" in err
     assert taken.read_text() == "a file"
+
+
+def test_a_broken_compiler_is_one_line_on_a_fresh_cache_and_a_failed_tune_exits_1(tmp_path, monkeypatch, capsys):
+    """CC=/bin/false: on a fresh cache the calibration says, in one line, that it needs a working
+    compiler (exit 2); on a calibrated one the tune reports build_failed naming the compiler and exits 1."""
+    monkeypatch.setenv("CC", "/bin/false")
+    args = ["tune", "rms_norm", "--shape", "8x64", "--dtype", "fp32", "--variant", "weighted", "--no-compiled"]
+    with monkeypatch.context() as m:
+        m.setenv("AURAKERNEL_CACHE_DIR", str(tmp_path / "fresh"))
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert "calibration needs a working C compiler" in err and "/bin/false failed (exit 1)" in err
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert main(args + ["--json", "--db", str(tmp_path / "t.sqlite")]) == 1   # the session's calibrated cache
+    d = json.loads(capsys.readouterr().out)
+    assert d["status"] == "build_failed" and "/bin/false failed (exit 1)" in d["reasons"][0]

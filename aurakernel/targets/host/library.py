@@ -134,8 +134,9 @@ def compile_source(source: Source, entries: dict[str, Entry]) -> Kernel:
             tmp_so = Path(tmp) / "kernel.so"
             proc = subprocess.run([cc, *flags, "-o", str(tmp_so), str(src), "-lm"],
                                   capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise BuildError(f"{source.template}: compiler failed:\n{proc.stderr[-4000:]}")
+            if proc.returncode != 0:   # the first line names the compiler and its first complaint
+                first = next((ln.strip() for ln in proc.stderr.splitlines() if ln.strip()), "(no output)")
+                raise BuildError(f"{source.template}: {cc} failed (exit {proc.returncode}): {first}\n{proc.stderr[-4000:]}")
             (out_dir / f"{key}.c").write_text(source.text)  # kept next to the library for reading
             os.replace(tmp_so, artifact)
     kernel = Kernel(source=source, artifact=artifact, entries=entries, backend="host",
