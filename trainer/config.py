@@ -128,12 +128,8 @@ def _number(source: str, name: str, value, *, integer: bool = False, low: float 
 
 def _check_train(t: TrainSettings, source: str) -> None:
     """The loop's keys: counts are integers, switches booleans, directories strings."""
-    def is_int(v):
-        return isinstance(v, int) and not isinstance(v, bool)
     for name, low in (("steps", 1), ("grad_accum", 1), ("max_bad_steps", 1), ("checkpoint_every", 0)):
-        value = getattr(t, name)
-        if not is_int(value) or value < low:
-            raise UserError(f"{source}: train.{name} must be an integer >= {low}, got {value!r}")
+        _number(source, f"train.{name}", getattr(t, name), integer=True, low=low)
     for name in ("activation_checkpointing", "balance_experts"):
         if not isinstance(getattr(t, name), bool):
             raise UserError(f"{source}: train.{name} must be true or false, got {getattr(t, name)!r}")

@@ -162,11 +162,16 @@ def ascend_rowwise_model(rows: int, cols: int, elem_bytes: int, phases: list[Asc
     return ChoiceModel(domains, constraints, model_phases)
 
 
+def cube_cores(hw: HardwareProfile) -> int:
+    """The profile's AI cores (one Cube core each; its `cores` are the vector cores)."""
+    return int(hw.extra.get("cube_cores", hw.cores))
+
+
 def roofline_us(gm_bytes_busiest_block: float, hw: HardwareProfile, cube: bool = False) -> float:
     """The bound for a block that moves `gm_bytes_busiest_block`: its share of HBM bandwidth (every
     block of the chip streaming: a vector kernel's blocks are its AIV cores, a Cube or mixed
     kernel's its AI cores), so a balanced kernel's bound is total bytes / HBM bandwidth."""
-    blocks = int(hw.extra.get("cube_cores", hw.cores)) if cube else hw.cores
+    blocks = cube_cores(hw) if cube else hw.cores
     share = hw.memory["HBM"].bandwidth_gbps * 1e9 / blocks
     return gm_bytes_busiest_block / share * 1e6
 
@@ -201,7 +206,7 @@ class CubeWork:
         """Those MACs spread evenly over every Cube core at the profile's peak rate."""
         pipes = hw.ascend_pipes(hw.cores)
         rate = pipes.cube_macs_fp32 if self.fp32 else pipes.cube_macs_16bit
-        return self.macs / rate / int(hw.extra.get("cube_cores", hw.cores)) / (hw.clock_ghz * 1e3)
+        return self.macs / rate / cube_cores(hw) / (hw.clock_ghz * 1e3)
 
 
 def bound_us(gm_bytes_busiest_block: float, work: VectorWork | None, hw: HardwareProfile, *,

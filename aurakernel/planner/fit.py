@@ -54,7 +54,6 @@ import numpy as np
 from ..errors import UserError
 from ..hardware import HardwareProfile
 from .model import ChoiceModel
-from .tiling import solve_tiling
 from ..targets.host.ops import kernel_of as host_kernel
 
 LAMBDA = 1e-4          # weight of the pull to the prior: one unit away costs as much as a 1% error on one record
@@ -449,9 +448,8 @@ def ascend_samples(target: str, n: int, seed: int = 0, progress=None) -> tuple[l
             choices = feasible_choices(ascend.model(spec, problem, hw))
             rng.shuffle(choices)
             # a kernel's Cube phases are planned by their own model: held at its plan, not fitted here
-            cube = ascend.kernel_of(spec).cube_model(problem, hw)
-            fixed = solve_tiling(cube, op=problem.op, variant=problem.variant, shape=problem.shape,
-                                 dtype=problem.dtype.value, target=target).knobs if cube is not None else {}
+            cube = ascend.cube_plan(spec, problem, hw, target=target, solver="highs")
+            fixed = cube.knobs if cube is not None else {}
             pools.append((spec, problem, [{**c, **fixed} for c in choices]))
     samples, failed = [], Counter()
     for i in range(n):

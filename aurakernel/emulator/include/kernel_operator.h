@@ -225,8 +225,11 @@ enum KernelMetaType : uint8_t { KERNEL_TYPE_AIV_ONLY, KERNEL_TYPE_AIC_ONLY, KERN
 #endif
 namespace ak {
 inline void declare_kernel_type(int type) {
+    // per KernelMetaType (AIV_ONLY, AIC_ONLY, MIX_AIV_1_0, MIX_AIC_1_0, MIX_AIC_1_1, MIX_AIC_1_2): its AICs and AIVs per block
+    static constexpr int cores[][2] = {{0, 1}, {1, 0}, {0, 1}, {1, 0}, {1, 1}, {1, 2}};
     auto& k = core();
-    const int aic = type == 1 || type == 3 || type == 4 || type == 5, aiv = type == 0 || type == 2 ? 1 : type == 4 ? 1 : type == 5 ? 2 : 0;
+    const bool split = type >= 0 && type < 6;
+    const int aic = split ? cores[type][0] : 0, aiv = split ? cores[type][1] : 0;
     if (aic != k.aic_per_block || aiv != k.aiv_per_block)
         fail("kernel type", "declared with " + std::to_string(aic) + " AIC and " + std::to_string(aiv) + " AIV per block, "
              "launched with " + std::to_string(k.aic_per_block) + " and " + std::to_string(k.aiv_per_block) +
@@ -789,7 +792,7 @@ namespace detail {
 // A store of n elements to GM: a copy, or with SetAtomicAdd<T> on, an atomic add of each (the NPU
 // adds in the memory system, so cores adding to the same GM at once all count). The atomic type
 // must be the stored one.
-template <typename T> T atomic_add(T* at, T v) {
+template <typename T> void atomic_add(T* at, T v) {
     static_assert(sizeof(T) == 2 || sizeof(T) == 4);
     using Bits = std::conditional_t<sizeof(T) == 4, uint32_t, uint16_t>;
     auto* word = reinterpret_cast<Bits*>(at);
@@ -800,16 +803,19 @@ template <typename T> T atomic_add(T* at, T v) {
         const T sum = T(float(cur) + float(v));
         std::memcpy(&next, &sum, sizeof(T));
     } while (!__atomic_compare_exchange_n(word, &seen, next, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
-    return v;
 }
 template <typename T> constexpr int atomic_tag() {
     return std::is_same_v<T, float> ? 1 : std::is_same_v<T, half> ? 2 : std::is_same_v<T, bfloat16_t> ? 3 : -1;
 }
-template <typename T> void gm_store(T* dst, const T* src, uint64_t n, const char* api) {
+// whether GM stores of T by `api` add (SetAtomicAdd is on), checking it is on for T
+template <typename T> bool atomic_on(const char* api) {
     const int atomic = ak::core().atomic;
-    if (!atomic) { std::memcpy(dst, src, n * sizeof(T)); return; }
-    if (atomic != atomic_tag<T>())
+    if (atomic && atomic != atomic_tag<T>())
         ak::fail("atomic", std::string(api) + " of another type than SetAtomicAdd's: the add would read the bits as that type");
+    return atomic != 0;
+}
+template <typename T> void gm_store(T* dst, const T* src, uint64_t n, const char* api) {
+    if (!atomic_on<T>(api)) { std::memcpy(dst, src, n * sizeof(T)); return; }
     if constexpr (atomic_tag<T>() > 0) {
         for (uint64_t i = 0; i < n; ++i) atomic_add(dst + i, src[i]);
     }
@@ -1714,6 +1720,7 @@ void Fixpipe(const GlobalTensor<T>& dst, const LocalTensor<U>& src, const Fixpip
                                    uint64_t(p.mSize) * 16), api, 64);
     dst.check(0, nd ? uint64_t(last) * p.dstNdStride + uint64_t(p.mSize - 1) * p.dstStride + p.nSize
                     : uint64_t(last) * p.dstNdStride + uint64_t((p.nSize - 1) / 16) * p.dstStride * blk + uint64_t(p.mSize) * 16);
+    const bool atomic = detail::atomic_on<T>("Fixpipe");   /* once, not per element */
     for (uint32_t t = 0; t < p.ndNum; ++t)
         for (uint32_t i = 0; i < p.mSize; ++i)
             for (uint32_t j = 0; j < p.nSize; ++j) {
@@ -1722,7 +1729,8 @@ void Fixpipe(const GlobalTensor<T>& dst, const LocalTensor<U>& src, const Fixpip
                 const uint64_t at = nd ? uint64_t(t) * p.dstNdStride + uint64_t(i) * p.dstStride + j
                                        : uint64_t(t) * p.dstNdStride + uint64_t(j / 16) * p.dstStride * blk + uint64_t(i) * 16 + j % 16;
                 const T out = std::is_same_v<T, float> ? T(v) : detail::from_f<T>(v, RoundMode::CAST_RINT);   /* to nearest even */
-                detail::gm_store(dst.ak_ptr() + at, &out, 1, "Fixpipe");
+                if (atomic) detail::atomic_add(dst.ak_ptr() + at, out);
+                else dst.ak_ptr()[at] = out;
             }
     const uint64_t bytes = uint64_t(p.ndNum) * p.mSize * p.nSize * sizeof(T);
     detail::gm_cycles(dst.ak_ptr(), bytes, true, bytes);   /* counted as HBM or L2 traffic; timed at the Fixpipe's rate */

@@ -41,7 +41,7 @@ PROJECT_FILES = {   # template -> file written into the op project
 }
 SEEDS = (0, 1, 2)
 
-__all__ = ["TARGET", "estimate_summary", "kernel_of", "model", "plan", "render_project", "supported", "tune", "verify"]
+__all__ = ["TARGET", "cube_plan", "estimate_summary", "kernel_of", "model", "plan", "render_project", "supported", "tune", "verify"]
 
 
 def model(spec: OpSpec, problem: Problem, hw: HardwareProfile) -> ChoiceModel:
@@ -71,6 +71,13 @@ def schedule(spec: OpSpec, problem: Problem, hw: HardwareProfile, knobs: dict[st
     return {name: (pipe, solve_schedule(pipe, time_limit_s)) for name, pipe in pipelines(spec, problem, hw, knobs).items()}
 
 
+def cube_plan(spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, solver: str) -> Plan | None:
+    """The tiling of the kernel's Cube phases (its cube_model), or None for a vector-only kernel."""
+    cube = kernel_of(spec).cube_model(problem, hw)
+    return None if cube is None else solve_tiling(cube, op=problem.op, variant=problem.variant, shape=problem.shape,
+                                                  dtype=problem.dtype.value, target=target, solver=solver)
+
+
 def plan(spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, solver: str,
          scheduled: bool = True) -> Plan:
     """Tiling (the UB-partition MILP), then, where the template renders one, the pipeline schedule
@@ -82,9 +89,8 @@ def plan(spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, so
     else:   # every phase runs on the Cube: the row-wise knobs only fill the template's unused vector part
         the_plan = Plan(knobs={k: v[0] for k, v in rows.domains.items()}, predicted_us=0.0, pipes_us={},
                         binding_constraint="", solver=solver, solve_s=0.0, status="optimal", **common)
-    cube = kernel_of(spec).cube_model(problem, hw)
-    if cube is not None:   # the Cube phases' own tiling, solved apart (no knob in common) and merged
-        on_cube = solve_tiling(cube, solver=solver, **common)
+    on_cube = cube_plan(spec, problem, hw, target=target, solver=solver)
+    if on_cube is not None:   # the Cube phases' own tiling, solved apart (no knob in common) and merged
         the_plan.knobs = dict(sorted({**the_plan.knobs, **on_cube.knobs}.items()))
         the_plan.predicted_us += on_cube.predicted_us
         the_plan.pipes_us = {**the_plan.pipes_us, **on_cube.pipes_us}
@@ -163,12 +169,11 @@ def estimate_summary(estimate: dict[str, emulator.RunReport], hw: HardwareProfil
     and the Cube MACs of `cube`, with which one it is), and their totals."""
     phases = {}
     for phase, rep in estimate.items():
-        on_cube = rep.cube_blocks
-        bound, kind = bound_us(rep.busiest_gm_bytes(), (floors or {}).get(phase), hw,
-                               cube=(cube or {}).get(phase), cube_blocks=on_cube)
+        gm, on_cube = rep.busiest_gm_bytes(), rep.cube_blocks
+        bound, kind = bound_us(gm, (floors or {}).get(phase), hw, cube=(cube or {}).get(phase), cube_blocks=on_cube)
         est_us = rep.cycles / (hw.clock_ghz * 1e3)
         phases[phase] = {"est_cycles": rep.cycles, "est_us": est_us, "pipes_cycles": rep.pipe_cycles(),
-                         "hbm_us": roofline_us(rep.busiest_gm_bytes(), hw, on_cube), "roofline_us": bound, "bound": kind,
+                         "hbm_us": roofline_us(gm, hw, on_cube), "roofline_us": bound, "bound": kind,
                          "roofline_ratio": est_us / bound if bound else None,
                          "ub_bytes": rep.ub_used(), "buffers": rep.buffers()}
     est_us = sum(ph["est_us"] for ph in phases.values())

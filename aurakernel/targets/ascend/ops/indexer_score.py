@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 
@@ -13,7 +14,7 @@ from ....errors import PlanInfeasible
 from ....hardware import HardwareProfile
 from ....ops.base import Problem, Tensors
 from ....ops.indexer_score import SPEC
-from ....planner.ascend import AscendRowPhase, CubeWork, align32, cube_tile_cycles, row_split
+from ....planner.ascend import AscendRowPhase, CubeWork, align32, cube_cores, cube_tile_cycles, row_split
 from ....planner.model import ChoiceModel, Constraint, Phase, Term
 from ..kernel import AscendKernel
 
@@ -21,7 +22,7 @@ from ..kernel import AscendKernel
 def _cube_figures(problem: Problem, hw: HardwareProfile):
     """What both Cube models start from: the element size, the AI cores, their pipe figures and the
     key count rounded up to the 64-key granule of the tiles."""
-    cores = int(hw.extra.get("cube_cores", hw.cores))
+    cores = cube_cores(hw)
     return problem.dtype.itemsize, cores, hw.ascend_pipes(cores), -(-problem.shape[4] // 64) * 64
 
 
@@ -91,6 +92,7 @@ class IndexerScoreAscend(AscendKernel):
                    "cube_buffers": [1, 2],
                    "cube_blocks": [cores]}
 
+        @functools.cache   # every pipe's term and the fill read the same cell
         def per_core(rows, kn, chunk, nb):   # cycles of each pipe on the busiest AI core
             tiles = batch * -(-seq // rows)
             tc = cube_split(tiles, cores)[0]
@@ -154,6 +156,7 @@ class IndexerScoreAscend(AscendKernel):
         domains["bwd_stream"] = [0, 1]   # 1: the keys stream through L1 a tile at a time (they do not fit it)
         knobs = ("bwd_rows", "bwd_keys", "bwd_stream")
 
+        @functools.cache
         def per_core(rows, kn, stream):
             tc = cube_split(batch * -(-seq // rows), cores)[0]
             m, mine, kt = rows * heads, -(-rows // 2), -(-keys // kn)
