@@ -69,6 +69,12 @@ def _ensure_calibrated(target: str) -> None:
             _calibrate()
 
 
+def _check_solver(solver: str) -> None:
+    from .planner.model import SOLVERS
+    if solver not in SOLVERS:
+        raise UserError(f"unknown solver {solver!r}: accepted are {', '.join(SOLVERS)}")
+
+
 @app.command()
 def tune(
     op: Annotated[str, typer.Argument(help="operator name (see `aurakernel ops`)")],
@@ -90,24 +96,23 @@ def tune(
     from .hardware import load_profile
     from .ops import get_op
     from .paths import default_db_path
-    from .planner.model import SOLVERS
     from .targets import target_for
 
     spec = get_op(op)
     problem = spec.problem(shape, dtype, variant)   # parsed once; validate everything before any slow step
     check_fits_in_memory(spec, problem)
-    if solver not in SOLVERS:
-        raise UserError(f"unknown solver {solver!r}: accepted are {', '.join(SOLVERS)}")
+    _check_solver(solver)
     hw = load_profile(target)
     if out_dir is not None and not target_for(hw).writes_projects:
         raise UserError(f"--out writes an AscendC op project: target {target!r} has none to write "
                         "(host kernels are built into the cache; `aurakernel show` lists them)")
     if out_dir is not None and Path(out_dir).exists() and not Path(out_dir).is_dir():
         raise UserError(f"--out {out_dir}: exists and is not a directory (the op project is a directory)")
+    tuning_db = TuningDB(db or default_db_path())   # a DB that cannot be written fails now, not after the tuning
     _ensure_calibrated(target)
     hw = load_profile(target)   # with the calibration just taken, if this was the first run
     with err.status(f"tuning {op}..."):
-        result = tune_problem(spec, problem, hw, target=target, solver=solver, db=TuningDB(db or default_db_path()),
+        result = tune_problem(spec, problem, hw, target=target, solver=solver, db=tuning_db,
                               with_compiled=compiled, out_dir=Path(out_dir) if out_dir is not None else None)
     if as_json:
         print(json.dumps(result.to_json(), default=str))
@@ -190,7 +195,9 @@ def autotune(
     from trainer.train import workload
 
     from .agent import autotune as run_autotune
+    from .db import TuningDB
     from .hardware import load_profile
+    from .paths import check_writable, default_db_path
     from .targets import target_for
 
     cfg = load_config(config)
@@ -201,6 +208,11 @@ def autotune(
     tgt = target_for(load_profile(target))   # unknown targets: one line naming the accepted ones
     if tgt.writes_projects:   # a folder of op projects (AscendC), not a plan file
         out_path = "ascend_projects" if out_path == "plan.json" else out_path
+    _check_solver(solver)   # every option and output path before the profile and the tuning, not after
+    check_writable(out_path, "--out", directory=tgt.writes_projects)
+    if chart:
+        check_writable(chart, "--chart")
+    TuningDB(db or default_db_path())   # a foreign or unwritable DB: refused before the profile
     _ensure_calibrated("host")   # the profile runs on this machine
     with err.status("autotune...") as status:
         result = run_autotune(workload(cfg), target=target, solver=solver, db_path=db, with_compiled=compiled,
@@ -296,6 +308,9 @@ def profile(
     from trainer.config import load_config
 
     cfg = load_config(config)
+    if chart:
+        from .paths import check_writable
+        check_writable(chart, "--chart")
     if target is None:
         if seq is not None or batch is not None or world_size is not None:
             raise UserError("--seq, --batch and --world-size shape a modeled profile: add --target PROFILE")
@@ -426,7 +441,7 @@ def show(
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ):
     """List the tuning DB."""
-    from .db import TuningDB
+    from .db import TuningDB, plan_knobs
     from .paths import default_db_path
 
     path = Path(db) if db else default_db_path()
@@ -438,7 +453,7 @@ def show(
         else:
             out.print(f"no tuning DB yet at {path}: tune or autotune records into it")
         return
-    frame = TuningDB(path).frame()
+    frame = TuningDB(path, readonly=True).frame()
     if as_json:
         print(frame.to_json(orient="records"))
         return
@@ -447,9 +462,9 @@ def show(
                 "verified", "status"):
         t.add_column(col)
     for _, r in frame.iterrows():
-        knobs = json.loads(r["plan"]).get("knobs", {})
+        knobs = plan_knobs(r["plan"])
         t.add_row(_op_name(r["op"], r["variant"]), r["shape"], r["dtype"], r["target"],
-                  ", ".join(f"{k}={v}" for k, v in knobs.items()), _fmt(r["predicted_us"]),
+                  "[red](plan not readable)[/]" if knobs is None else escape(", ".join(f"{k}={v}" for k, v in knobs.items())), _fmt(r["predicted_us"]),
                   _fmt(r["measured_us"]), _fmt(r["eager_us"]), _fmt(r["compiled_us"]),
                   "yes" if r["verified"] else "no", r["status"])
     out.print(t)
@@ -582,6 +597,9 @@ def bench(
     if unknown or names == []:
         raise UserError(f"--ops {ops}: unknown operator(s) {', '.join(unknown) or '(none given)'}; "
                         f"accepted are {', '.join(OPS)}")
+    from .paths import check_writable
+    if out_dir is not None:   # written after a run of many minutes: checked before it
+        check_writable(out_dir, "--out", directory=True)
     if suite_name == "search-quality":
         _bench_search_quality(names, shapes_per_op, max_candidates, db, out_dir, as_json)
         return
@@ -596,6 +614,8 @@ def bench(
         raise UserError(f"--repeat {repeat}: accepted is 1 to 10")
     if update_baseline and baseline is None:
         raise UserError("--update-baseline needs --baseline FILE: the file to rewrite")
+    if update_baseline:
+        check_writable(baseline, "--baseline")
     if readme is not None:
         if out_dir is None or not Path(readme).is_file():
             raise UserError(f"--readme {readme}: needs an existing README file and --out DIR for the plots")

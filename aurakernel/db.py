@@ -72,15 +72,37 @@ COLUMNS = ("id", "op", "variant", "shape", "dtype", "target", "source_hash", "ve
            "predicted_us", "measured_us", "eager_us", "compiled_us", "verified", "status", "detail", "created")
 
 
+def plan_knobs(plan_text: str) -> dict | None:
+    """A row's knobs, or None when its plan column is not a JSON object with a knobs mapping (a row
+    another tool wrote or edited): readers skip it instead of failing on it."""
+    try:
+        plan = json.loads(plan_text)
+    except (TypeError, ValueError):
+        return None
+    knobs = plan.get("knobs", {}) if isinstance(plan, dict) else None
+    return knobs if isinstance(knobs, dict) else None
+
+
 class TuningDB:
-    def __init__(self, path: str | Path):
+    """`readonly`: for commands that only read (show, fit), which must work on a read-only file and
+    create nothing; writers check the path can be written before any tuning starts."""
+
+    def __init__(self, path: str | Path, readonly: bool = False):
+        from .paths import check_writable
         self.path = Path(path)
+        self.readonly = readonly
         if self.path.exists() and not self.path.is_file():
             raise UserError(f"--db {self.path}: not a file")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if readonly and not self.path.exists():
+            raise UserError(f"--db {self.path}: no such tuning DB (tune and autotune create one)")
+        if not readonly:
+            check_writable(self.path, "--db")
+            self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            with contextlib.closing(sqlite3.connect(self.path, timeout=30)) as plain:   # before WAL: it writes the header
+            with contextlib.closing(self._open_plain()) as plain:   # before WAL: it writes the header
                 self._check_ours(plain)
+            if readonly:
+                return
             with self._connect() as conn:
                 conn.executescript(SCHEMA)
                 conn.execute(f"PRAGMA application_id={APPLICATION_ID}")
@@ -109,11 +131,22 @@ class TuningDB:
                 raise UserError(f"--db {self.path}: its records table is not a tuning DB's (columns "
                                 f"{', '.join(columns)}): pass another --db; it was left unchanged")
 
-    def _connect(self) -> sqlite3.Connection:
-        conn = sqlite3.connect(self.path, timeout=30)
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=FULL")
-        return conn
+    def _open_plain(self) -> sqlite3.Connection:
+        if self.readonly:
+            return sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, timeout=30)
+        return sqlite3.connect(self.path, timeout=30)
+
+    @contextlib.contextmanager
+    def _connect(self):
+        """A connection for one transaction (committed on success), closed after it."""
+        if self.readonly:
+            conn = self._open_plain()
+        else:
+            conn = sqlite3.connect(self.path, timeout=30)
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=FULL")
+        with contextlib.closing(conn), conn:
+            yield conn
 
     def add(self, rec: Record) -> None:
         rec.created = rec.created or time.time()
@@ -128,6 +161,8 @@ class TuningDB:
 
     def frame(self) -> pd.DataFrame:
         with self._connect() as conn:
+            if conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='records'").fetchone() is None:
+                return pd.DataFrame(columns=list(COLUMNS))   # an empty file nothing was recorded into yet
             return pd.read_sql_query("SELECT * FROM records ORDER BY created", conn)
 
     def best(self, op: str, variant: str, shape: str, dtype: str, target: str) -> dict | None:

@@ -23,6 +23,25 @@ def write_text_atomic(path: Path, text: str) -> Path:
     return path
 
 
+def check_writable(path: str | Path, what: str, directory: bool = False) -> Path:
+    """An output path a command will write (a file, or a directory it fills), checked before the
+    expensive work starts: not the other kind of thing, not read-only, under a writable directory."""
+    from .errors import UserError
+    p = Path(path)
+    if directory and p.exists() and not p.is_dir():
+        raise UserError(f"{what} {p}: exists and is not a directory")
+    if not directory and p.is_dir():
+        raise UserError(f"{what} {p}: is a directory (expected a file path)")
+    if p.exists() and not os.access(p, os.W_OK | (os.X_OK if directory else 0)):
+        raise UserError(f"{what} {p}: is read-only")
+    existing = p if directory and p.exists() else p.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"{what} {p}: cannot be written ({existing} is not a writable directory)")
+    return p
+
+
 def read_json_object(path: str | Path, what: str) -> dict:
     """A JSON file that must hold an object, or a one-line UserError naming `what` and the path
     (missing file, not JSON, not an object)."""
@@ -75,6 +94,51 @@ def cache_dir() -> Path:
     if not os.access(path, os.W_OK | os.X_OK):
         raise UserError(f"{where} {path}: not writable (set AURAKERNEL_CACHE_DIR to a writable directory)")
     return path
+
+
+STALE_BUILD_S = 3600.0   # a build's temp dir older than this belongs to a build that was killed
+_swept: set[Path] = set()
+
+
+def build_cache(kind: str) -> Path:
+    """cache_dir()/kind, where builds land (each compiles in a temp dir there, then renames its
+    output into place). The temp dirs of builds killed mid-way are removed, once per process."""
+    import shutil
+    import time
+
+    path = cache_dir() / kind
+    path.mkdir(parents=True, exist_ok=True)
+    if path not in _swept:
+        _swept.add(path)
+        now = time.time()
+        for tmp in path.glob("tmp*"):
+            try:
+                if tmp.is_dir() and now - tmp.stat().st_mtime > STALE_BUILD_S:
+                    shutil.rmtree(tmp, ignore_errors=True)
+            except OSError:   # another process removed it first
+                pass
+    return path
+
+
+def whole_build(path: Path) -> bool:
+    """Whether a cached executable or shared library is whole: an ELF file whose section header
+    table (the linker writes it last) lies inside the file. A damaged one (truncated, emptied) is
+    removed, so the caller builds it again instead of failing on it every run."""
+    import struct
+
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+            size = os.fstat(f.fileno()).st_size
+    except OSError:
+        return False
+    whole = len(head) == 64 and head[:4] == b"\x7fELF" and head[4] == 2   # a 64-bit ELF file
+    if whole:
+        (sh_offset,), (sh_entsize, sh_num) = struct.unpack_from("<Q", head, 0x28), struct.unpack_from("<HH", head, 0x3A)
+        whole = 0 < sh_offset and sh_offset + sh_entsize * sh_num <= size
+    if not whole:
+        path.unlink(missing_ok=True)
+    return whole
 
 
 def default_db_path() -> Path:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 from .version import __version__
@@ -67,10 +67,41 @@ class KernelPlan:
     def from_dict(cls, d: dict, where: str = "kernel plan") -> KernelPlan:
         if not isinstance(d, dict) or d.get("format") != FORMAT or "kernels" not in d:
             raise UserError(f"{where}: not an AuraKernel plan (format {FORMAT} with a 'kernels' list)")
-        try:
-            kernels = [PlanEntry(**{**k, "knobs": {n: int(v) for n, v in k["knobs"].items()},
-                                    "kernel_key": [int(v) for v in k["kernel_key"]]}) for k in d["kernels"]]
-        except (TypeError, KeyError, ValueError) as exc:
-            raise UserError(f"{where}: malformed kernel entry ({exc})") from None
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise UserError(f"{where}: unknown key(s) {', '.join(map(str, unknown))}: a plan has {', '.join(sorted(known))}")
+        if not isinstance(d["kernels"], list):
+            raise UserError(f"{where}: 'kernels' must be a list of entries, got {type(d['kernels']).__name__}")
+        kernels = [_entry(k, i, where) for i, k in enumerate(d["kernels"])]
         rest = {k: v for k, v in d.items() if k != "kernels"}
         return cls(kernels=kernels, **rest)
+
+
+def _entry(k, i: int, where: str) -> PlanEntry:
+    """One kernel entry, its knobs a mapping of integers and its extents a list of integers, or a
+    one-line error naming the entry and the field."""
+    known = {f.name for f in fields(PlanEntry)}
+    what = f"{where}: kernels[{i}]"
+    if not isinstance(k, dict):
+        raise UserError(f"{what}: expected an object, got {type(k).__name__}")
+    missing = sorted({f.name for f in fields(PlanEntry) if f.default is MISSING} - set(k))
+    unknown = sorted(set(k) - known)
+    if missing or unknown:
+        raise UserError(f"{what}: " + "; ".join(([f"missing {', '.join(missing)}"] if missing else [])
+                                                + ([f"unknown key(s) {', '.join(map(str, unknown))}"] if unknown else [])))
+    if not isinstance(k["knobs"], dict):
+        raise UserError(f"{what}: knobs must map knob names to integers, got {k['knobs']!r}")
+    if not isinstance(k["kernel_key"], list):
+        raise UserError(f"{what}: kernel_key must be a list of integers, got {k['kernel_key']!r}")
+    try:
+        return PlanEntry(**{**k, "knobs": {str(n): _int(v) for n, v in k["knobs"].items()},
+                            "kernel_key": [_int(v) for v in k["kernel_key"]]})
+    except (TypeError, ValueError) as exc:
+        raise UserError(f"{what}: {exc}") from None
+
+
+def _int(v) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"expected an integer, got {v!r}")
+    return v

@@ -201,3 +201,75 @@ def test_a_broken_compiler_is_one_line_on_a_fresh_cache_and_a_failed_tune_exits_
     assert main(args + ["--json", "--db", str(tmp_path / "t.sqlite")]) == 1   # the session's calibrated cache
     d = json.loads(capsys.readouterr().out)
     assert d["status"] == "build_failed" and "/bin/false failed (exit 1)" in d["reasons"][0]
+
+
+def _read_only(monkeypatch, path):
+    """`path` read-only: chmod, and for root (whom chmod does not stop) os.access says so too."""
+    path.chmod(0o444)
+    if os.access(path, os.W_OK):
+        real = os.access
+        monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if str(p) == str(path) and mode & os.W_OK
+                            else real(p, mode, **kw))
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["tune", "rms_norm", "--db", "{tmp}/afile/t.sqlite"], "--db {tmp}/afile/t.sqlite: cannot be written "
+                                                            "({tmp}/afile is not a writable directory)"),
+    (["tune", "rms_norm", "--db", "{tmp}/ro.sqlite"], "--db {tmp}/ro.sqlite: is read-only"),
+    (["autotune", "--solver", "gurobi"], "unknown solver 'gurobi'"),
+    (["autotune", "--out", "{tmp}/afile/plan.json"], "--out {tmp}/afile/plan.json: cannot be written"),
+    (["autotune", "--out", "{tmp}"], "--out {tmp}: is a directory (expected a file path)"),
+    (["autotune", "--target", "ascend910b2", "--out", "{tmp}/afile"], "--out {tmp}/afile: exists and is not a directory"),
+    (["autotune", "--chart", "{tmp}"], "--chart {tmp}: is a directory"),
+    (["autotune", "--db", "{tmp}/ro.sqlite"], "--db {tmp}/ro.sqlite: is read-only"),
+    (["profile", "--chart", "{tmp}/afile/c.png"], "--chart {tmp}/afile/c.png: cannot be written"),
+    (["bench", "--out", "{tmp}/afile", "--ops", "rms_norm"], "--out {tmp}/afile: exists and is not a directory"),
+    (["bench", "--baseline", "{tmp}/ro.sqlite", "--update-baseline", "--ops", "rms_norm"],
+     "--baseline {tmp}/ro.sqlite: is read-only"),
+])
+def test_an_output_that_cannot_be_written_fails_before_any_work(tmp_path, monkeypatch, capsys, args, fragment):
+    """Every output path and option is checked up front: the spies fail the test if calibration,
+    profiling, tuning or a benchmark started before the error."""
+    import aurakernel.agent
+    import aurakernel.bench
+    import aurakernel.cli
+
+    def started(*_, **__):
+        raise AssertionError("expensive work started before the bad option was reported")
+
+    for module, name in ((aurakernel.cli, "_ensure_calibrated"), (aurakernel.agent, "tune_problem"),
+                         (aurakernel.agent, "autotune"), (aurakernel.bench, "run_suite")):
+        monkeypatch.setattr(module, name, started)
+    (tmp_path / "afile").write_text("a file")
+    from aurakernel.db import TuningDB
+    TuningDB(tmp_path / "ro.sqlite")
+    _read_only(monkeypatch, tmp_path / "ro.sqlite")
+    before = (tmp_path / "ro.sqlite").read_bytes()
+    args = [a.format(tmp=tmp_path) for a in args]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and fragment.format(tmp=tmp_path) in err, err
+    assert (tmp_path / "ro.sqlite").read_bytes() == before and (tmp_path / "afile").read_text() == "a file"
+
+
+def test_show_reads_a_read_only_db_and_a_row_whose_plan_is_not_json(tmp_path, monkeypatch, capsys):
+    import sqlite3
+
+    from aurakernel.db import Record, TuningDB
+
+    path = tmp_path / "t.sqlite"
+    db = TuningDB(path)
+    rec = dict(op="rms_norm", variant="weighted", dtype="bf16", target="host", hardware="h", plan={"knobs": {"tile_rows": 8}},
+               predicted_us=1.0, measured_us=2.0, eager_us=3.0, compiled_us=None, verified=True, status="ok", detail={})
+    db.add(Record(shape="8x64", source_hash="a", **rec))
+    db.add(Record(shape="16x64", source_hash="b", **rec))
+    with sqlite3.connect(path) as conn:   # a row another tool edited
+        conn.execute("UPDATE records SET plan='{not json' WHERE shape='16x64'")
+    _read_only(monkeypatch, path)
+    before = path.read_bytes()
+    assert main(["show", "--db", str(path)]) == 0
+    shown = capsys.readouterr().out
+    assert "tile_rows=8" in shown and "(plan not readable)" in shown and "2 records" in shown
+    assert main(["show", "--db", str(path), "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)) == 2
+    assert path.read_bytes() == before

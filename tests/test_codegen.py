@@ -45,3 +45,49 @@ def test_op_render_params_are_typed():
     problem = spec.problem("64x100", "fp16", "unweighted")
     p = host_kernel(spec).render_params(problem, {"tile_rows": 4, "col_chunk": 32, "threads": 1})
     assert all(isinstance(v, int | bool | DType) for v in p.values())
+
+
+def test_a_damaged_cached_build_is_rebuilt_and_killed_builds_temp_dirs_removed(tmp_path, monkeypatch):
+    """A truncated cached .so (a full disk, a kill outside our atomic rename) would fail every later
+    run: it is found damaged and rebuilt. A build killed mid-way leaves a temp dir in the cache: one
+    older than an hour is removed, a live build's is left alone."""
+    import os
+    import time
+
+    from aurakernel import paths
+    from aurakernel.ops.base import Problem
+    from aurakernel.targets.host import library
+    from aurakernel.targets.host.build import build_kernel
+
+    monkeypatch.setenv("AURAKERNEL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(paths, "_swept", set())
+    (tmp_path / "host").mkdir()
+    stale, live = tmp_path / "host" / "tmpkilled", tmp_path / "host" / "tmpbuilding"
+    stale.mkdir()
+    live.mkdir()
+    hour_ago = time.time() - paths.STALE_BUILD_S - 60
+    os.utime(stale, (hour_ago, hour_ago))
+
+    spec = get_op("rms_norm")
+    problem = Problem("rms_norm", "weighted", (8, 64), DType.fp32)
+    knobs = {"tile_rows": 8, "col_chunk": 64, "threads": 1}
+
+    def fresh_process_build():
+        monkeypatch.setattr(library, "_BUILT", {})
+        monkeypatch.setattr(library, "_loaded", {})
+        return build_kernel(spec, problem, knobs)
+
+    artifact = fresh_process_build().artifact
+    assert not stale.exists() and live.exists()
+    whole = artifact.read_bytes()
+    assert paths.whole_build(artifact)
+
+    def damage(content):   # as another process would (this one has the library mapped: a new inode)
+        (tmp_path / "damaged").write_bytes(content)
+        os.replace(tmp_path / "damaged", artifact)
+
+    damage(whole[: len(whole) // 2])   # truncated
+    kernel = fresh_process_build()
+    assert kernel.artifact == artifact and artifact.read_bytes() == whole   # rebuilt, and loaded
+    damage(b"")
+    assert not paths.whole_build(artifact) and not artifact.exists()   # a damaged file is removed

@@ -202,6 +202,24 @@ def test_plan_file_errors_are_clear(tmp_path):
     bad.write_text(json.dumps({"format": 99, "kernels": []}))
     with pytest.raises(UserError, match="not an AuraKernel plan"):
         KernelPlan.load(bad)
+    entry = {"op": "rms_norm", "variant": "weighted", "kernel_key": [64], "dtype": "bf16", "shape": "8x64",
+             "knobs": {"tile_rows": 8}, "source_hash": "x"}
+    for plan, fragment in [
+        ({"kernels": [], "typo": 1}, "unknown key(s) typo: a plan has"),
+        ({"kernels": {}}, "'kernels' must be a list of entries"),
+        ({"kernels": [3]}, "kernels[0]: expected an object"),
+        ({"kernels": [{**entry, "knobs": []}]}, "kernels[0]: knobs must map knob names to integers, got []"),
+        ({"kernels": [{**entry, "knobs": {"tile_rows": "8"}}]}, "kernels[0]: expected an integer, got '8'"),
+        ({"kernels": [{**entry, "kernel_key": 64}]}, "kernels[0]: kernel_key must be a list of integers"),
+        ({"kernels": [{**entry, "extra": 1}]}, "kernels[0]: unknown key(s) extra"),
+        ({"kernels": [{k: v for k, v in entry.items() if k != "dtype"}]}, "kernels[0]: missing dtype"),
+    ]:
+        bad.write_text(json.dumps({"format": 1, "target": "host", **plan}))
+        with pytest.raises(UserError) as exc:
+            KernelPlan.load(bad)
+        assert fragment in str(exc.value) and "\n" not in str(exc.value), str(exc.value)
+    bad.write_text(json.dumps({"format": 1, "target": "host", "kernels": [entry]}))
+    assert KernelPlan.load(bad).kernels[0].knobs == {"tile_rows": 8}
 
 
 def test_fused_adamw_matches_torch_adamw_over_steps(cfg, host):

@@ -41,11 +41,6 @@ def tiny_cfg(tmp_path, data=None, **train_keys):
     return load_config(write_config(tmp_path / "cfg.yaml", data, **train_keys))
 
 
-def log_curve(path) -> dict[int, float]:
-    """step -> loss, the last record of each step winning (a resumed run rewrites the steps after its checkpoint)."""
-    return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())}
-
-
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
     """The tiny model's ops are too small to share: one thread is several times faster on a busy
@@ -156,9 +151,14 @@ from trainer.config import load_config
 cfg = load_config(sys.argv[1])
 real_loss = tt.loss_fn
 
+after = 0
+
 def loss_fn(*args, **kwargs):
+    global after
     if (Path(cfg.train.checkpoint_dir) / "step_2").is_dir():
-        os.kill(os.getpid(), signal.SIGKILL)   # kill -9 in the middle of the step after checkpoint 2
+        after += 1
+        if after == 2:   # kill -9 in the second step after checkpoint 2: step 2 is logged, not saved
+            os.kill(os.getpid(), signal.SIGKILL)
     return real_loss(*args, **kwargs)
 
 tt.loss_fn = loss_fn
@@ -173,13 +173,17 @@ def test_kill_9_then_resume_continues_the_same_loss_curve(tmp_path, reference_lo
                            text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
     assert (ckpt / "latest").read_text().strip() == "step_2" and not (ckpt / "step_4").exists()
-    assert sorted(log_curve(log)) == [0, 1]
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [0, 1, 2]
+    with log.open("a") as f:
+        f.write('{"step": 3, "lo')   # a line a kill cut short
 
     result = train(load_config(path), show_progress=False)   # resumes from `latest` by default
     assert result["start_step"] == 2 and result["checkpoint"] == str(ckpt / "step_4")
     assert result["runs"]["reference"]["losses"] == pytest.approx(reference_losses[2:], rel=1e-6, abs=1e-6)
-    curve = log_curve(log)
-    assert [curve[s] for s in range(STEPS)] == pytest.approx(reference_losses, rel=1e-6, abs=1e-6)
+    # the log is the run's history: step 2 (logged before the kill, trained again) once, no torn line
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(STEPS))
+    assert [r["loss"] for r in records] == pytest.approx(reference_losses, rel=1e-6, abs=1e-6)
     with pytest.raises(UserError, match="nothing left to train"):
         train(load_config(path), show_progress=False)
     # a checkpoint of another architecture is a one-line error
@@ -188,6 +192,27 @@ def test_kill_9_then_resume_continues_the_same_loss_curve(tmp_path, reference_lo
         train(load_config(other), show_progress=False)
     # --no-resume starts over from step 0
     assert train(load_config(path), steps=1, show_progress=False, resume=False)["start_step"] == 0
+
+
+def test_keep_last_prunes_old_checkpoints_only_after_a_newer_one_is_complete(tmp_path, monkeypatch):
+    ckpt = tmp_path / "ckpt"
+    cfg = tiny_cfg(tmp_path, checkpoint_dir=str(ckpt), checkpoint_every=1, keep_last=2)
+    real_save = tt.dcp.save
+
+    def dying_save(state, *, checkpoint_id, **kwargs):
+        if "step_4" in str(checkpoint_id):
+            raise OSError(28, "No space left on device")
+        return real_save(state, checkpoint_id=checkpoint_id, **kwargs)
+
+    monkeypatch.setattr(tt.dcp, "save", dying_save)
+    with pytest.raises(OSError, match="No space left"):
+        train(cfg, show_progress=False)
+    # the failed save of step 4 pruned nothing: the two newest complete ones are still there
+    assert sorted(p.name for p in ckpt.glob("step_?")) == ["step_2", "step_3"]
+    monkeypatch.setattr(tt.dcp, "save", real_save)
+    result = train(cfg, show_progress=False)
+    assert result["start_step"] == 3 and latest_checkpoint(ckpt) == ckpt / "step_4"
+    assert sorted(p.name for p in ckpt.glob("step_?")) == ["step_3", "step_4"]
 
 
 def test_a_save_that_dies_midway_leaves_the_previous_checkpoint(tmp_path, monkeypatch, reference_losses):

@@ -34,6 +34,7 @@ class TrainSettings:
     activation_checkpointing: bool = False   # recompute each decoder layer in backward
     checkpoint_dir: str | None = None    # DCP checkpoints step_N/ + a `latest` pointer; resumed from
     checkpoint_every: int = 0            # steps between checkpoints (0: only after the last step)
+    keep_last: int | None = None         # complete checkpoints kept (the oldest pruned after a save); null: all
     max_bad_steps: int = 3               # consecutive non-finite steps (skipped) before the run stops
     balance_experts: bool = False        # aux-loss-free router bias updates (trainer/objectives.py)
     indexer_kl_weight: float = 0.0       # weight of the CSA indexer's KL alignment loss (0: off)
@@ -147,6 +148,7 @@ def _check_train(t: TrainSettings, source: str) -> None:
     _number(source, "train.weight_decay", t.weight_decay, low=0)
     _number(source, "train.grad_clip", t.grad_clip, low=0, low_open=True, nullable=True, off=", or null for no clipping")
     _number(source, "train.seed", t.seed, integer=True, low=0)
+    _number(source, "train.keep_last", t.keep_last, integer=True, low=1, nullable=True, off=", or null to keep all")
     _number(source, "train.indexer_kl_weight", t.indexer_kl_weight, low=0)
     if not (isinstance(t.betas, list | tuple) and len(t.betas) == 2):
         raise UserError(f"{source}: train.betas must be two numbers in [0, 1), got {t.betas!r}")

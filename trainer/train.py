@@ -14,7 +14,7 @@ Checkpoints (train.checkpoint_dir): torch.distributed.checkpoint (sharded under 
 model, AdamW, the LR schedule, the step, the data loader's position and the RNG states, every
 train.checkpoint_every steps and after the last one. A save goes to step_N.tmp/, is renamed to
 step_N/ and only then does the `latest` file name it, so a run killed at any moment leaves
-`latest` naming a complete checkpoint. A run whose checkpoint_dir holds `latest` resumes from it
+`latest` naming a complete checkpoint; train.keep_last N then removes all but the newest N. A run whose checkpoint_dir holds `latest` resumes from it
 (resume=False starts over; resume=True requires it) and continues the same loss curve.
 
 Bad steps: a step whose loss or gradient norm is not finite changes nothing (the gradients are
@@ -57,7 +57,7 @@ from transformers import DeepseekV4ForCausalLM
 
 from aurakernel.errors import UserError
 from aurakernel.hardware import load_calibration, load_profile
-from aurakernel.paths import write_text_atomic
+from aurakernel.paths import check_writable, write_text_atomic
 
 from .config import TrainConfig, check_fits_memory
 from .data import IGNORE, TokenBatches
@@ -422,6 +422,19 @@ def save_checkpoint(checkpoint_dir: str | Path, step: int, run: Run, batches: To
     return final
 
 
+def prune_checkpoints(checkpoint_dir: str | Path, keep_last: int) -> list[Path]:
+    """Remove all but the newest `keep_last` complete checkpoints, once `latest` names a newer one
+    (called after a save completed): never the one `latest` names, never a save in progress."""
+    latest = latest_checkpoint(checkpoint_dir)
+    complete = sorted((p for p in Path(checkpoint_dir).glob("step_*")
+                       if p.is_dir() and p.name[5:].isdigit() and (p / ".metadata").is_file()),
+                      key=lambda p: int(p.name[5:]))
+    doomed = [p for p in complete[:-keep_last] if latest is None or p.resolve() != latest.resolve()]
+    for p in doomed:
+        shutil.rmtree(p, ignore_errors=True)
+    return doomed
+
+
 def load_checkpoint(path: Path, run: Run, batches: TokenBatches, world: Dist) -> int:
     """Restore a checkpoint (saved by any number of ranks) into `run` and `batches`; returns its step."""
     state = checkpoint_state(run, batches, 0)
@@ -481,28 +494,13 @@ def _status(run: Run) -> str:
             f"mem {r['peak_mem_gib']:.1f} GiB" + (f" skipped {run.skipped_steps}" if run.skipped_steps else ""))
 
 
-def _check_writable(path: str, what: str, directory: bool) -> None:
-    """An output path the run will write (a file, or a directory it fills), checked before training
-    starts: not the other kind of thing, and under a writable directory."""
-    p = Path(path)
-    if directory and p.exists() and not p.is_dir():
-        raise UserError(f"{what} {p}: exists and is not a directory")
-    if not directory and p.is_dir():
-        raise UserError(f"{what} {p}: is a directory (expected a file path)")
-    existing = p if directory and p.exists() else p.parent
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(f"{what} {p}: cannot be written ({existing} is not a writable directory)")
-
-
 def _check_options(cfg: TrainConfig, world: Dist, kernels, compare: bool, resume: bool | None, export_dir,
                    log_path: str | None = None) -> None:
     log = log_path or cfg.train.log
     if log:
-        _check_writable(log, "log", directory=False)
+        check_writable(log, "log", directory=False)
     if cfg.train.checkpoint_dir:
-        _check_writable(cfg.train.checkpoint_dir, "checkpoint dir", directory=True)
+        check_writable(cfg.train.checkpoint_dir, "checkpoint dir", directory=True)
     if compare and (world.world_size > 1 or cfg.train.checkpoint_dir or export_dir):
         raise UserError("--compare is a single-process A/B measurement: it runs without torchrun, "
                         "train.checkpoint_dir and --export")
@@ -575,7 +573,7 @@ def _train(cfg, world, kernels, steps, compare, log_path, show_progress, console
                                 f"(raise --steps / train.steps, or --no-resume to start over)")
             say(f"resumed from {checkpoint} at step {start}")
 
-    log = JsonlLog((log_path if log_path is not None else t.log) if world.main else None)
+    log = JsonlLog((log_path if log_path is not None else t.log) if world.main else None, start_step=start)
     try:
         with progress:
             task = progress.add_task("train", total=steps, completed=start, status="")
@@ -622,6 +620,8 @@ def _train(cfg, world, kernels, steps, compare, log_path, show_progress, console
                 due = t.checkpoint_every and (step + 1) % t.checkpoint_every == 0
                 if t.checkpoint_dir and (due or step + 1 == steps):
                     checkpoint = save_checkpoint(t.checkpoint_dir, step + 1, runs[0], batches, world)
+                    if world.main and t.keep_last:
+                        prune_checkpoints(t.checkpoint_dir, t.keep_last)
     finally:
         log.close()
     if export_dir:

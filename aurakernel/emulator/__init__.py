@@ -28,7 +28,7 @@ import torch
 
 from ..errors import BuildError
 from ..hardware import HardwareProfile
-from ..paths import cache_dir
+from ..paths import build_cache, whole_build
 
 HERE = Path(__file__).parent
 INCLUDE = HERE / "include"
@@ -89,10 +89,9 @@ def build(kernel_source: str, *, entry: str, nargs: int, hw: HardwareProfile, bl
     headers = {h.name: h.read_text() for d in include_dirs for h in sorted(Path(d).glob("*.h"))}
     key = hashlib.sha256("\0".join([kernel_source, *(f"{n}\0{t}" for n, t in headers.items()), RUNNER.read_text(),
                                     (INCLUDE / "kernel_operator.h").read_text(), cxx, *flags]).encode()).hexdigest()[:24]
-    out_dir = cache_dir() / "ascendc-emu"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = build_cache("ascendc-emu")
     exe = out_dir / f"{entry}-{key}"
-    if exe.exists():
+    if whole_build(exe):
         return exe
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         src = Path(tmp) / "kernel.cpp"

@@ -329,10 +329,10 @@ def host_observations(db_path: Path, hw: HardwareProfile) -> tuple[list[Observat
     skipped: Counter = Counter()
     if not Path(db_path).is_file():
         return [], skipped
-    from ..db import TuningDB
+    from ..db import TuningDB, plan_knobs
     from ..ops import OPS
 
-    frame = TuningDB(db_path).frame()
+    frame = TuningDB(db_path, readonly=True).frame()
     names = list(HOST_COEFFICIENTS)
     prior = host_prior(hw)
     current = np.array([prior[n] for n in names])
@@ -357,7 +357,11 @@ def host_observations(db_path: Path, hw: HardwareProfile) -> tuple[list[Observat
         if models[key] is None:
             skipped["operator or shape no longer accepted"] += 1
             continue
-        choice = in_domain(models[key][0], json.loads(r["plan"]).get("knobs", {}))
+        knobs = plan_knobs(r["plan"])
+        if knobs is None:
+            skipped["plan column not a JSON object with knobs"] += 1
+            continue
+        choice = in_domain(models[key][0], knobs)
         if choice is None:
             skipped["plan outside the current tiling model"] += 1
             continue

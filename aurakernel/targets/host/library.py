@@ -25,7 +25,7 @@ import torch  # (loads torch's libgomp first so kernels share it)
 from ...codegen import Source
 from ...errors import BuildError
 from ...hardware import HOST_ISAS, host_isa
-from ...paths import cache_dir
+from ...paths import build_cache, whole_build
 
 _CTYPES = {"ptr": ctypes.c_void_p, "i64": ctypes.c_int64, "f32": ctypes.c_float}
 
@@ -123,11 +123,10 @@ def compile_source(source: Source, entries: dict[str, Entry]) -> Kernel:
         raise BuildError("no C compiler found (set CC or install gcc)")
     flags = cflags()
     key = hashlib.sha256((source.hash + cc + " ".join(flags)).encode()).hexdigest()[:24]
-    out_dir = cache_dir() / "host"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = build_cache("host")
     artifact = out_dir / f"{key}.so"
     t0 = time.perf_counter()
-    if not artifact.is_file():
+    if str(artifact) not in _loaded and not whole_build(artifact):
         with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
             src = Path(tmp) / "kernel.c"
             src.write_text(source.text)
@@ -143,7 +142,12 @@ def compile_source(source: Source, entries: dict[str, Entry]) -> Kernel:
                     build_s=time.perf_counter() - t0)
     lib = _loaded.get(str(artifact))
     if lib is None:
-        lib = _loaded[str(artifact)] = ctypes.CDLL(str(artifact))
+        try:
+            lib = _loaded[str(artifact)] = ctypes.CDLL(str(artifact))
+        except OSError as exc:   # whole but not loadable (another machine's build in a shared cache)
+            artifact.unlink(missing_ok=True)
+            raise BuildError(f"{source.template}: the cached build {artifact} would not load ({exc}); it was "
+                             "removed and is rebuilt on the next run") from None
     kernel.bind(lib)
     return kernel
 
