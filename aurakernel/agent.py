@@ -55,10 +55,10 @@ def tune(op: str, shape: str | None, dtype: str | None = None, *, variant: str |
 
 def tune_problem(spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, solver: str,
                  db: TuningDB, with_compiled: bool, with_compiled_kernel: bool = False,
-                 out_dir: Path | None = None) -> TuneResult:
+                 out_dir: Path | None = None, with_memory: bool = False) -> TuneResult:
     """One problem through its target's pipeline, recorded in the DB."""
     result = target_for(hw).tune(spec, problem, hw, target=target, solver=solver, with_compiled=with_compiled,
-                                 with_compiled_kernel=with_compiled_kernel, out_dir=out_dir)
+                                 with_compiled_kernel=with_compiled_kernel, out_dir=out_dir, with_memory=with_memory)
     _record(db, result, hw)
     return result
 

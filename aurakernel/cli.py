@@ -14,6 +14,9 @@ from typing import Annotated
 # Large CPU tensors on transparent huge pages: page faults on fresh multi-MB buffers cost more than
 # many kernels. Applies to every candidate AuraKernel measures alike; set it to 0 to opt out.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+from .hostmem import retain_freed_memory  # noqa: E402
+
+retain_freed_memory()   # fresh outputs reuse pages already faulted in (hostmem.py); AURAKERNEL_RETAIN_FREED_MEMORY=0: off
 
 import typer  # noqa: E402
 from rich.console import Console  # noqa: E402
@@ -416,13 +419,14 @@ def train(
     t = Table(title=f"{result['steps']} steps, {result['tokens_per_step']} tokens/step, {result['dtype']}, "
                     f"{result['world_size']} process(es), peak {result['peak_tflops']:.3f} TFLOP/s per device "
                     f"({result['peak_source']})" + (f", ISA peak ~{isa:.2f} TFLOP/s (an estimate)" if isa else ""))
+    mem = "peak GiB (resident set)" if result.get("device", "cpu") == "cpu" else "peak GiB (allocator)"
     for col in ("run", "median step ms", "tokens/s", "MFU", *(("MFU of ISA peak",) if isa else ()), "final loss",
-                "skipped steps"):
+                "skipped steps", mem):
         t.add_column(col)
     for label, r in result["runs"].items():
         of_isa = (f"{r['mfu_of_isa_peak'] * 100:.2f}%",) if isa else ()
         t.add_row(label, _fmt(r["median_step_s"] * 1e3), _fmt(r["tokens_per_s"], 0), f"{r['mfu'] * 100:.2f}%",
-                  *of_isa, f"{r['final_loss']:.4f}", str(r["skipped_steps"]))
+                  *of_isa, f"{r['final_loss']:.4f}", str(r["skipped_steps"]), _fmt(r["peak_mem_gib"], 2))
     out.print(t)
     if "speedup" in result:
         out.print(f"step time with AuraKernel kernels: [bold]{result['speedup']:.3f}x[/] faster than without "

@@ -54,3 +54,46 @@ def compare(candidates: dict[str, Callable[[], object]], *, warmup: int = 2, min
             samples[name].append((time.perf_counter() - t0) / n)
         rounds += 1
     return {n: Timing(statistics.median(s), s) for n, s in samples.items()}
+
+
+def peak_allocated_bytes(fn: Callable[[], object]) -> int:
+    """The allocator's high-water mark during one call of `fn`, above what was allocated before it:
+    the most bytes of tensors it held at once (outputs, temporaries, saved activations, gradients),
+    from torch.profiler's allocation events (CPU tensors included, unlike the CUDA allocator stats)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted(((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"))
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+def reset_peak_rss() -> bool:
+    """Start a new resident-set high-water mark for this process (Linux: /proc/self/clear_refs 5);
+    False where the system has none to reset."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int:
+    """This process's resident-set high-water mark since the last reset_peak_rss (VmHWM), or since it
+    started where there is no /proc (getrusage)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+    import sys
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss   # KiB on Linux, bytes on macOS
+    return rss if sys.platform == "darwin" else rss * 1024

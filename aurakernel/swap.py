@@ -40,16 +40,21 @@ class ApplyReport:
     tuned: list[dict] = field(default_factory=list)       # kernels tuned on demand (tune_missing): {"op", ..., "status"}
     plan: KernelPlan | None = None                         # the plan applied, with the kernels tuned on demand
     optimizer_kernel: str | None = None                    # the verified adamw kernel, for FusedAdamW
-    loss_kernels: dict = field(default_factory=dict)       # (vocab, torch dtype) -> cross_entropy kernel
+    loss_kernels: dict = field(default_factory=dict)       # (op, kernel_key, torch dtype) -> loss kernel
 
     def loss_kernel(self, vocab: int, dtype: torch.dtype) -> str | None:
         """The verified cross_entropy kernel for logits of this width and dtype, if the plan has one."""
-        return self.loss_kernels.get((vocab, dtype))
+        return self.loss_kernels.get(("cross_entropy", (vocab,), dtype))
+
+    def linear_loss_kernel(self, hidden: int, vocab: int, dtype: torch.dtype) -> str | None:
+        """The verified linear_cross_entropy kernel (LM head + loss) for these widths and dtype, if any."""
+        return self.loss_kernels.get(("linear_cross_entropy", (hidden, vocab), dtype))
 
     def to_dict(self) -> dict:
         return {"swapped": self.swapped, "reference": self.reference, "rejected": self.rejected, "tuned": self.tuned,
                 "optimizer": "FusedAdamW (adamw kernel)" if self.optimizer_kernel else "torch AdamW",
-                "loss": [f"cross_entropy V={v} {str(d).removeprefix('torch.')}" for v, d in self.loss_kernels]}
+                "loss": [f"{op} {'x'.join(map(str, key))} {str(d).removeprefix('torch.')}"
+                         for op, key, d in self.loss_kernels]}
 
     def summary(self) -> str:
         tuned = f", {len(self.tuned)} kernels tuned on demand" if self.tuned else ""
@@ -202,8 +207,8 @@ def apply(model: torch.nn.Module, plan: KernelPlan | dict | str | Path, target: 
         if entry.op == "adamw":   # not a module: the trainer builds its optimizer with it
             report.optimizer_kernel = source_hash
             continue
-        if entry.op == "cross_entropy":   # not a module: the trainer's loss calls it
-            report.loss_kernels[(entry.kernel_key[0], DType.parse(entry.dtype).torch)] = source_hash
+        if entry.op in ("cross_entropy", "linear_cross_entropy"):   # not a module: the trainer's loss calls it
+            report.loss_kernels[(entry.op, tuple(entry.kernel_key), DType.parse(entry.dtype).torch)] = source_hash
             continue
         table[(entry.op, entry.variant, tuple(entry.kernel_key))][DType.parse(entry.dtype).torch] = source_hash
 

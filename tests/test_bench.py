@@ -11,11 +11,13 @@ import pytest
 
 from aurakernel import bench
 
-MACHINE = {"cpu": "Test CPU", "cores": 2, "path_flags": ["avx2", "avx512f"], "platform": "linux"}
+MACHINE = {"cpu": "Test CPU", "cores": 2, "path_flags": ["avx2", "avx512f"], "platform": "linux",
+           "stream_gbps": 20.0, "peak_tflops": {"fp32": 0.4, "bf16": 2.0}}
 
 
 def kernel(op, vs_eager, vs_compiled, verified=True):
     return {"op": op, "variant": "default", "shape": "64x64", "dtype": "bf16", "aurakernel_us": 100.0,
+            "peak_mib": {"aurakernel": 12.5, "eager": 50.0, "compiled": 25.0},
             "eager_us": 100.0 * vs_eager, "compiled_us": 100.0 * vs_compiled, "speedup_vs_eager": vs_eager,
             "speedup_vs_compiled": vs_compiled, "roofline_pct": 40.0, "intensity": 0.5, "verified": verified,
             "verification": "passed 6 checks" if verified else "FAILED 1/6 checks; first: y outside tolerance",
@@ -29,7 +31,8 @@ def result(kernels, train=(2.0, 1.3), machine=MACHINE, quick=False):
             "train_step": {"steps": 10, "median_step_ms": {"eager": 200.0, "compiled": 130.0, "aurakernel": 100.0},
                            "tokens_per_s": {"eager": 5.0, "compiled": 7.7, "aurakernel": 10.0},
                            "mfu": {"eager": 0.1, "compiled": 0.15, "aurakernel": 0.2}, "final_loss": {},
-                           "swapped": {}, "speedup_vs_eager": train[0], "speedup_vs_compiled": train[1]}}
+                           "swapped": {}, "speedup_vs_eager": train[0], "speedup_vs_compiled": train[1],
+                           "peak_mib": {"eager": 400.0, "compiled": 350.0, "aurakernel": 300.0}}}
 
 
 BASE = result([kernel("rms_norm", 5.0, 1.5), kernel("swiglu", 4.0, 1.1)])
@@ -84,7 +87,18 @@ def test_reports_markdown_and_non_empty_plots(tmp_path):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (tmp_path / png).stat().st_size > 5000
     md = (tmp_path / "bench.md").read_text()
     assert "| rms_norm[default] | 64x64 | bf16 |" in md and "5.00x" in md and "Training step: 2.00x" in md
+    assert "| 12.5 / 50.0 / 25.0 |" in md and "| aurakernel | 100 | 10 | 20.00% | 300 |" in md
     assert json.loads((tmp_path / "bench.json").read_text()) == BASE
+
+
+def test_roofline_points_are_attained_gflops_under_the_slope_or_the_matmul_peak():
+    streaming = kernel("rms_norm", 5.0, 1.5)                    # 40% of 20 GB/s at 0.5 FLOP/B
+    gemm = dict(kernel("linear_cross_entropy", 1.3, 1.0), intensity=1000.0, roofline_pct=5.0)
+    (a, b) = bench.roofline_points(result([streaming, gemm]), [streaming, gemm])
+    assert a["gflops"] == pytest.approx(4.0) and a["roof_pct"] == pytest.approx(40.0)
+    # 5% of 20 GB/s at 1000 FLOP/B: 1000 GFLOP/s, half of the 2 TFLOP/s bf16 peak (below the slope's 20000)
+    assert b["gflops"] == pytest.approx(1000.0) and b["roof_pct"] == pytest.approx(50.0)
+    assert bench.roofline_points(result([streaming], machine={"cpu": "old", "cores": 2}), [streaming]) == []
 
 
 def test_bad_baseline_is_one_line_exit_2(tmp_path):
@@ -128,6 +142,7 @@ def test_quick_suite_json_schema(quick_run):
     for k in d["kernels"]:
         assert set(k) >= set(bench.KERNEL_KEYS)
         assert k["verified"] is True and k["speedup_vs_eager"] > 0 and k["roofline_pct"] > 0   # >100: cache-resident
+        assert set(k["peak_mib"]) == {"eager", "aurakernel"} and min(k["peak_mib"].values()) > 0
     assert d["train_step"] is None                    # --no-train
     assert (out / "report" / "speedup.png").stat().st_size > 0
 

@@ -21,6 +21,8 @@ CASES = {
     "rope": ["37x4x64x16", "9x3x96x32"],
     "router": ["301x64x6", "1024x8x2"],
     "cross_entropy": ["67x1000", "5x50257"],
+    # TOKENSxHIDDENxVOCAB: chunks of the planned rows plus a short last one, a vocabulary off the SIMD grid
+    "linear_cross_entropy": ["300x64x1000", "37x40x5003"],
     "compressor": ["2x9x4x64", "1x3x16x40"],
     "indexer_score": ["2x19x4x32x23", "1x5x8x16x3"],
     "attn_softmax": ["2x4x37x53", "1x3x9x130"],

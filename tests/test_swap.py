@@ -276,3 +276,69 @@ def test_patched_experts_dispatch_is_bitwise_the_reference(dtype):
         results.append([y, *torch.autograd.grad(y, [x, w, mod.gate_up_proj, mod.down_proj], dy)])
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
+
+
+def _linear_loss_plan(model, tokens: int, dtype: str = "fp32") -> KernelPlan:
+    c = model.config
+    spec = get_op("linear_cross_entropy")
+    problem = Problem("linear_cross_entropy", "default", (tokens, c.hidden_size, c.vocab_size), DType.parse(dtype))
+    knobs = {"chunk_rows": 64, "col_chunk": 256, "threads": 2}   # several chunks a step
+    kernel = build_kernel(spec, problem, knobs)
+    return KernelPlan(target="host", kernels=[PlanEntry("linear_cross_entropy", "default", [c.hidden_size, c.vocab_size],
+                                                        dtype, problem.shape_text, knobs, kernel.source_hash)])
+
+
+def test_fused_linear_loss_matches_the_lm_head_and_loss_in_loss_and_gradients(cfg):
+    """The LM head and the loss fused (chunks of 64 tokens, the logits never whole): along the
+    reference's 3-step AdamW trajectory the same loss, the same gradient of the hidden states (the
+    LM head's input) and of the LM head weight, and of every other parameter."""
+    from aurakernel.patch import linear_cross_entropy as lce
+
+    ref_model = build_model(cfg.model, seed=0)
+    ours = copy.deepcopy(ref_model)
+    report = apply(ours, _linear_loss_plan(ours, cfg.data.seq_len * cfg.data.batch_size))
+    assert report.linear_loss_kernel(ours.config.hidden_size, ours.config.vocab_size, torch.float32) is not None
+    run = make_run("ref", ref_model, cfg)
+    batches = TokenBatches("synthetic", None, cfg.data.seq_len, cfg.data.batch_size, 512, seed=0)
+    hidden = {}
+    for model in (ref_model, ours):
+        model.model.register_forward_hook(
+            lambda mod, args, out, model=model: hidden.__setitem__(id(model), out.last_hidden_state) or
+            out.last_hidden_state.retain_grad())
+    calls = []
+    real = lce.linear_cross_entropy
+    for step in range(3):
+        ours.load_state_dict(ref_model.state_dict())
+        input_ids, labels = next(batches)
+        losses = []
+        for model in (ref_model, ours):
+            try:
+                lce.linear_cross_entropy = lambda *a: calls.append(1) or real(*a)
+                loss = loss_fn(model, input_ids, labels, report if model is ours else None)
+            finally:
+                lce.linear_cross_entropy = real
+            loss.backward()
+            losses.append(float(loss.detach()))
+        assert losses[1] == pytest.approx(losses[0], rel=1e-5), step
+        assert relative_error(hidden[id(ours)].grad, hidden[id(ref_model)].grad) < 1e-4, step
+        assert relative_error(ours.lm_head.weight.grad, ref_model.lm_head.weight.grad) < 1e-4, step
+        for (name, a), (_, b) in zip(ref_model.named_parameters(), ours.named_parameters()):
+            if a.grad is not None:
+                assert relative_error(b.grad, a.grad) < 1e-3, (step, name)
+        run.optimizer.step()
+        run.optimizer.zero_grad(set_to_none=True)
+        ours.zero_grad(set_to_none=True)
+    assert len(calls) == 3   # the fused kernel ran, once a step
+
+
+def test_the_tiny_model_trains_with_the_fused_linear_loss_like_without(cfg, tmp_path):
+    from trainer.train import train
+
+    c = copy.deepcopy(cfg)
+    c.data.seq_len, c.data.batch_size, c.train.log = 64, 2, None
+    plan = _linear_loss_plan(build_model(c.model, seed=0), c.data.seq_len * c.data.batch_size)
+    path = plan.save(tmp_path / "plan.json")
+    result = train(c, kernels=str(path), steps=3, compare=True, show_progress=False)
+    assert any(s.startswith("linear_cross_entropy") for s in result["apply"]["loss"])
+    ref, ours = result["runs"]["reference"]["losses"], result["runs"]["aurakernel"]["losses"]
+    assert len(ours) == 3 and ours == pytest.approx(ref, rel=1e-4)

@@ -130,6 +130,15 @@ def _cross_entropy_call():
     return (torch.randn(40, 512, generator=g), labels, kernel.source_hash)
 
 
+def _linear_cross_entropy_call():
+    """A linear_cross_entropy kernel (3 chunks of 16 tokens, the last short) and one call's args."""
+    spec = get_op("linear_cross_entropy")
+    problem = Problem("linear_cross_entropy", "default", (40, 32, 300), DType.fp32)
+    kernel = build_kernel(spec, problem, {"chunk_rows": 16, "col_chunk": 128, "threads": 2})
+    inputs = spec.make_inputs(problem, 3)
+    return (inputs["hidden"], inputs["weight"], inputs["labels"], kernel.source_hash)
+
+
 def test_opcheck_passes_for_every_custom_op(applied, monkeypatch):
     model, ids = applied
     counts = _Counts(monkeypatch)
@@ -138,6 +147,7 @@ def test_opcheck_passes_for_every_custom_op(applied, monkeypatch):
     monkeypatch.undo()
     calls = dict(counts.args)
     calls["cross_entropy"] = _cross_entropy_call()
+    calls["linear_cross_entropy"] = _linear_cross_entropy_call()
     # the attention softmax runs where the sparse attention has no kernel: a model with only that one
     cfg = load_config(TINY)
     softmax_only = build_model(cfg.model, 0)

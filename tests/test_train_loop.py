@@ -183,6 +183,7 @@ def test_kill_9_then_resume_continues_the_same_loss_curve(tmp_path, reference_lo
     # the log is the run's history: step 2 (logged before the kill, trained again) once, no torn line
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(STEPS))
+    assert all(0 < r["peak_mem_gib"] < 64 for r in records)   # each step's resident-set peak
     assert [r["loss"] for r in records] == pytest.approx(reference_losses, rel=1e-6, abs=1e-6)
     with pytest.raises(UserError, match="nothing left to train"):
         train(load_config(path), show_progress=False)

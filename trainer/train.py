@@ -35,10 +35,8 @@ import importlib.util
 import math
 import os
 import random
-import resource
 import shutil
 import statistics
-import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -57,6 +55,7 @@ from transformers import DeepseekV4ForCausalLM
 
 from aurakernel.errors import UserError
 from aurakernel.hardware import load_calibration, load_profile
+from aurakernel.measure import peak_rss_bytes, reset_peak_rss
 from aurakernel.paths import check_writable, write_text_atomic
 
 from .config import TrainConfig, check_fits_memory
@@ -132,12 +131,20 @@ def _sum_over_ranks(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a step's peak: the allocator's on an accelerator, the resident set's on the CPU."""
+    if device.type != "cpu":
+        getattr(torch, device.type).reset_peak_memory_stats(device)
+    else:
+        reset_peak_rss()
+
+
 def peak_memory_gib(device: torch.device) -> float:
-    """This process's peak: the allocator's on an accelerator, the resident set on the CPU."""
+    """This process's peak since reset_peak_memory: the allocator's high-water mark on an
+    accelerator, the resident set's (VmHWM: weights, optimizer state, activations, all of it) on the CPU."""
     if device.type != "cpu":
         return getattr(torch, device.type).max_memory_allocated(device) / 2**30
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss   # KiB on Linux, bytes on macOS
-    return rss / (2**30 if sys.platform == "darwin" else 2**20)
+    return peak_rss_bytes() / 2**30
 
 
 # -- model and optimizer
@@ -158,6 +165,7 @@ class Run:
     no_grad_params: list[str] | None = None   # filled by the first train_step
     expert_imbalance: float | None = None      # max over routers of max/mean expert load, last update
     skipped_steps: int = 0
+    peak_mem_gib: float = 0.0                  # the largest of its steps' peaks
     bad_streak: int = 0
     last: dict = field(default_factory=dict)   # the last step's log record
 
@@ -172,6 +180,7 @@ class RunSummary:
     final_loss: float
     losses: list[float]
     skipped_steps: int
+    peak_mem_gib: float = 0.0       # the largest step peak (CPU: resident set; accelerators: allocator)
 
 
 def lr_lambda(cfg: TrainConfig):
@@ -306,7 +315,19 @@ def workload(cfg: TrainConfig, kernels=None):
 
 def loss_fn(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, report=None) -> torch.Tensor:
     """Mean next-token cross-entropy over fp32 logits (labels are already shifted; -100 is ignored),
-    through the plan's cross_entropy kernel when `report` (an apply report) has one for the logits."""
+    through the plan's linear_cross_entropy kernel (the LM head and the loss fused, the logits never
+    whole) or else its cross_entropy kernel, when `report` (an apply report) has one."""
+    config = getattr(model, "config", None)
+    dtype = (torch.get_autocast_dtype(input_ids.device.type) if torch.is_autocast_enabled(input_ids.device.type)
+             else model.lm_head.weight.dtype)
+    # (not for a torch.compile'd model: calling its inner modules would step outside the compiled graph)
+    fused = (report.linear_loss_kernel(config.hidden_size, config.vocab_size, dtype)
+             if report is not None and config is not None and not hasattr(model, "_orig_mod") else None)
+    if fused is not None:
+        from aurakernel.patch.linear_cross_entropy import linear_cross_entropy
+        hidden = model.model(input_ids=input_ids).last_hidden_state
+        with record_function("ak.group.cross_entropy"):  # the LM head and the loss, as one kernel
+            return linear_cross_entropy(hidden.to(dtype), model.lm_head.weight.to(dtype), labels, fused)
     logits = model(input_ids=input_ids).logits
     with record_function("ak.group.cross_entropy"):  # profiler range: the LM-head + loss group
         kernel = report.loss_kernel(logits.shape[-1], logits.dtype) if report is not None else None
@@ -484,7 +505,7 @@ def summarize(run: Run, tokens_per_step: int, flops_token: float, peak: float, w
     tps = tokens_per_step / med
     return RunSummary(run.label, med, tps, mfu(tps / world_size, flops_token, peak),
                       mfu(tps / world_size, flops_token, isa_peak) if isa_peak else None,
-                      run.losses[-1], run.losses, run.skipped_steps)
+                      run.losses[-1], run.losses, run.skipped_steps, run.peak_mem_gib)
 
 
 def _status(run: Run) -> str:
@@ -582,6 +603,7 @@ def _train(cfg, world, kernels, steps, compare, log_path, show_progress, console
                 order = runs if step % 2 == 0 else runs[::-1]
                 for run in order:
                     first = run.no_grad_params is None
+                    reset_peak_memory(run.device)
                     loss, gnorm, dt = train_step(run, micro, cfg)
                     skipped = not (math.isfinite(loss) and math.isfinite(gnorm))
                     run.skipped_steps += skipped
@@ -592,7 +614,7 @@ def _train(cfg, world, kernels, steps, compare, log_path, show_progress, console
                               "lr": run.scheduler.get_last_lr()[0], "step_s": dt,
                               "tokens_per_s": tokens_per_step / dt,
                               "mfu": mfu(tokens_per_step / dt / world.world_size, flops_token, peak),
-                              "peak_mem_gib": peak_memory_gib(run.device),
+                              "peak_mem_gib": peak_memory_gib(run.device),   # this step's
                               "skipped": skipped, "skipped_steps": run.skipped_steps}
                     if run.aligner is not None:
                         record["indexer_kl"] = sum(run.aligner.last.values())
@@ -609,6 +631,7 @@ def _train(cfg, world, kernels, steps, compare, log_path, show_progress, console
                         say(f"[yellow]warning[/]: step {step} ({run.label}) skipped: loss {loss}, grad norm {gnorm}")
                     log.write(record)
                     run.last = record
+                    run.peak_mem_gib = max(run.peak_mem_gib, record["peak_mem_gib"])
                     if run.bad_streak >= t.max_bad_steps:
                         last = latest_checkpoint(t.checkpoint_dir) if t.checkpoint_dir else None
                         raise TrainingDiverged(
@@ -629,10 +652,11 @@ def _train(cfg, world, kernels, steps, compare, log_path, show_progress, console
 
     result = {
         "config": cfg.path, "steps": steps, "start_step": start, "world_size": world.world_size,
+        "device": world.device.type,
         "grad_accum": t.grad_accum, "tokens_per_step": tokens_per_step, "dtype": t.dtype,
         "total_params": total_params, "active_params": active_params, "flops_per_token": flops_token,
         "peak_tflops": peak, "peak_source": f"{hw.name} profile" + (" (calibrated)" if hw.calibrated else " (estimate)"),
-        "isa_peak_tflops": isa_peak, "peak_mem_gib": peak_memory_gib(world.device),
+        "isa_peak_tflops": isa_peak, "peak_mem_gib": max(r.peak_mem_gib for r in runs),
         "checkpoint": str(checkpoint) if checkpoint else None, "export": export_dir,
         "runs": {r.label: vars(summarize(r, tokens_per_step, flops_token, peak, world.world_size, isa_peak))
                  for r in runs},

@@ -20,6 +20,7 @@ from .. import __version__
 from ..agent import tune_problem
 from ..db import TuningDB
 from ..hardware import _cpu_flags, _cpu_model, host_cores, load_calibration, load_profile
+from ..measure import peak_allocated_bytes
 from ..ops import OPS
 from ..ops.base import Problem
 
@@ -30,13 +31,16 @@ QUICK_OPS = ("rms_norm", "swiglu", "router", "cross_entropy", "adamw")   # one o
 PATH_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 KERNEL_KEYS = ("op", "variant", "shape", "dtype", "aurakernel_us", "eager_us", "compiled_us", "aurakernel_compiled_us",
                "speedup_vs_eager", "speedup_vs_compiled", "compiled_speedup_vs_compiled", "roofline_pct", "intensity",
-               "verified", "verification", "status")
+               "peak_mib", "verified", "verification", "status")
 
 
 def machine_info() -> dict:
+    """The CPU, its fast paths, and the calibrated roofs (stream bandwidth with every core, matmul peaks)."""
     flags = _cpu_flags()
+    hw = load_profile("host")
     return {"cpu": _cpu_model(), "cores": host_cores(), "path_flags": sorted(f for f in PATH_FLAGS if f in flags),
-            "platform": platform.platform()}
+            "platform": platform.platform(), "stream_gbps": hw.stream_bandwidth(hw.cores) / 1e9,
+            "peak_tflops": dict(hw.peak_tflops)}
 
 
 def versions() -> dict:
@@ -61,7 +65,7 @@ def kernel_row(problem: Problem, hw, db: TuningDB, with_compiled: bool) -> dict:
     """Plan, build, verify and time one kernel: its row of the report."""
     spec = OPS[problem.op]
     result = tune_problem(spec, problem, hw, target="host", solver="highs", db=db, with_compiled=with_compiled,
-                          with_compiled_kernel=with_compiled)
+                          with_compiled_kernel=with_compiled, with_memory=True)
     work = [spec.work(problem, backward=b) for b in (False, True)]
     nbytes, flops = sum(w.bytes_moved for w in work), sum(w.flops for w in work)
     roofline = None
@@ -73,6 +77,8 @@ def kernel_row(problem: Problem, hw, db: TuningDB, with_compiled: bool) -> dict:
             "speedup_vs_eager": result.speedup_vs_eager, "speedup_vs_compiled": result.speedup_vs_compiled,
             "compiled_speedup_vs_compiled": _ratio(result.compiled_us, result.aurakernel_compiled_us),
             "roofline_pct": roofline, "intensity": flops / nbytes if nbytes else None,
+            # allocator high-water mark of one fwd+bwd, per candidate (MiB)
+            "peak_mib": {name: b / 2**20 for name, b in result.peak_bytes.items()},
             "verified": result.verified, "verification": result.verification.summary if result.verification else
             "; ".join(result.reasons), "status": result.status}
 
@@ -89,11 +95,12 @@ class TrainStepResult:
     mfu: dict
     final_loss: dict
     swapped: dict
+    peak_mib: dict   # run -> allocator high-water mark of one training step above the state it starts from
 
     def to_json(self) -> dict:
         ms = self.median_step_ms
         return {"steps": self.steps, "median_step_ms": ms, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
-                "final_loss": self.final_loss, "swapped": self.swapped,
+                "final_loss": self.final_loss, "swapped": self.swapped, "peak_mib": self.peak_mib,
                 "speedup_vs_eager": ms["eager"] / ms["aurakernel"],
                 "speedup_vs_compiled": _ratio(ms.get("compiled"), ms["aurakernel"]),
                 "compiled_speedup_vs_compiled": _ratio(ms.get("compiled"), ms.get("aurakernel_compiled"))}
@@ -147,6 +154,8 @@ def train_step_compare(config: str = "trainer/configs/tiny.yaml", plan=None, ste
             runs[name].step_s.append(dt)
             runs[name].losses.append(loss)
         log(f"step {step}: " + "  ".join(f"{n} {runs[n].step_s[-1] * 1e3:.0f} ms" for n in names))
+    batch = next(batches)   # one more step each, under the allocator's watch (not timed)
+    peaks = {name: peak_allocated_bytes(lambda run=run: train_step(run, batch, cfg)) / 2**20 for name, run in runs.items()}
     tokens = cfg.data.seq_len * cfg.data.batch_size
     flops_token = flops_per_token(base, cfg.data.seq_len)
     hw = load_profile(cfg.hardware.target)
@@ -154,7 +163,7 @@ def train_step_compare(config: str = "trainer/configs/tiny.yaml", plan=None, ste
     med = {n: statistics.median(r.step_s[2:] if len(r.step_s) > 4 else r.step_s) for n, r in runs.items()}
     return TrainStepResult(steps, {n: v * 1e3 for n, v in med.items()}, {n: tokens / v for n, v in med.items()},
                            {n: mfu(tokens / v, flops_token, peak) for n, v in med.items()},
-                           {n: r.losses[-1] for n, r in runs.items()}, report.summary())
+                           {n: r.losses[-1] for n, r in runs.items()}, report.summary(), peaks)
 
 
 def geomean(values) -> float | None:

@@ -12,21 +12,25 @@ from .kernels import SCHEMA
 
 def markdown(result: dict) -> str:
     lines = ["| op | shape | dtype | aurakernel us | eager us | compile us | aurakernel + compile us | vs eager | "
-             "vs compile | + compile vs compile | roofline | verified |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "vs compile | + compile vs compile | roofline | peak MiB aurakernel / eager / compile | verified |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def num(v, fmt):
         return format(v, fmt) if v is not None else "-"
 
     def ratio(v):
         return f"{v:.2f}x" if v is not None else "-"
+
+    def peaks(p: dict) -> str:
+        return " / ".join(num(p.get(name), ",.1f") for name in ("aurakernel", "eager", "compiled")) if p else "-"
     for k in result["kernels"]:
         lines.append(f"| {k['op']}[{k['variant']}] | {k['shape']} | {k['dtype']} | {num(k['aurakernel_us'], ',.0f')} | "
                      f"{num(k['eager_us'], ',.0f')} | {num(k['compiled_us'], ',.0f')} | "
                      f"{num(k.get('aurakernel_compiled_us'), ',.0f')} | "
                      f"{ratio(k['speedup_vs_eager'])} | {ratio(k['speedup_vs_compiled'])} | "
                      f"{ratio(k.get('compiled_speedup_vs_compiled'))} | "
-                     f"{num(k['roofline_pct'], '.0f')}% | {'yes' if k['verified'] else 'NO'} |")
+                     f"{num(k['roofline_pct'], '.0f')}% | {peaks(k.get('peak_mib') or {})} | "
+                     f"{'yes' if k['verified'] else 'NO'} |")
     s = result["summary"]
     lines.append("")
     lines.append(f"Geomean speedup: {ratio(s['geomean_vs_eager'])} vs eager, "
@@ -35,14 +39,18 @@ def markdown(result: dict) -> str:
     t = result.get("train_step")
     if t:
         ms = t["median_step_ms"]
-        lines += ["", "| training step (tiny config) | median ms | tokens/s | MFU |", "|---|---|---|---|"]
+        lines += ["", "| training step (tiny config) | median ms | tokens/s | MFU | peak MiB |", "|---|---|---|---|---|"]
         for name in ms:
-            lines.append(f"| {name} | {ms[name]:.0f} | {t['tokens_per_s'][name]:,.0f} | {100 * t['mfu'][name]:.2f}% |")
+            lines.append(f"| {name} | {ms[name]:.0f} | {t['tokens_per_s'][name]:,.0f} | {100 * t['mfu'][name]:.2f}% | "
+                         f"{num((t.get('peak_mib') or {}).get(name), ',.0f')} |")
         lines.append("")
         lines.append(f"Training step: {t['speedup_vs_eager']:.2f}x vs eager"
                      + (f", {t['speedup_vs_compiled']:.2f}x vs torch.compile" if t.get("speedup_vs_compiled") else "")
                      + (f"; AuraKernel inside torch.compile {t['compiled_speedup_vs_compiled']:.2f}x vs torch.compile."
                         if t.get("compiled_speedup_vs_compiled") else "."))
+    lines += ["", "Peak memory: the allocator's high-water mark during one forward + backward (a training step: "
+              "one step, optimizer included), above what was allocated before it (torch.profiler's CPU allocation "
+              "events)."]
     m = result["machine"]
     lines += ["", f"Machine: {m['cpu']}, {m['cores']} cores ({', '.join(m['path_flags'])}); "
               + ", ".join(f"{k} {v}" for k, v in result["versions"].items()) + "."]
@@ -74,21 +82,70 @@ def plots(result: dict, out_dir: Path) -> list[Path]:
     fig.savefig(speedup, dpi=110)
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    for k in rows:
-        if k["roofline_pct"] is not None and k["intensity"]:
-            ax.scatter(k["intensity"], k["roofline_pct"])
-            ax.annotate(k["op"], (k["intensity"], k["roofline_pct"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
-    ax.set_xscale("log")
-    ax.axhline(100.0, color="black", linewidth=0.8, linestyle="--")
-    ax.set_xlabel("arithmetic intensity (FLOP / byte)")
-    ax.set_ylabel("achieved bandwidth, % of calibrated stream")
-    ax.set_title("Roofline placement")
-    fig.tight_layout()
     roofline = out_dir / "roofline.png"
-    fig.savefig(roofline, dpi=110)
-    plt.close(fig)
+    roofline_plot(result, rows, roofline)
     return [speedup, roofline]
+
+
+def roofline_points(result: dict, rows: list[dict]) -> list[dict]:
+    """Each kernel's place on the roofline: its arithmetic intensity, the GFLOP/s it attained (its
+    share of the calibrated stream bandwidth times its intensity) and that as a share of its roof
+    (the bandwidth slope, or the matmul peak of its dtype where that is lower)."""
+    m = result["machine"]
+    bw, peaks = m.get("stream_gbps"), m.get("peak_tflops") or {}
+    out = []
+    for k in rows:
+        if not bw or k.get("roofline_pct") is None or not k.get("intensity"):
+            continue
+        x = k["intensity"]
+        y = k["roofline_pct"] / 100 * bw * x
+        roof = min(bw * x, peaks[k["dtype"]] * 1e3) if k["dtype"] in peaks else bw * x
+        out.append({"label": f"{k['op']}[{k['variant']}] {k['dtype']}", "intensity": x, "gflops": y,
+                    "roof_pct": 100 * y / roof})
+    return out
+
+
+def roofline_plot(result: dict, rows: list[dict], path: Path) -> None:
+    """Attained GFLOP/s (fwd + bwd work over the measured time) against arithmetic intensity, log-log,
+    under the machine's roofs: the calibrated stream bandwidth's slope and the matmul peaks. Each
+    point is one kernel, named in the legend (labels beside points overlap where kernels cluster)."""
+    import matplotlib.pyplot as plt
+
+    m = result["machine"]
+    bw = m.get("stream_gbps")
+    peaks = m.get("peak_tflops") or {}
+    points = roofline_points(result, rows)
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    markers = "osD^v<>PXh*p"
+    for i, p in enumerate(points):
+        ax.scatter(p["intensity"], p["gflops"], marker=markers[i % len(markers)], s=36, color=plt.cm.tab20(i % 20),
+                   zorder=3, label=f"{p['label']} ({p['roof_pct']:.0f}% of its roof)")
+    xs = [p["intensity"] for p in points] or [0.1, 10.0]
+    lo, hi = min(xs) / 3, max(max(xs) * 3, 100.0)
+    top = max(peaks.values(), default=None)
+    if bw:   # the memory slope up to the highest compute roof, then that roof
+        knee = min(hi, top * 1e3 / bw) if top else hi
+        ax.plot([lo, knee, hi], [bw * lo, bw * knee, bw * knee], color="black", linewidth=1.2)
+        ax.annotate(f"stream {bw:.1f} GB/s", (lo * 1.3, bw * lo * 1.3 * 1.25), fontsize=8, rotation=30)
+    for dtype, tflops in sorted(peaks.items()):
+        if dtype == "fp16" and peaks.get("bf16") == tflops:
+            continue   # the same roof as bf16
+        ax.axhline(tflops * 1e3, color="gray", linestyle="--", linewidth=1.0)
+        ax.annotate(f"{dtype} matmul peak {tflops:.2f} TFLOP/s", (lo * 1.1, tflops * 1e3 * 1.08), fontsize=8,
+                    color="dimgray")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlim(lo, hi)
+    ax.set_xlabel("arithmetic intensity (FLOP / byte of the minimum traffic)")
+    ax.set_ylabel("attained GFLOP/s (forward + backward)")
+    ax.set_title(f"Roofline: AuraKernel host kernels on {m.get('cpu', 'this CPU')}, {m.get('cores', '?')} cores",
+                 fontsize=10)
+    ax.grid(True, which="both", linewidth=0.3, alpha=0.5)
+    if points:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def write_outputs(result: dict, out_dir: Path) -> list[Path]:

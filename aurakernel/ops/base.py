@@ -135,6 +135,9 @@ class OpSpec(ABC):
     # the kernel replaces the matmuls of its scope too (the sparse attention's q k^T and p v): the
     # modeled profile takes them out of the matmul bucket where the kernel runs
     fuses_matmuls: ClassVar[bool] = False
+    # the kernel computes its whole profiler group (linear_cross_entropy: the LM head and the loss),
+    # so the group's planned time is its alone, not added to the other kernels of the group
+    covers_group: ClassVar[bool] = False
 
     # --- the reference as a module: timing uses the same nn.Module path the trainer runs ---------
     @abstractmethod

@@ -17,13 +17,13 @@ import torch
 from torch import nn
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
 
-from . import (adamw, attn_softmax, compressor, cross_entropy, indexer_score, mhc, mhc_post, rms_norm, rope, router,
-               sparse_attention, swiglu)
+from . import (adamw, attn_softmax, compressor, cross_entropy, indexer_score, linear_cross_entropy, mhc, mhc_post,
+               rms_norm, rope, router, sparse_attention, swiglu)
 from ..ops import OPS
 from .base import PATCHES
 
 PATCHES.load(rms_norm, mhc, mhc_post, router, swiglu, rope, attn_softmax, compressor, indexer_score,
-             sparse_attention, cross_entropy, adamw)
+             sparse_attention, cross_entropy, linear_cross_entropy, adamw)
 
 
 patch_of = PATCHES.of

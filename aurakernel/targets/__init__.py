@@ -31,8 +31,10 @@ class Target(Protocol):
         """The machine autotune profiles the training step on (this one, for a target it cannot run)."""
 
     def tune(self, spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, solver: str,
-             with_compiled: bool, with_compiled_kernel: bool = False, out_dir: Path | None = None) -> TuneResult:
-        """Plan, render, build, verify and measure (or estimate) one problem."""
+             with_compiled: bool, with_compiled_kernel: bool = False, out_dir: Path | None = None,
+             with_memory: bool = False) -> TuneResult:
+        """Plan, render, build, verify and measure (or estimate) one problem; with_memory, each
+        measured candidate's peak memory too (TuneResult.peak_bytes)."""
 
     def predicted_us(self, spec: OpSpec, problem: Problem, hw: HardwareProfile) -> float:
         """The planner's forward + backward time of the problem's kernel (no build, no run)."""

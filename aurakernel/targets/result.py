@@ -20,6 +20,7 @@ class TuneResult:
     eager_us: float | None = None
     compiled_us: float | None = None
     aurakernel_compiled_us: float | None = None   # the kernel inside torch.compile (bench only)
+    peak_bytes: dict = field(default_factory=dict)   # candidate -> allocator high-water mark of a fwd+bwd (bench only)
     status: str = "ok"
     reasons: list[str] = field(default_factory=list)
     # targets that estimate instead of run (AscendC in the emulator): the cycle estimate per phase

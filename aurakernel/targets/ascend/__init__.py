@@ -237,7 +237,8 @@ class AscendTarget:
         return plan(spec, problem, hw, target=hw.name, solver="highs").predicted_us
 
     def tune(self, spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, solver: str,
-             with_compiled: bool = False, with_compiled_kernel: bool = False, out_dir: Path | None = None) -> TuneResult:
+             with_compiled: bool = False, with_compiled_kernel: bool = False, out_dir: Path | None = None,
+             with_memory: bool = False) -> TuneResult:   # (emulated: no host memory to measure)
         return tune(spec, problem, hw, target=target, solver=solver, out_dir=out_dir)
 
 

@@ -8,7 +8,7 @@ import torch
 
 from ...errors import BuildError
 from ...hardware import HardwareProfile
-from ...measure import compare
+from ...measure import compare, peak_allocated_bytes
 from ...ops.base import OpSpec, Problem
 from ...patch.deepseek_v4 import patch_of
 from ...planner import Plan, solve_tiling
@@ -47,12 +47,15 @@ def verify(spec: OpSpec, cases: list[tuple[Problem, Kernel]], seeds=SEEDS) -> Ve
 
 
 def measure_problem(spec: OpSpec, problem: Problem, kernel_hash: str, *, with_compiled: bool,
-                    threads: int, with_compiled_kernel: bool = False) -> tuple[dict[str, float], dict[str, str]]:
+                    threads: int, with_compiled_kernel: bool = False,
+                    with_memory: bool = False) -> tuple[dict[str, float], dict[str, str], dict[str, int]]:
     """Median microseconds of eager, torch.compile, the kernel and (with_compiled_kernel) the kernel
-    under torch.compile (fwd+bwd), in the same rounds."""
+    under torch.compile (fwd+bwd), in the same rounds; with_memory, each one's peak of allocated
+    bytes over one fwd+bwd too (the allocator's high-water mark, measure.peak_allocated_bytes)."""
     candidates, notes = patch_of(spec).timing_candidates(problem, kernel_hash, with_compiled, with_compiled_kernel)
     timings = compare(candidates, threads=threads)
-    return {name: t.us for name, t in timings.items()}, notes
+    peaks = {name: peak_allocated_bytes(fn) for name, fn in candidates.items()} if with_memory else {}
+    return {name: t.us for name, t in timings.items()}, notes, peaks
 
 
 class HostTarget:
@@ -77,7 +80,8 @@ class HostTarget:
         return self.plan(spec, problem, hw, target=hw.name).predicted_us
 
     def tune(self, spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, solver: str,
-             with_compiled: bool, with_compiled_kernel: bool = False, out_dir: Path | None = None) -> TuneResult:
+             with_compiled: bool, with_compiled_kernel: bool = False, out_dir: Path | None = None,
+             with_memory: bool = False) -> TuneResult:
         plan = self.plan(spec, problem, hw, target=target, solver=solver)
         result = TuneResult(problem, target, plan, None, None)
         try:
@@ -93,8 +97,9 @@ class HostTarget:
         if not result.verification.passed:
             result.status, result.reasons = "verify_failed", [result.verification.summary]
             return result
-        times, notes = measure_problem(spec, problem, kernel.source_hash, with_compiled=with_compiled,
-                                       threads=hw.cores, with_compiled_kernel=with_compiled_kernel)
+        times, notes, result.peak_bytes = measure_problem(
+            spec, problem, kernel.source_hash, with_compiled=with_compiled, threads=hw.cores,
+            with_compiled_kernel=with_compiled_kernel, with_memory=with_memory)
         result.measured_us = times["aurakernel"]
         result.eager_us = times["eager"]
         result.compiled_us = times.get("compiled")

@@ -1,0 +1,141 @@
+"""The host kernel of linear_cross_entropy: token chunks through three GEMMs (torch's, oneDNN/MKL:
+AMX, AVX-512 or AVX2, whichever this CPU has) around the C loss kernel, its tiling model and calls.
+
+Where the time goes (V4's head, 4096 tokens x 4096 hidden x 129280 vocabulary, bf16): the three
+GEMMs are 13 TFLOP, nearly all of it; every chunk also streams the whole weight twice (logits,
+hidden-state gradient) and the weight gradient once in and out, 4 x vocab x hidden x 2 B = 4.2 GB a
+chunk. So chunk_rows trades memory (a chunk's logits, chunk_rows x vocab) against that traffic:
+small chunks make the GEMMs memory-bound on the weight, large ones hold more logits. The loss kernel
+itself is two sweeps over a chunk's logits. The model below prices both and caps a chunk's logits.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ....ops.base import Problem, Tensors
+from ....ops.cross_entropy import IGNORE
+from ....ops.linear_cross_entropy import SPEC
+from ....planner.costmodel import DEFAULTS, col_chunk_candidates, thread_candidates
+from ....planner.model import ChoiceModel, Constraint, Phase, Term
+from ..kernel import HostKernel
+from ..library import Entry
+
+# a chunk's logits may take this much memory, or as much as the hidden states (whichever is more):
+# the loss then holds a fixed, small share of what the unfused logits take
+CHUNK_BUDGET_BYTES = 256 * 2**20
+GEMM_HALF_ROWS = 32   # rows at which a GEMM reaches half its peak (the micro-kernel's row blocking)
+
+
+def chunk_rows_candidates(tokens: int) -> list[int]:
+    """Powers of two from 16 to the first that covers every token."""
+    out, c = [], 16
+    while True:
+        out.append(c)
+        if c >= tokens:
+            return out
+        c *= 2
+
+
+def forward(kernel, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_rows: int):
+    """(mean loss, d loss / d hidden, d loss / d weight), a chunk of tokens at a time."""
+    tokens = hidden.shape[0]
+    valid = int((labels != IGNORE).sum())
+    loss_rows = torch.empty(tokens)
+    dhidden, dweight = torch.empty_like(hidden), torch.empty_like(weight)
+    logits = torch.empty(min(chunk_rows, tokens), weight.shape[0], dtype=hidden.dtype)
+    wt = weight.t()
+    for r0 in range(0, tokens, chunk_rows):
+        r1 = min(r0 + chunk_rows, tokens)
+        h, chunk = hidden[r0:r1], logits[: r1 - r0]
+        torch.mm(h, wt, out=chunk)
+        kernel.call("rows", chunk, labels[r0:r1], loss_rows[r0:r1], r1 - r0, 1.0 / max(valid, 1))
+        torch.mm(chunk, weight, out=dhidden[r0:r1])   # the chunk now holds d loss / d logits
+        if r0 == 0:
+            torch.mm(chunk.t(), h, out=dweight)
+        else:
+            dweight.addmm_(chunk.t(), h)
+    loss = loss_rows.sum() / valid if valid else loss_rows.sum() * float("nan")
+    return loss, dhidden, dweight
+
+
+class LinearCrossEntropyHost(HostKernel):
+    knob_docs = {"chunk_rows": "tokens per chunk (a chunk's logits are what the loss holds)",
+                 "col_chunk": "vocabulary columns per sweep chunk (kept in L1)", "threads": "OpenMP threads"}
+    entries = {"rows": Entry("ak_lce_rows", ("ptr", "ptr", "ptr", "i64", "f32"))}
+
+    def tiling_problem(self, problem: Problem, hw):
+        tokens, hidden, vocab = problem.shape
+        e = problem.dtype.itemsize
+        cm = {**DEFAULTS, **hw.costmodel}
+        clock = hw.clock_ghz * 1e9
+        domains = {"chunk_rows": chunk_rows_candidates(tokens),
+                   "col_chunk": col_chunk_candidates(vocab, max(hw.simd_bytes // 4, 1)),
+                   "threads": thread_candidates(hw.cores)}
+        peak = hw.peak_tflops.get(problem.dtype.value, min(hw.peak_tflops.values())) * 1e12
+        budget = max(CHUNK_BUDGET_BYTES, tokens * hidden * e)
+        l1 = hw.memory["L1"].capacity * cm.get("cache_fraction", 0.5)
+        constraints = [
+            Constraint("memory (a chunk's logits)", Term.of(("chunk_rows",), domains, lambda c: min(c, tokens) * vocab * e),
+                       max(budget, 16 * vocab * e), f"chunk_rows x {vocab * e:,} B"),
+            Constraint("L1 capacity (chunk)", Term.of(("col_chunk",), domains, lambda cc: cc * 2 * e), l1,
+                       f"col_chunk x {2 * e} B")]
+
+        def chunks(c: int) -> int:
+            return math.ceil(tokens / c)
+
+        def gemm_s(c: int) -> float:   # three GEMMs per chunk, at the efficiency of its row count
+            rows = min(c, tokens)
+            return chunks(c) * 6 * rows * hidden * vocab / (peak * rows / (rows + GEMM_HALF_ROWS))
+
+        def weight_traffic_s(c: int) -> float:   # the weight twice, its gradient in and out, per chunk
+            return chunks(c) * 4 * vocab * hidden * e / hw.stream_bandwidth(hw.cores) * cm["dram_time_scale"]
+
+        def loss_s(th: int, cc: int) -> float:   # the C kernel: two sweeps over every row of logits
+            per_row = 3 * vocab * cm["vector_cycles_per_elem"] + math.ceil(vocab / cc) * cm["chunk_overhead_cycles"]
+            return math.ceil(tokens / th) * per_row / clock
+
+        def calls_s(c: int, th: int) -> float:
+            return chunks(c) * (4 * hw.call_overhead_us + (hw.fork_overhead_us if th > 1 else 0.0)) * 1e-6
+
+        fwd = Phase("forward", {"GEMM": [Term.of(("chunk_rows",), domains, gemm_s)],
+                                "DRAM": [Term.of(("chunk_rows",), domains, weight_traffic_s)]},
+                    [Term.of(("threads", "col_chunk"), domains, loss_s),
+                     Term.of(("chunk_rows", "threads"), domains, calls_s)])
+        # backward: the two gradients scaled by the loss's gradient, one pass over each
+        scale_s = 2 * (tokens + vocab) * hidden * e / hw.stream_bandwidth(hw.cores)
+        bwd = Phase("backward", {"DRAM": [Term.of(("threads",), domains, lambda th: scale_s)]},
+                    [Term.of(("threads",), domains, lambda th: (hw.call_overhead_us + cm["phase_overhead_us"]) * 1e-6)])
+        return ChoiceModel(domains, constraints, [fwd, bwd])
+
+    def render_params(self, problem: Problem, knobs: dict[str, int]) -> dict:
+        return {"dtype": problem.dtype, "vocab": int(problem.shape[2]), "chunk_rows": int(knobs["chunk_rows"]),
+                "col_chunk": int(knobs["col_chunk"]), "threads": int(knobs["threads"])}
+
+    def empty_outputs(self, problem: Problem, inputs: Tensors) -> Tensors:
+        return {"loss": torch.empty((), dtype=torch.float32), "dhidden": torch.empty_like(inputs["hidden"]),
+                "dweight": torch.empty_like(inputs["weight"])}
+
+    def run_forward(self, kernel, inputs: Tensors, outputs: Tensors) -> None:
+        loss, dh, dw = forward(kernel, inputs["hidden"], inputs["weight"], inputs["labels"], kernel.meta["chunk_rows"])
+        outputs["loss"].copy_(loss)
+        outputs["dhidden"].copy_(dh)
+        outputs["dweight"].copy_(dw)
+
+    def run_backward(self, kernel, inputs: Tensors, outputs: Tensors, grad_outputs: Tensors, grads: Tensors) -> None:
+        g = grad_outputs["loss"]
+        torch.mul(outputs["dhidden"], g, out=grads["hidden"])
+        torch.mul(outputs["dweight"], g, out=grads["weight"])
+
+    def verification_problems(self, problem: Problem, knobs: dict[str, int], simd_elems: int) -> list[Problem]:
+        """The tuned shape; tokens not a multiple of the chunk (a short last chunk); a vocabulary
+        off the SIMD grid."""
+        tokens, hidden, vocab = problem.shape
+        tail = knobs["chunk_rows"] + 3   # two chunks, the second short
+        odd = vocab + 5 if vocab % simd_elems == 0 else vocab
+        return [problem, Problem(problem.op, problem.variant, (tail, hidden, min(odd, 4099)), problem.dtype)]
+
+
+PARTS = (LinearCrossEntropyHost(SPEC),)
