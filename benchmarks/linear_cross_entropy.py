@@ -2,8 +2,8 @@
 F.cross_entropy), the fused linear_cross_entropy kernel (planned for this machine) and, with
 --compiled, torch.compile of the eager module. Forward + backward of each, timed side by side in
 interleaved rounds; peak memory is the allocator's high-water mark of one forward + backward above
-what was allocated before it (torch.profiler's CPU allocation events), and the process's resident
-set high-water mark over the same call (VmHWM, after a reset) beside it.
+what was allocated before it (torch.profiler's CPU allocation events; the resident set would not
+tell, with freed blocks kept mapped for reuse).
 
     python -m benchmarks.linear_cross_entropy [--tokens 4096] [--hidden 4096] [--vocab 129280]
                                               [--dtype bf16] [--compiled] [--json]
@@ -13,18 +13,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
-import torch
-from rich.console import Console
-from rich.table import Table
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+from aurakernel.hostmem import retain_freed_memory  # noqa: E402
 
-from aurakernel.hardware import load_profile
-from aurakernel.measure import compare, peak_allocated_bytes, peak_rss_bytes, reset_peak_rss
-from aurakernel.ops import get_op
-from aurakernel.patch.deepseek_v4 import patch_of
-from aurakernel.planner import solve_tiling
-from aurakernel.targets.host.build import build_kernel
-from aurakernel.targets.host.ops import kernel_of
+retain_freed_memory()
+
+import torch  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from aurakernel.hardware import load_profile  # noqa: E402
+from aurakernel.measure import compare, peak_allocated_bytes  # noqa: E402
+from aurakernel.ops import get_op  # noqa: E402
+from aurakernel.patch.deepseek_v4 import patch_of  # noqa: E402
+from aurakernel.planner import solve_tiling  # noqa: E402
+from aurakernel.targets.host.build import build_kernel  # noqa: E402
+from aurakernel.targets.host.ops import kernel_of  # noqa: E402
 
 
 def run(tokens: int, hidden: int, vocab: int, dtype: str, compiled: bool) -> dict:
@@ -36,18 +42,14 @@ def run(tokens: int, hidden: int, vocab: int, dtype: str, compiled: bool) -> dic
                         shape=problem.shape, dtype=dtype, target="host")
     kernel = build_kernel(spec, problem, plan.knobs)
     candidates, notes = patch_of(spec).timing_candidates(problem, kernel.source_hash, compiled)
-    peaks, rss = {}, {}
+    peaks = {}
     for name, step in candidates.items():
         step()   # warm (and, for torch.compile, compiled) outside the measurements
         peaks[name] = peak_allocated_bytes(step)
-        before = peak_rss_bytes() if reset_peak_rss() else None
-        step()
-        rss[name] = peak_rss_bytes() - before if before is not None else None
     times = compare(candidates, warmup=0, min_rounds=3, max_rounds=3, budget_s=0.0, threads=hw.cores)
     us = {name: t.us for name, t in times.items()}
     return {"shape": problem.shape_text, "dtype": dtype, "plan": plan.knobs, "notes": notes, "us": us,
             "peak_mib": {n: b / 2**20 for n, b in peaks.items()},
-            "rss_mib": {n: (b / 2**20 if b is not None else None) for n, b in rss.items()},
             "speedup_vs_eager": us["eager"] / us["aurakernel"],
             "peak_vs_eager": peaks["aurakernel"] / peaks["eager"],
             **({"speedup_vs_compiled": us["compiled"] / us["aurakernel"],
@@ -68,11 +70,10 @@ def main() -> None:
         print(json.dumps(r, indent=2))
         return
     t = Table(title=f"LM head + loss, {r['shape']} {r['dtype']} (plan {r['plan']}), forward + backward")
-    for col in ("candidate", "median ms", "peak MiB (allocator)", "peak MiB (resident set)"):
+    for col in ("candidate", "median ms", "peak MiB (allocator)"):
         t.add_column(col)
     for name, us in r["us"].items():
-        rss = r["rss_mib"][name]
-        t.add_row(name, f"{us / 1e3:,.0f}", f"{r['peak_mib'][name]:,.0f}", "-" if rss is None else f"{rss:,.0f}")
+        t.add_row(name, f"{us / 1e3:,.0f}", f"{r['peak_mib'][name]:,.0f}")
     console = Console()
     console.print(t)
     console.print(f"fused vs eager: {r['speedup_vs_eager']:.2f}x the speed, {r['peak_vs_eager']:.3f}x the peak memory"

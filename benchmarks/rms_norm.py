@@ -14,6 +14,9 @@ import os
 import sys
 
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+from aurakernel.hostmem import retain_freed_memory  # noqa: E402
+
+retain_freed_memory()
 
 import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
@@ -80,7 +83,7 @@ def main(argv=None) -> int:
         plan = solve_tiling(host_kernel(spec).tiling_problem(problem, hw), op="rms_norm", variant="weighted",
                             shape=problem.shape, dtype=dtype, target="host")
         kernel = build_kernel(spec, problem, plan.knobs)
-        times, _ = measure_problem(spec, problem, kernel.source_hash, with_compiled=True, threads=hw.cores)
+        times, _, _ = measure_problem(spec, problem, kernel.source_hash, with_compiled=True, threads=hw.cores)
         row = {"shape": shape, "dtype": dtype, "plan": plan.knobs, "predicted_us": plan.predicted_us,
                "aurakernel_us": times["aurakernel"], "eager_us": times["eager"], "compiled_us": times.get("compiled"),
                "speedup_vs_eager": times["eager"] / times["aurakernel"],

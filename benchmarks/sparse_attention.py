@@ -17,6 +17,9 @@ import json
 import os
 
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+from aurakernel.hostmem import retain_freed_memory  # noqa: E402
+
+retain_freed_memory()
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

@@ -251,7 +251,7 @@ def test_tune_missing_tunes_the_widths_a_plan_lacks_and_the_model_still_computes
     from aurakernel.swap import deepseek_v4_sites
     from aurakernel.targets.host import target as host_target
 
-    monkeypatch.setattr(host_target, "measure_problem", lambda *a, **k: ({"aurakernel": 1.0, "eager": 2.0}, {}))
+    monkeypatch.setattr(host_target, "measure_problem", lambda *a, **k: ({"aurakernel": 1.0, "eager": 2.0}, {}, {}))
 
     cfg = _cfg()
     plan = plan_for(build_model(cfg.model, 0), ops={"rms_norm"})

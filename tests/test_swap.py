@@ -342,3 +342,24 @@ def test_the_tiny_model_trains_with_the_fused_linear_loss_like_without(cfg, tmp_
     assert any(s.startswith("linear_cross_entropy") for s in result["apply"]["loss"])
     ref, ours = result["runs"]["reference"]["losses"], result["runs"]["aurakernel"]["losses"]
     assert len(ours) == 3 and ours == pytest.approx(ref, rel=1e-4)
+
+
+def test_fused_linear_loss_reuses_its_residuals_and_refuses_a_second_backward():
+    """Eager calls scale the saved gradients in place (the weight gradient exists once at the peak):
+    the gradients are the reference's for any loss gradient, and a second backward through the same
+    graph is an error, never a gradient scaled twice."""
+    from aurakernel.patch.linear_cross_entropy import linear_cross_entropy
+
+    spec = get_op("linear_cross_entropy")
+    problem = Problem("linear_cross_entropy", "default", (50, 32, 300), DType.fp32)
+    kernel = build_kernel(spec, problem, {"chunk_rows": 16, "col_chunk": 128, "threads": 2}).source_hash
+    inputs = spec.make_inputs(problem, 0)
+    ours = {k: inputs[k].clone().requires_grad_() for k in ("hidden", "weight")}
+    ref = {k: inputs[k].clone().requires_grad_() for k in ("hidden", "weight")}
+    loss = linear_cross_entropy(ours["hidden"], ours["weight"], inputs["labels"], kernel)
+    (loss * 0.375).backward(retain_graph=True)
+    (spec.reference(problem, {**ref, "labels": inputs["labels"]})["loss"] * 0.375).backward()
+    for k in ours:
+        torch.testing.assert_close(ours[k].grad, ref[k].grad, rtol=1e-4, atol=1e-7)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (loss * 0.375).backward()

@@ -26,7 +26,17 @@ def _backward(g: torch.Tensor, dhidden: torch.Tensor, dweight: torch.Tensor,
     return dhidden * g, dweight * g
 
 
-OP = torch_op("linear_cross_entropy", _forward, _backward,
+def _backward_in_place(g: torch.Tensor, dhidden: torch.Tensor, dweight: torch.Tensor,
+                       kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eager: the residuals become the gradients (scaled in place, not at all for a gradient of 1),
+    so the weight gradient exists once at the peak, not twice."""
+    if float(g) != 1.0:
+        dhidden.mul_(g)
+        dweight.mul_(g)
+    return dhidden, dweight
+
+
+OP = torch_op("linear_cross_entropy", _forward, _backward, eager_backward=_backward_in_place,
               fake_forward=lambda hidden, weight, labels, kernel: (hidden.new_empty((), dtype=torch.float32),
                                                                    torch.empty_like(hidden), torch.empty_like(weight)),
               fake_backward=lambda g, dhidden, dweight, kernel: (torch.empty_like(dhidden), torch.empty_like(dweight)),

@@ -36,8 +36,14 @@ class TorchOp:
     def __init__(self, name: str, forward: Callable, backward: Callable | None = None, *,
                  fake_forward: Callable, fake_backward: Callable | None = None, outputs: int = 1,
                  saved: tuple[str, ...] = (), consts: tuple[str, ...] = (), grads: tuple[str, ...] = (),
-                 save_outputs: bool = False, differentiable: int | None = None):
+                 save_outputs: bool = False, differentiable: int | None = None,
+                 eager_backward: Callable | None = None):
         self.name, self.outputs, self.save_outputs = name, outputs, save_outputs
+        # eager calls may take a backward that reuses its residuals' memory for the gradients (the
+        # custom op's must be functional for torch.compile): a residual the size of a weight is then
+        # not copied once more at the peak. A second backward through the same graph is refused by
+        # autograd (the residuals' version counters moved), never silently wrong
+        self._eager_backward = eager_backward
         # the first `differentiable` outputs take gradients; the rest (a statistic a caller may read)
         # are not differentiated and their gradients never reach the backward
         self.differentiable = outputs if differentiable is None else differentiable
@@ -124,7 +130,8 @@ class TorchOp:
 
             @staticmethod
             def backward(ctx, *grad_outputs):
-                grads = op._backward_impl(*grad_outputs[: op.differentiable], *ctx.saved_tensors, *ctx.consts)
+                grads = (op._eager_backward or op._backward_impl)(*grad_outputs[: op.differentiable],
+                                                                  *ctx.saved_tensors, *ctx.consts)
                 return op._place(grads, ctx.none_inputs)
 
         _Eager.__name__ = f"{self.name}_kernel"
