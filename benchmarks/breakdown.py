@@ -1,0 +1,99 @@
+"""Where a host kernel's time goes, forward and backward apart: the C kernel alone on buffers it has
+written before (no page faults, no dispatch), the same call on fresh outputs (what a training step
+allocates), and the whole forward + backward through the patched module (custom op, autograd,
+the torch ops around the kernel), each against the minimum traffic at the calibrated stream
+bandwidth (the operator's Work, i.e. one pass over every tensor).
+
+    python -m benchmarks.breakdown [--ops rms_norm,swiglu] [--json]
+
+Reading it: kernel-alone far below the bound is the kernel's own code (passes over memory, the
+vector code gcc emitted, thread imbalance); fresh far above alone is first-touch page faults;
+module far above fresh + fresh is the dispatch and the torch ops around the kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+from aurakernel.hostmem import retain_freed_memory  # noqa: E402
+
+retain_freed_memory()
+
+import torch  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from aurakernel.bench.kernels import bench_problems  # noqa: E402
+from aurakernel.hardware import load_profile  # noqa: E402
+from aurakernel.measure import compare  # noqa: E402
+from aurakernel.ops import OPS  # noqa: E402
+from aurakernel.patch.deepseek_v4 import patch_of  # noqa: E402
+from aurakernel.planner import solve_tiling  # noqa: E402
+from aurakernel.targets.host.build import build_kernel  # noqa: E402
+from aurakernel.targets.host.ops import kernel_of  # noqa: E402
+
+
+def breakdown(problem, hw) -> dict:
+    spec, impl = OPS[problem.op], kernel_of(OPS[problem.op])
+    plan = solve_tiling(impl.tiling_problem(problem, hw), op=problem.op, variant=problem.variant, shape=problem.shape,
+                        dtype=problem.dtype.value, target="host")
+    kernel = build_kernel(spec, problem, plan.knobs)
+    inputs = spec.make_inputs(problem, 0)
+    outputs = impl.empty_outputs(problem, inputs)
+    diff = spec.differentiable(problem)
+    grads = {k: torch.empty_like(inputs[k]) for k in diff}
+    impl.run_forward(kernel, inputs, outputs)
+    grad_out = {k: torch.randn_like(outputs[k]) for k in spec.grad_outputs() if outputs[k].is_floating_point()}
+
+    def fresh_forward():
+        impl.run_forward(kernel, inputs, impl.empty_outputs(problem, inputs))
+
+    def fresh_backward():
+        impl.run_backward(kernel, inputs, outputs, grad_out, {k: torch.empty_like(inputs[k]) for k in diff})
+
+    candidates = {"fwd alone": lambda: impl.run_forward(kernel, inputs, outputs), "fwd fresh": fresh_forward}
+    if diff:
+        candidates |= {"bwd alone": lambda: impl.run_backward(kernel, inputs, outputs, grad_out, grads),
+                       "bwd fresh": fresh_backward}
+    module_candidates, _ = patch_of(spec).timing_candidates(problem, kernel.source_hash, False)
+    candidates["module fwd+bwd"] = module_candidates["aurakernel"]
+    candidates["eager fwd+bwd"] = module_candidates["eager"]
+    us = {name: t.us for name, t in compare(candidates, threads=hw.cores).items()}
+    bw = hw.stream_bandwidth(hw.cores)
+    bound = {"fwd": spec.work(problem, backward=False).bytes_moved / bw * 1e6,
+             "bwd": spec.work(problem, backward=True).bytes_moved / bw * 1e6 if diff else 0.0}
+    return {"problem": problem.describe(), "plan": plan.knobs, "us": us, "bound_us": bound,
+            "bound_fwd_bwd_us": bound["fwd"] + bound["bwd"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ops", default=None, help="comma-separated operators (default: every streaming one)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    hw = load_profile("host")
+    torch.set_num_threads(hw.cores)
+    names = args.ops.split(",") if args.ops else None
+    rows = [breakdown(p, hw) for p in bench_problems(False, names)
+            if p.op not in ("linear_cross_entropy", "sparse_attention", "indexer_score")]   # GEMM-bound: not streaming
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return
+    t = Table(title=f"where the time goes (us; bound: minimum traffic at {hw.stream_bandwidth(hw.cores) / 1e9:.1f} GB/s)")
+    for col in ("kernel", "fwd bound", "fwd alone", "fwd fresh", "bwd bound", "bwd alone", "bwd fresh",
+                "module fwd+bwd", "eager fwd+bwd", "alone / bound"):
+        t.add_column(col, justify="right" if col != "kernel" else "left")
+    for r in rows:
+        u, b = r["us"], r["bound_us"]
+        alone = u["fwd alone"] + u.get("bwd alone", 0.0)
+        t.add_row(r["problem"], f"{b['fwd']:,.0f}", f"{u['fwd alone']:,.0f}", f"{u['fwd fresh']:,.0f}",
+                  f"{b['bwd']:,.0f}", f"{u.get('bwd alone', 0):,.0f}", f"{u.get('bwd fresh', 0):,.0f}",
+                  f"{u['module fwd+bwd']:,.0f}", f"{u['eager fwd+bwd']:,.0f}", f"{alone / r['bound_fwd_bwd_us']:.2f}x")
+    Console().print(t)
+
+
+if __name__ == "__main__":
+    main()
