@@ -1,4 +1,8 @@
-"""The host C kernel of adamw (templates/host/): its tiling model, template values and C calls."""
+"""The host C kernel of adamw (templates/host/): its tiling model, template values and C calls.
+
+Where the time goes (benchmarks/breakdown.py, 16 M fp32 parameters, 2-core Xeon, AVX-512): at the
+minimum traffic (1.00x alone: parameter, gradient and both moments read, three written, once).
+"""
 
 from __future__ import annotations
 

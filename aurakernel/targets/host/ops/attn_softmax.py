@@ -1,4 +1,10 @@
-"""The host C kernel of attn_softmax (templates/host/): its tiling model, template values and C calls."""
+"""The host C kernel of attn_softmax (templates/host/): its tiling model, template values and C calls.
+
+Where the time goes (benchmarks/breakdown.py, 1x64x256x320 bf16, 2-core Xeon, AVX-512): 2.9x the
+minimum traffic alone (forward 2.5 ms vs 0.7, backward 2.8 vs 1.1): an exp per score and the
+row's max and sum sweeps over rows of 320; the tensors are small enough to stay in cache, so the
+exp polynomial, not memory, is the limit.
+"""
 
 from __future__ import annotations
 

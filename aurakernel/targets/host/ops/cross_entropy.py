@@ -1,4 +1,12 @@
-"""The host C kernel of cross_entropy (templates/host/): its tiling model, template values and C calls."""
+"""The host C kernel of cross_entropy (templates/host/): its tiling model, template values and C calls.
+
+Where the time goes (benchmarks/breakdown.py, 512x129280 bf16, 2-core Xeon, AVX-512): the exp
+binds. 3.7x the minimum traffic alone (forward 17.1 ms vs 4.6, backward 33.8 vs 9.2): 66 M logits
+take one exp each forward (the online log-sum-exp) and one each backward (the softmax), ~0.5 ns per
+logit per pass on two cores, while the logits stream at 28.9 GB/s in 0.13 ns. 512-bit vectors took
+the forward from 26 to 19 ms. A cheaper exp (fewer polynomial terms where bf16 gradients allow) or
+linear_cross_entropy, which computes both in one pass, are what is left.
+"""
 
 from __future__ import annotations
 

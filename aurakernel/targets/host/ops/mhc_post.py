@@ -1,4 +1,9 @@
-"""The host C kernel of mhc_post (templates/host/): its tiling model, template values and C calls."""
+"""The host C kernel of mhc_post (templates/host/): its tiling model, template values and C calls.
+
+Where the time goes (benchmarks/breakdown.py, 2048x4x4096 bf16, 2-core Xeon, AVX-512): 1.23x the
+minimum traffic alone (forward 6.2 ms vs 5.2, backward 10.2 vs 8.1): one pass each way, near the
+stream rate; the module path adds under 1 ms.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,12 @@
-"""The host C kernel of rms_norm (templates/host/): its tiling model, template values and C calls."""
+"""The host C kernel of rms_norm (templates/host/): its tiling model, template values and C calls.
+
+Where the time goes (benchmarks/breakdown.py, 4096x4096 bf16, 2-core Xeon, AVX-512): the kernel
+alone is 1.41x the minimum traffic at the calibrated stream rate (forward 3.3 ms vs 2.3, backward
+4.9 vs 3.5): one read of x and one write of y forward, x, dy in and dx out backward, each row's
+second sweep from L1/L2, the loops vectorised at 512 bits. The module path adds ~1 ms (custom op,
+autograd, the dw reduction over the per-tile partials). Fresh outputs cost nothing extra once freed
+pages are reused (hostmem.py); before that, first-touch faults doubled the forward.
+"""
 
 from __future__ import annotations
 

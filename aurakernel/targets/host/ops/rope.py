@@ -1,4 +1,10 @@
-"""The host C kernel of rope (templates/host/): its tiling model, template values and C calls."""
+"""The host C kernel of rope (templates/host/): its tiling model, template values and C calls.
+
+Where the time goes (benchmarks/breakdown.py, 4096x64x512x64 bf16, 2-core Xeon, AVX-512): 1.40x the
+minimum traffic alone (forward 29.6 ms vs 18.6, backward 22.5 vs 18.6): the rotated pairs are
+interleaved (even/odd lanes), so each vector of output takes a permute of its inputs; the
+untouched part of every head is a plain copy at the stream rate.
+"""
 
 from __future__ import annotations
 
