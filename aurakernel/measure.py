@@ -7,7 +7,10 @@ The thread count is fixed for the whole measurement.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,13 +59,41 @@ def compare(candidates: dict[str, Callable[[], object]], *, warmup: int = 2, min
     return {n: Timing(statistics.median(s), s) for n, s in samples.items()}
 
 
+@contextlib.contextmanager
+def cpu_profile(**kwargs):
+    """torch.profiler over the CPU, without the two lines its tracer prints on stderr at every start
+    and stop (no setting turns them off): stderr is closed only while the profiler starts and stops,
+    never while the profiled code runs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CPU], **kwargs)
+    with _stderr_closed():
+        prof.start()
+    try:
+        yield prof
+    finally:
+        with _stderr_closed():
+            prof.stop()
+
+
+@contextlib.contextmanager
+def _stderr_closed():
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
 def peak_allocated_bytes(fn: Callable[[], object]) -> int:
     """The allocator's high-water mark during one call of `fn`, above what was allocated before it:
     the most bytes of tensors it held at once (outputs, temporaries, saved activations, gradients),
     from torch.profiler's allocation events (CPU tensors included, unlike the CUDA allocator stats)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with cpu_profile(profile_memory=True) as prof:
         fn()
     events = sorted(((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"))
     live = peak = 0
@@ -94,6 +125,5 @@ def peak_rss_bytes() -> int:
     except OSError:
         pass
     import resource
-    import sys
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss   # KiB on Linux, bytes on macOS
     return rss if sys.platform == "darwin" else rss * 1024

@@ -22,10 +22,11 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import record_function
 
 from .dtypes import DType
 from .hardware import HardwareProfile
+from .measure import cpu_profile
 from .ops import OPS
 from .ops.base import Problem
 from .patch.deepseek_v4 import group_of, op_of, patch_of
@@ -231,7 +232,7 @@ def profile_training(workload: Workload, steps: int = 3, warmup: int = 1,
     try:
         with rope.SWAP.recording(hooks.record, rope.call_problem), \
                 attn_softmax.SWAP.recording(hooks.record, attn_softmax.call_problem), \
-                profile(activities=[ProfilerActivity.CPU], record_shapes=False) as prof:
+                cpu_profile(record_shapes=False) as prof:
             for _ in range(steps):
                 with record_function("ak.step"):
                     workload.step()
@@ -291,7 +292,6 @@ def _report(times: dict[str, float], counts: dict[str, int], total: float, steps
                           key=lambda pn: pn[0].describe())
         if problems:
             planned = 0.0
-            from .ops import OPS
             whole = [(p, n) for p, n in problems if OPS[p.op].covers_group]
             for problem, n in problems:
                 if whole and (problem, n) not in whole:   # another way to compute the group: not added

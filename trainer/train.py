@@ -14,8 +14,9 @@ Checkpoints (train.checkpoint_dir): torch.distributed.checkpoint (sharded under 
 model, AdamW, the LR schedule, the step, the data loader's position and the RNG states, every
 train.checkpoint_every steps and after the last one. A save goes to step_N.tmp/, is renamed to
 step_N/ and only then does the `latest` file name it, so a run killed at any moment leaves
-`latest` naming a complete checkpoint; train.keep_last N then removes all but the newest N. A run whose checkpoint_dir holds `latest` resumes from it
-(resume=False starts over; resume=True requires it) and continues the same loss curve.
+`latest` naming a complete checkpoint; train.keep_last N then removes all but the newest N. A
+run whose checkpoint_dir holds `latest` resumes from it (resume=False starts over; resume=True
+requires it) and continues the same loss curve.
 
 Bad steps: a step whose loss or gradient norm is not finite changes nothing (the gradients are
 dropped; no optimizer, schedule or router-bias update) and is logged as skipped; after
@@ -320,9 +321,11 @@ def loss_fn(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tenso
     config = getattr(model, "config", None)
     dtype = (torch.get_autocast_dtype(input_ids.device.type) if torch.is_autocast_enabled(input_ids.device.type)
              else model.lm_head.weight.dtype)
-    # (not for a torch.compile'd model: calling its inner modules would step outside the compiled graph)
+    # not for a torch.compile'd model (its inner modules would run outside the compiled graph) nor an
+    # FSDP2-sharded one (the root's hooks gather the LM head for the root's forward, not for ours)
     fused = (report.linear_loss_kernel(config.hidden_size, config.vocab_size, dtype)
-             if report is not None and config is not None and not hasattr(model, "_orig_mod") else None)
+             if report is not None and config is not None and not hasattr(model, "_orig_mod")
+             and not isinstance(model.lm_head.weight, DTensor) else None)
     if fused is not None:
         from aurakernel.patch.linear_cross_entropy import linear_cross_entropy
         hidden = model.model(input_ids=input_ids).last_hidden_state

@@ -8,8 +8,7 @@ import torch
 from ..ops.linear_cross_entropy import SPEC, LinearCrossEntropy
 from ..targets.host.library import built_kernel
 from ..targets.host.ops.linear_cross_entropy import forward as chunked_forward
-from .base import Patch, bind
-from .cross_entropy import _check_labels
+from .cross_entropy import LossPatch, _check_labels
 from .torch_op import torch_op
 
 
@@ -58,12 +57,4 @@ def _module_forward(module, hidden, labels):
     return linear_cross_entropy(hidden, module.weight, labels, kernel)
 
 
-class LinearCrossEntropyPatch(Patch):
-    def call_problem(self, module, args):
-        return None   # the trainer's loss is not a module: the profiler records it from the config
-
-    def patch(self, module: torch.nn.Module, lookup) -> None:
-        bind(module, lookup, self.spec.name, [(LinearCrossEntropy, "forward", _module_forward)])
-
-
-PARTS = (LinearCrossEntropyPatch(SPEC),)
+PARTS = (LossPatch(SPEC, LinearCrossEntropy, _module_forward),)
