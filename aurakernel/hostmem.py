@@ -5,7 +5,10 @@ allocations above its mmap threshold fresh from the kernel and unmaps them when 
 call faults in and zeroes new pages (8 ms for a 32 MB tensor on a 2-core Xeon, where the kernel
 itself takes 3.5 ms and a copy into memory already touched 1.4 ms). `retain_freed_memory` raises
 glibc's mmap and trim thresholds so large blocks come from the heap and stay mapped when freed: the
-next tensor of that size reuses pages already faulted in (the same clone then takes 1.2-1.9 ms).
+next tensor of that size reuses pages already faulted in (the same clone then takes 1.2-1.9 ms)
+-- often, not always: an aligned allocation does not always fit the block freed before it (of ten
+64 MB tensors allocated one after another, 3-5 reuse a freed block instead of faulting in 16384
+fresh pages each).
 The process's resident set then stays at its peak instead of shrinking between steps; its peak is
 unchanged. The CLI and the benchmarks call it (every candidate they time alike); set
 AURAKERNEL_RETAIN_FREED_MEMORY=0 to keep glibc's defaults.
