@@ -108,7 +108,7 @@ def plan_entry(result: TuneResult) -> PlanEntry:
                      binding_constraint=result.plan.binding_constraint)
 
 
-def autotune(workload: Workload, *, target: str = "host", solver: str = "highs", db_path=None,
+def autotune(workload: Workload, *, target: str = "host", solver: str = "highs", db: TuningDB | None = None,
              with_compiled: bool = False, profile_steps: int = 3, out_dir=None, progress=None) -> AutotuneResult:
     """Profile the workload's training step, tune every problem it poses that the target has a kernel
     for, and collect the usable kernels in a plan. A target that writes op projects (AscendC) puts
@@ -117,7 +117,7 @@ def autotune(workload: Workload, *, target: str = "host", solver: str = "highs",
     tgt = target_for(hw)
     if tgt.writes_projects and out_dir is None:
         raise UserError(f"target {target!r} writes an op project per problem: give the folder for them (--out)")
-    db = TuningDB(db_path or default_db_path())
+    db = db if db is not None else TuningDB(default_db_path())
     if progress:
         progress(f"profiling {profile_steps} training steps")
     report = profile_training(workload, steps=profile_steps, hw=tgt.profiling_hardware(hw))

@@ -98,7 +98,7 @@ def tune(
     from .db import TuningDB
     from .hardware import load_profile
     from .ops import get_op
-    from .paths import default_db_path
+    from .paths import check_writable, default_db_path
     from .targets import target_for
 
     spec = get_op(op)
@@ -109,8 +109,8 @@ def tune(
     if out_dir is not None and not target_for(hw).writes_projects:
         raise UserError(f"--out writes an AscendC op project: target {target!r} has none to write "
                         "(host kernels are built into the cache; `aurakernel show` lists them)")
-    if out_dir is not None and Path(out_dir).exists() and not Path(out_dir).is_dir():
-        raise UserError(f"--out {out_dir}: exists and is not a directory (the op project is a directory)")
+    if out_dir is not None:
+        check_writable(out_dir, "--out", directory=True)   # the op project is a directory
     tuning_db = TuningDB(db or default_db_path())   # a DB that cannot be written fails now, not after the tuning
     _ensure_calibrated(target)
     hw = load_profile(target)   # with the calibration just taken, if this was the first run
@@ -215,10 +215,10 @@ def autotune(
     check_writable(out_path, "--out", directory=tgt.writes_projects)
     if chart:
         check_writable(chart, "--chart")
-    TuningDB(db or default_db_path())   # a foreign or unwritable DB: refused before the profile
+    tuning_db = TuningDB(db or default_db_path())   # a foreign or unwritable DB: refused before the profile
     _ensure_calibrated("host")   # the profile runs on this machine
     with err.status("autotune...") as status:
-        result = run_autotune(workload(cfg), target=target, solver=solver, db_path=db, with_compiled=compiled,
+        result = run_autotune(workload(cfg), target=target, solver=solver, db=tuning_db, with_compiled=compiled,
                               out_dir=out_path if tgt.writes_projects else None,
                               progress=lambda msg: status.update(f"autotune: {escape(msg)}"))
     if chart:
@@ -449,9 +449,7 @@ def show(
     from .paths import default_db_path
 
     path = Path(db) if db else default_db_path()
-    if not path.exists():   # a reading command creates nothing: a typo is not an empty DB
-        if db:
-            raise UserError(f"--db {db}: no such tuning DB (tune and autotune create one)")
+    if not path.exists() and not db:   # (a --db typo is an error: the read-only DB refuses a missing file)
         if as_json:
             print("[]")
         else:

@@ -11,6 +11,7 @@ overlaid with the planner coefficients `calibrate --fit --target <it>` fitted to
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -174,16 +175,20 @@ def host_isa() -> str:
     return isa
 
 
-def _cpu_flags() -> set[str]:
-    """The CPU's feature flags, less those the forced portable ISA leaves out."""
-    flags: set[str] = set()
+@functools.cache
+def _machine_flags() -> frozenset[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
-                flags = set(line.split(":", 1)[1].split())
-                break
+                return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
+    return frozenset()
+
+
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags, less those the forced portable ISA leaves out."""
+    flags = set(_machine_flags())
     if host_isa() == "avx2":
         flags = {f for f in flags if not f.startswith(("avx512", "amx"))}
     return flags

@@ -294,12 +294,10 @@ def _report(times: dict[str, float], counts: dict[str, int], total: float, steps
             planned = 0.0
             whole = [(p, n) for p, n in problems if OPS[p.op].covers_group]
             for problem, n in problems:
-                if whole and (problem, n) not in whole:   # another way to compute the group: not added
-                    shapes.append({"op": problem.op, "variant": problem.variant, "shape": list(problem.shape),
-                                   "dtype": problem.dtype.value, "calls": n / steps})
-                    continue
                 shapes.append({"op": problem.op, "variant": problem.variant, "shape": list(problem.shape),
                                "dtype": problem.dtype.value, "calls": n / steps})
+                if whole and (problem, n) not in whole:   # another way to compute the group: not added
+                    continue
                 p = _planned_us(problem, hw)
                 planned += (p if p is not None else 0.0) * n / steps
             saving, basis = max(0.0, per_step - planned), "planned"

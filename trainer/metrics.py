@@ -20,11 +20,13 @@ class JsonlLog:
     def __init__(self, path: str | None, start_step: int = 0):
         self.file = None
         if path:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            if Path(path).is_file():
-                kept = [line for line in _lines(Path(path)) if (step := _step(line)) is not None and step < start_step]
-                write_text_atomic(Path(path), "".join(kept))
-            self.file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+            path = Path(path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if start_step and path.is_file():
+                lines = path.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
+                write_text_atomic(path, "".join(line for line in lines
+                                                if (step := _step(line)) is not None and step < start_step))
+            self.file = open(path, "a" if start_step else "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
 
     def write(self, record: dict) -> None:
         if self.file:
@@ -34,10 +36,6 @@ class JsonlLog:
     def close(self) -> None:
         if self.file:
             self.file.close()
-
-
-def _lines(path: Path) -> list[str]:
-    return path.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
 
 
 def _step(line: str) -> int | None:

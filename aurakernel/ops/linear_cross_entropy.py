@@ -25,6 +25,12 @@ _TOL = {DType.fp32: {"loss": Tolerance(1e-5, 1e-5), "hidden": Tolerance(1e-6, 1e
         DType.bf16: {"loss": Tolerance(1e-3, 1e-3), "hidden": Tolerance(2e-3, 2e-2), "weight": Tolerance(2e-3, 2e-2)}}
 
 
+def reference_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """What the trainer computes without the kernel: lm_head, then the loss over fp32 logits."""
+    logits = F.linear(hidden, weight)
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE)
+
+
 class LinearCrossEntropy(torch.nn.Module):
     """The reference: the LM head (no bias) and the mean cross-entropy of its fp32-upcast logits."""
 
@@ -33,8 +39,7 @@ class LinearCrossEntropy(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.empty(vocab, hidden, dtype=dtype))
 
     def forward(self, hidden, labels):
-        logits = F.linear(hidden, self.weight)
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE)
+        return reference_loss(hidden, self.weight, labels)
 
 
 class LinearCrossEntropySpec(OpSpec):
@@ -66,8 +71,7 @@ class LinearCrossEntropySpec(OpSpec):
         return self.module(problem, inputs), (inputs["hidden"], inputs["labels"])
 
     def reference(self, problem: Problem, inputs: Tensors) -> Tensors:
-        logits = F.linear(inputs["hidden"], inputs["weight"])
-        return {"loss": F.cross_entropy(logits.float(), inputs["labels"], ignore_index=IGNORE)}
+        return {"loss": reference_loss(inputs["hidden"], inputs["weight"], inputs["labels"])}
 
     def visible_outputs(self) -> tuple[str, ...]:
         return ("loss",)
