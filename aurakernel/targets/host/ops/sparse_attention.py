@@ -35,7 +35,11 @@ from ..library import Entry
 
 VARIANT_ID = {"sliding": 0, "csa": 1, "hca": 2}
 GEMM_EFFICIENCY = 0.5     # of the calibrated matmul rate, for these small register-blocked GEMMs (ESTIMATE)
-TRANSPOSE_CYCLES = 0.25   # per key element of the transposed copy of each chunk, in 8 x 8 blocks (ESTIMATE)
+TRANSPOSE_CYCLES = 0.1    # per key element of the transposed copy of each chunk, 8 x 8 blocks in registers (ESTIMATE)
+# per (row, chunk): the online softmax's masked passes over the chunk, the row's reductions and the
+# rescale of its accumulator (D wide); measured at 4 x 4 x 256 x 64 fp32 on AVX-512 (130 cycles at D = 64)
+ROW_CHUNK_CYCLES = 100
+ROW_CHUNK_CYCLES_PER_DIM = 0.5
 L2_SPILL = 1.5            # compute slowdown when a task's working set overflows L2 (ESTIMATE)
 AMX_EFFICIENCY = 0.5      # of the calibrated bf16 matmul rate, for the tile path's 32-row GEMMs (ESTIMATE)
 AMX_PACK_CYCLES = 2.0     # per key element packed for the tiles, both layouts (ESTIMATE, fitted at V4 widths)
@@ -151,9 +155,13 @@ class SparseAttentionHost(HostKernel):
                 elems = (3 if backward else 2) * qb * heads * scored
                 if not amx:   # the chunk's conversion to fp32 in both layouts (the tile path counts its packing above)
                     elems += 2 * loads * gathered * dim
-                chunks = loads * (math.ceil(gathered / kb) + (qb if problem.variant == "csa" else 0))
+                shared = math.ceil((gathered - (qb * min(extra, entries) if problem.variant == "csa" else 0)) / kb)
+                own = qb * math.ceil(min(extra, entries) / kb) if problem.variant == "csa" else 0
+                chunks = loads * (shared + own)
+                row_chunks = loads * (shared * qb * heads + own * heads)
                 transpose = 0.0 if amx else loads * gathered * dim * TRANSPOSE_CYCLES
                 return tasks(qb, th) * (elems * cm["vector_cycles_per_elem"] + chunks * cm["chunk_overhead_cycles"]
+                                        + row_chunks * (ROW_CHUNK_CYCLES + ROW_CHUNK_CYCLES_PER_DIM * dim)
                                         + transpose) / clock
 
             traffic = (2 * batch * heads * seq * dim + batch * (seq + entries) * dim) * e * (2 if backward else 1)
@@ -165,9 +173,9 @@ class SparseAttentionHost(HostKernel):
                 return ((hw.call_overhead_us + cm["phase_overhead_us"] + (hw.fork_overhead_us if th > 1 else 0.0)) * 1e-6
                         + tasks(qb, th) * cm["tile_overhead_ns"] * 1e-9)
 
-            phases.append(Phase(name, {
-                "compute": [Term.of(("tile_rows", "key_chunk", "threads"), domains, compute)],
-                "vector": [Term.of(("tile_rows", "key_chunk", "threads"), domains, vector)],
+            phases.append(Phase(name, {   # the GEMMs and the row work share each core's vector units: one pipe
+                "compute": [Term.of(("tile_rows", "key_chunk", "threads"), domains, compute),
+                            Term.of(("tile_rows", "key_chunk", "threads"), domains, vector)],
                 "DRAM": [Term.of(("threads",), domains, dram)]},
                 [Term.of(("tile_rows", "threads"), domains, overhead)]))
         return ChoiceModel(domains, constraints, phases)
