@@ -10,9 +10,12 @@ Tiling model (an ESTIMATE, per phase; the coefficients are the profile's, as for
                position's heads on their own), p and dz in two bf16 parts (twice their GEMMs), plus
                packing each chunk for the tiles (same core, so added, not overlapped; no L2 spill
                measured up to 16 x 16 rows)
-  vector       converting each chunk's keys into both layouts (the transposed one an 8 x 8 blocked copy per
-               element) and the softmax's exps, plus a fixed cost per chunk; bigger tiles share the
-               window keys' conversion; bf16's backward loads every chunk twice (its exact dO . O pass)
+  vector       converting each chunk's keys into both layouts (the transposed one 8 x 8 blocks in
+               registers) and the softmax's exps, a fixed cost per chunk and one per (row, chunk) (the
+               row's masked passes, reductions and accumulator rescale: what makes short chunks and
+               small tiles slow); bigger tiles share the window keys' conversion; bf16's backward loads
+               every chunk twice (its exact dO . O pass). It runs on the same core as the GEMMs: the
+               phase's compute is their sum
   DRAM         q, out, kv, the compressed kv and lse once, at the stream bandwidth of the threads
   overhead     call + fork + a fixed cost per task
 Capacity: a task's working set (q rows, the output or gradient accumulators, a key chunk in both
