@@ -12,6 +12,10 @@ gradient as tile GEMMs, dn recomputed per chunk instead of stored) measured no g
 way): there the time is the passes over x (d_pre, the weight gradient's row pairs, dn . x, dx) and
 the per-thread weight-gradient accumulator (32 x W fp32, past L2) loaded and stored per tile, not the
 multiply-adds; it stays on the vector path until those passes are fused.
+mhc_head's backward (4 outputs: no GEMM) updated the weight gradient row by row, streaming all of it
+(4 x W fp32) and fn once per token; it now sweeps the tile's rows over one column chunk at a time
+(that chunk of fn and of the gradient stays in cache) and recomputes dn for dx in a second sweep:
+10.5 -> 7.6 ms.
 """
 
 from __future__ import annotations
