@@ -45,7 +45,8 @@ ROW_CHUNK_CYCLES = 100
 ROW_CHUNK_CYCLES_PER_DIM = 0.5
 L2_SPILL = 1.5            # compute slowdown when a task's working set overflows L2 (ESTIMATE)
 AMX_EFFICIENCY = 0.5      # of the calibrated bf16 matmul rate, for the tile path's 32-row GEMMs (ESTIMATE)
-AMX_PACK_CYCLES = 2.0     # per key element packed for the tiles, both layouts (ESTIMATE, fitted at V4 widths)
+AMX_PACK_CYCLES = 0.5     # per key element packed for the tiles, both layouts (ESTIMATE: vectorised interleave and 8 x 8
+                          # transposes; csa at V4 widths estimates 538 ms forward + backward, measured 511)
 
 
 def sorted_indices(indices: torch.Tensor | None) -> torch.Tensor | None:
