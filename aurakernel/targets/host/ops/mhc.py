@@ -11,7 +11,10 @@ hi + lo parts): forward 8.0 -> 3.5-3.9 ms. The same for the backward (dn = d_mix
 gradient as tile GEMMs, dn recomputed per chunk instead of stored) measured no gain (17-20 ms either
 way): there the time is the passes over x (d_pre, the weight gradient's row pairs, dn . x, dx) and
 the per-thread weight-gradient accumulator (32 x W fp32, past L2) loaded and stored per tile, not the
-multiply-adds; it stays on the vector path until those passes are fused.
+multiply-adds; it stays on the vector path until those passes are fused. (A second try, with
+padded strides, fn blocked for contiguous B tiles and B reused across four C tiles, measured the
+same: alone, dn's tile GEMM runs at ~46 cycles per tile multiply against 16 at peak, since K is only
+96 and every C tile is zeroed and stored after three; its rows x W fp32 output is what bounds it.)
 mhc_head's backward (4 outputs: no GEMM) updated the weight gradient row by row, streaming all of it
 (4 x W fp32) and fn once per token; it now sweeps the tile's rows over one column chunk at a time
 (that chunk of fn and of the gradient stays in cache) and recomputes dn for dx in a second sweep:
