@@ -108,6 +108,50 @@ def test_adamw_update_matches_torch_in_emulator(tmp_path):
     assert (tmp_path / "adamw_kernel.cpp").is_file() and (tmp_path / "adamw_binding.cpp").is_file()
 
 
+def test_mhc_forward_on_the_cube_reads_x_once_from_hbm(tmp_path):
+    """mhc_pre's forward as a mixed kernel (bf16, V4-Flash's 4 x 4096, two super-tiles on some AI
+    cores and a short last token group): its outputs match transformers' DeepseekV4HyperConnection,
+    and x comes from HBM once, by the Cube cores; the vector cores' second read of the same rows is
+    L2 traffic (l2_vector_reads). Built without that mark, the same reads are HBM traffic: x twice."""
+    import struct
+    import torch
+    from aurakernel.emulator import from_bytes, to_bytes
+    from aurakernel.planner.ascend import row_split
+    from aurakernel.targets.ascend.ops.mhc import fn_parts
+    spec = OPS["mhc_pre"]
+    problem = spec.problem("75x4x4096", "bf16", "default")
+    knobs = {**ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs").knobs, "cube_groups": 1,
+             "cube_blocks": 3}
+    inputs = spec.make_inputs(problem, 0)
+    ref = spec.reference(problem, inputs)
+    emu = ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, tmp_path), HW, knobs["block_dim"])
+    x = inputs["x"]
+    rows, hc, d = x.shape
+    n, gt = spec.nout(hc), 16
+    cube_rows, blocks = row_split(rows, 3)      # 25 tokens per AI core: a group of 16 and one of 9
+    tiling = struct.pack("<7I3fI", rows, d, rows, -(-d // knobs["col_tile"]), 1024, 0, 0, 1e-6, 1e-6, 1.0 / (hc * d), cube_rows)
+    x_bytes = x.numel() * x.element_size()
+    hbm = {}
+    for marked in ((0,), ()):
+        y = torch.full((rows, d), float("nan")).to(x.dtype)
+        post, comb = torch.full((rows, hc), float("nan")), torch.full((rows, hc, hc), float("nan"))
+        bufs = [to_bytes(x), to_bytes(fn_parts(inputs["fn"], x.dtype)), to_bytes(inputs["base"].float()),
+                to_bytes(inputs["scale"].float()), to_bytes(y), to_bytes(post), to_bytes(comb),
+                to_bytes(torch.zeros(n, rows)), to_bytes(torch.zeros(rows)),
+                to_bytes(torch.full((blocks * 2 * (n + gt) * gt,), float("nan"))), bytearray(tiling)]
+        exe = emu.exe("ak_mhc_pre_fwd", 11, cores="mix_1_2", block_dim=blocks, l2_args=(1, 9), l2_vector_reads=marked)
+        report = emulator.run(exe, blocks, bufs)
+        assert report.ok, report.errors
+        torch.testing.assert_close(from_bytes(bufs[4], y).float(), ref["y"].float(), rtol=1.6e-2, atol=2e-2)
+        torch.testing.assert_close(from_bytes(bufs[5], post), ref["post"], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(from_bytes(bufs[6], comb), ref["comb"], rtol=1e-4, atol=1e-4)
+        hbm[marked] = sum(b.gm_read for b in report.blocks)
+        aiv_l2 = sum(b.l2_bytes for b in report.blocks if b.core != "AIC")
+        assert aiv_l2 >= (x_bytes if marked else 0)
+    assert x_bytes <= hbm[(0,)] < x_bytes * 1.01
+    assert hbm[()] == pytest.approx(2 * x_bytes, rel=0.01)
+
+
 def test_the_bound_is_the_larger_of_hbm_traffic_and_the_vector_work():
     """A kernel's roofline on Ascend: its HBM traffic at the busiest core's share of the bandwidth, or
     the vector work its math cannot avoid spread over every vector core (one 256 B repeat per cycle,
@@ -121,11 +165,13 @@ def test_the_bound_is_the_larger_of_hbm_traffic_and_the_vector_work():
     assert bound_us(2 * share, VectorWork(one_us), HW) == (pytest.approx(2.0), "HBM")
     assert bound_us(0.5 * share, VectorWork(one_us), HW) == (pytest.approx(1.0), "vector")
     assert bound_us(0.5 * share, None, HW) == (pytest.approx(0.5), "HBM")
-    # mHC's mix projection on the vector unit: its forward products alone take longer than its x stream
+    # mHC's backward on the vector unit: its NOUT products per element take longer than streaming x in
+    # and dx out; its forward leaves them to the Cube, and the vector work left is under the x stream
     mhc = ascend.kernel_of(OPS["mhc_pre"])
     problem = OPS["mhc_pre"].problem("1024x4x4096", "bf16", None)
     x_bytes = 1024 * 4 * 4096 * 2 / HW.cores
-    assert mhc.vector_floor(problem)["forward"].floor_us(HW) > roofline_us(x_bytes, HW)
+    assert mhc.vector_floor(problem)["backward"].floor_us(HW) > roofline_us(2 * x_bytes, HW)
+    assert mhc.vector_floor(problem)["forward"].floor_us(HW) < roofline_us(x_bytes, HW)
 
 
 def test_plan_that_cannot_fit_ub_names_the_constraint():

@@ -65,23 +65,27 @@ def pipe_defines(hw: HardwareProfile, block_dim: int) -> dict[str, float]:
 
 def build(kernel_source: str, *, entry: str, nargs: int, hw: HardwareProfile, block_dim: int,
           include_dirs: tuple[Path, ...] = (), batch_mode: bool = False, cores: str = "aiv",
-          l2_args: tuple[int, ...] = ()) -> Path:
+          l2_args: tuple[int, ...] = (), l2_vector_reads: tuple[int, ...] = ()) -> Path:
     """Compile kernel + runner into an executable (cached by content hash); BuildError on failure.
     `batch_mode`: the launch's schedule mode (the tiling's SetScheduleMode(1)), which SyncAll needs;
     `cores`: the launch's cores per block (CORES); `l2_args`: the arguments (a workspace that fits
-    the L2) whose traffic stays in L2: timed at the L2 rate, counted apart from HBM traffic."""
+    the L2) whose traffic stays in L2: timed at the L2 rate, counted apart from HBM traffic;
+    `l2_vector_reads`: arguments whose reads by the vector cores find them in L2, because their AI
+    core's Cube side read the same bytes just before (the kernel's plan keeps what lies between the
+    two reads within the L2): those reads count as L2 traffic."""
     if not _NAME.match(entry) or not 0 < nargs <= 32:
         raise ValueError(f"bad kernel entry {entry!r} / nargs {nargs}")
     if cores not in CORES:
         raise ValueError(f"bad launch cores {cores!r}: one of {', '.join(CORES)}")
-    if any(not 0 <= i < nargs for i in l2_args):
-        raise ValueError(f"l2_args {l2_args} outside the kernel's {nargs} arguments")
+    if any(not 0 <= i < nargs for i in (*l2_args, *l2_vector_reads)):
+        raise ValueError(f"l2_args {l2_args} / l2_vector_reads {l2_vector_reads} outside the kernel's {nargs} arguments")
     cxx = compiler()
     if cxx is None:
         raise BuildError("no C++ compiler found for the AscendC emulator (set CXX or install g++)")
     defines = {**pipe_defines(hw, block_dim), "AK_KERNEL": entry, "AK_BATCH_MODE": int(bool(batch_mode)),
                "AK_AIC_PER_BLOCK": CORES[cores][0], "AK_AIV_PER_BLOCK": CORES[cores][1],
                "AK_L2_ARGS": sum(1 << i for i in set(l2_args)),
+               "AK_L2_VECTOR_READS": sum(1 << i for i in set(l2_vector_reads)),
                "AK_PARAMS": ",".join(["uint8_t*"] * nargs), "AK_ARGS": ",".join(f"gm[{i}]" for i in range(nargs))}
     flags = ["-std=c++20", "-O2", "-pthread", f"-I{INCLUDE}", *(f"-D{k}={v}" for k, v in defines.items())]
     # the kernel's own headers (its tiling struct) are copied beside it, so the cache key holds their

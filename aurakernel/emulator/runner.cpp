@@ -147,11 +147,17 @@ void thread_done() {
 #ifndef AK_L2_ARGS
 #define AK_L2_ARGS 0
 #endif
+#ifndef AK_L2_VECTOR_READS
+#define AK_L2_VECTOR_READS 0
+#endif
 namespace ak {
-bool gm_in_l2(const void* gm) {   // arguments the build's l2_args mark (a bit each)
+// arguments the build's l2_args mark (a bit each); and, for a vector core's read, those its
+// l2_vector_reads mark (the AI core's Cube side read the same bytes just before)
+bool gm_in_l2(const void* gm, bool vector_read) {
+    const uint64_t marked = uint64_t(AK_L2_ARGS) | (vector_read ? uint64_t(AK_L2_VECTOR_READS) : 0);
     const uint8_t* a = static_cast<const uint8_t*>(gm);
     for (size_t i = 0; i < g_bufs.size() && i < 64; ++i)
-        if ((uint64_t(AK_L2_ARGS) >> i & 1u) && a >= g_bufs[i].data && a < g_bufs[i].data + g_bufs[i].size) return true;
+        if ((marked >> i & 1u) && a >= g_bufs[i].data && a < g_bufs[i].data + g_bufs[i].size) return true;
     return false;
 }
 void cross_core_set(int mode, int flag, double at) {

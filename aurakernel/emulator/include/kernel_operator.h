@@ -206,7 +206,9 @@ inline Core& core() { return *current; }
 // set comes (a wait no set can ever meet is reported as a hang) and returns when the setter got
 // there; SyncAll over the AIVs (aiv_only) or every core, each arriving at `at`.
 void cross_core_set(int mode, int flag, double at);
-bool gm_in_l2(const void* gm);   // whether the launch keeps the GM buffer holding `gm` in L2
+// whether the launch keeps the GM buffer holding `gm` in L2 (for a vector core's read: or finds it
+// there, its AI core's Cube side having read it just before)
+bool gm_in_l2(const void* gm, bool vector_read);
 double cross_core_wait(int mode, int flag);
 double sync_all(bool aiv_only, double at);
 
@@ -822,11 +824,12 @@ template <typename T> void gm_store(T* dst, const T* src, uint64_t n, const char
 }
 
 // GM traffic of `bytes` at `gm`: HBM traffic, or L2 traffic where the launch keeps that buffer in L2
-// (a workspace small enough to stay there: the build's l2_args); the MTE cycles of `moved` bytes at
-// that level's rate (HBM: the core's share; L2: the core's own MTE limit)
+// (a workspace small enough to stay there: the build's l2_args; or a vector core's read of a buffer
+// whose same bytes its AI core's Cube side read just before: l2_vector_reads); the MTE cycles of
+// `moved` bytes at that level's rate (HBM: the core's share; L2: the core's own MTE limit)
 inline double gm_cycles(const void* gm, uint64_t bytes, bool write, uint64_t moved) {
     auto& c = ak::core().c;
-    const bool l2 = ak::gm_in_l2(gm);
+    const bool l2 = ak::gm_in_l2(gm, !write && ak::core().kind == 2);
     (l2 ? (write ? c.l2_written : c.l2_read) : (write ? c.gm_written : c.gm_read)) += bytes;
     return AK_MTE_LATENCY + double(moved) / (l2 ? AK_L2_BYTES_PER_CYCLE : AK_MTE_BYTES_PER_CYCLE);
 }

@@ -53,8 +53,8 @@ def model(spec: OpSpec, problem: Problem, hw: HardwareProfile) -> ChoiceModel:
 
 
 def pipelines(spec: OpSpec, problem: Problem, hw: HardwareProfile, knobs: dict[str, int]) -> dict[str, Pipeline]:
-    """The op's phases at the tiling's knobs as copy-in -> compute -> copy-out pipelines ({} when its
-    template does not render a schedule)."""
+    """The op's phases at the tiling's knobs as copy-in -> compute -> copy-out pipelines: those whose
+    template renders a schedule (compute_waits_scalar), {} when none does."""
     kernel = kernel_of(spec)
     waits = kernel.compute_waits_scalar
     if not waits:
@@ -62,7 +62,7 @@ def pipelines(spec: OpSpec, problem: Problem, hw: HardwareProfile, knobs: dict[s
     rows, cols = kernel.rows_cols(problem)
     return {ph.name: ascend_row_pipeline(ph, rows, cols, problem.dtype.itemsize, knobs, hw,
                                          split_cols=kernel.split_cols, compute_waits_scalar=waits[ph.name])
-            for ph in kernel.phases(problem)}
+            for ph in kernel.phases(problem) if ph.name in waits}
 
 
 def schedule(spec: OpSpec, problem: Problem, hw: HardwareProfile, knobs: dict[str, int],
@@ -135,14 +135,16 @@ class Emulated:
         self._exes: dict[tuple, Path] = {}
 
     def exe(self, entry: str, nargs: int, *, cores: str = "aiv", block_dim: int | None = None,
-            l2_args: tuple[int, ...] = ()) -> Path:
+            l2_args: tuple[int, ...] = (), l2_vector_reads: tuple[int, ...] = ()) -> Path:
         """The entry built for `block_dim` blocks (the plan's by default) of `cores` (emulator.CORES),
-        with the workspace arguments `l2_args` kept in L2."""
-        key = (entry, nargs, cores, block_dim, l2_args)
+        with the workspace arguments `l2_args` kept in L2 and the vector cores' reads of
+        `l2_vector_reads` found there (emulator.build)."""
+        key = (entry, nargs, cores, block_dim, l2_args, l2_vector_reads)
         if key not in self._exes:
             self._exes[key] = emulator.build(self.source, entry=entry, nargs=nargs, hw=self.hw,
                                              block_dim=block_dim or self.block_dim, include_dirs=(self.include,),
-                                             batch_mode=self.batch_mode, cores=cores, l2_args=l2_args)
+                                             batch_mode=self.batch_mode, cores=cores, l2_args=l2_args,
+                                             l2_vector_reads=l2_vector_reads)
         return self._exes[key]
 
 

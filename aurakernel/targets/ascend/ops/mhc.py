@@ -2,36 +2,54 @@
 
 from __future__ import annotations
 
+import functools
 import struct
 
 import torch
 
 from .... import emulator
 from ....emulator import from_bytes, to_bytes
+from ....errors import PlanInfeasible
+from ....hardware import HardwareProfile
 from ....ops.base import Problem, Tensors
 from ....ops.mhc import EPS, HEAD, ITERS, PRE
-from ....planner.ascend import AscendRowPhase, VectorWork, cast_passes, align32 as a32, row_split
+from ....planner.ascend import AscendRowPhase, CubeWork, VectorWork, cast_passes, align32 as a32, cube_cores, row_split
+from ....planner.model import ChoiceModel, Constraint, Phase, Term
 from ....planner.schedule import phase_schedule
 from ..kernel import AscendKernel
 
 
+def fn_parts(fn: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fn as the forward's Cube takes it, [parts, NOUT, W] in the dtype of x: fp32 fn itself; for 16-bit
+    x its hi part (fn rounded) and lo part (fn - hi, rounded), so hi + lo keeps fp32's precision in the
+    mixes (the binding makes the same on the NPU)."""
+    fn = fn.float()
+    if dtype == torch.float32:
+        return fn.unsqueeze(0).contiguous()
+    hi = fn.to(dtype)
+    return torch.stack([hi, (fn - hi.float()).to(dtype)]).contiguous()
+
+
 class MhcAscend(AscendKernel):
-    # --- AscendC (templates/ascendc/mhc_pre/, shared by mhc_head): a token's flattened streams go
-    # through in column tiles against fn's tile, TR tokens per fn tile -------------------------------
+    # --- AscendC (templates/ascendc/mhc_pre/, shared by mhc_head) -------------------------------------
+    # forward: a mixed kernel. The AIC takes its AI core's tokens in super-tiles of cube_groups x 16:
+    #   the mix projection fn x^T and x x^T (its diagonal: each token's sum of squares) on the Cube, W
+    #   in L1 chunks of cube_k and Mmads of cube_k0 columns; the AIVs the head and y = sum_i pre_i x_i
+    #   (`chunk` columns at a time), reading x again from L2 (cube_model plans it).
+    # backward, on the vector cores: a token's flattened streams go through in column tiles against
+    #   fn's tile, TR tokens per fn tile.
     split_cols = True
+    syncs_cores = False
 
     template_dir = "mhc_pre"
 
-    ROW_BLOCK = 16   # tokens per fn tile (and lanes of the head's vectors): a multiple of 8
+    ROW_BLOCK = 16   # tokens per fn tile (and lanes of the head's vectors), a Cube token group: a multiple of 8
 
-    # planner/schedule.py. Neither phase's per-tile compute reads results back on the scalar unit,
-    # but both hold back the x stream the same way: at every column tile the fn tile (NOUT x CT fp32,
-    # ~11 x tiles' worth of MTE2 time) enters MTE2's in-order queue ahead of the x tiles issued after
-    # it, so an x tile issued after that point cannot arrive under the compute already queued; and the
-    # backward reads each token block's coefficients on the scalar unit (an MTE2_S wait). Modelled as
-    # a compute step that holds back the copies issued after it: the schedule then prefetches x tiles
-    # (more of them in flight) as the emulator shows it should (tests/test_planner_depth.py).
-    compute_waits_scalar = {"forward": True, "backward": True}
+    # planner/schedule.py. The backward's compute reads each token block's coefficients on the scalar
+    # unit (an MTE2_S wait), and at every column tile the fn tile enters MTE2's in-order queue ahead of
+    # the x tiles issued after it: modelled as a compute step that holds back the copies issued after
+    # it, so the schedule prefetches x tiles (tests/test_planner_depth.py).
+    compute_waits_scalar = {"backward": True}
 
     def col_tiles(self, problem: Problem) -> list[int]:
         """Columns of a stream per tile: a multiple of 512 (the partial sums fold 64 lanes into whole
@@ -43,13 +61,14 @@ class MhcAscend(AscendKernel):
         return problem.shape[0], problem.shape[1] * problem.shape[2]
 
     def _ub(self, problem: Problem) -> tuple[int, int]:
-        """(forward, backward) UB bytes of the kernels' fixed buffers (everything but the planner's queues)."""
+        """(forward, backward) UB bytes of the kernels' fixed buffers (everything but the planner's queues):
+        the forward AIV's head vectors, post / comb staging and its two slots of up to MAX_GROUPS / 2
+        groups' mixes; the backward's fn tile, d_fn accumulator, products and coefficients."""
         hc, e = problem.shape[1], problem.dtype.itemsize
         n, ct, tr = self.spec.nout(hc), self.col_tiles(problem)[0], self.ROW_BLOCK
         ncomb = 0 if self.spec.head else hc * hc
-        nseg = ct // 64
-        fwd = (2 * n * ct * 4 + (32 if e == 4 else ct * 4) + (n + 1) * ct * 4 + a32((n + 1) * nseg * 4)
-               + tr * (n + 1) * nseg * 4 + ((n + 1) + 2 * hc + ncomb + 3 * hc) * tr * 4 + a32(tr * (hc + ncomb) * 4))
+        mix_slots = 2 * -(-max(self.CUBE_GROUPS) // 2) * (n * tr + tr * 8) * 4
+        fwd = mix_slots + ((n + 1) + 2 * hc + ncomb + 3 * hc) * tr * 4 + a32(tr * (hc + ncomb) * 4)
         kcoef = 2 * n + hc + 2
         bwd = 3 * n * ct * 4 + kcoef * tr * 4 + 2 * n * tr * 32 + (32 if e == 4 else 2 * ct * 4)
         return fwd, bwd
@@ -59,11 +78,10 @@ class MhcAscend(AscendKernel):
         n, ct = self.spec.nout(hc), self.col_tiles(problem)[0]
         fwd_ub, bwd_ub = self._ub(problem)
         return [
-            # x tiles in; resident: fn's double buffer, the products, partial sums and head vectors;
-            # per chunk of pass 2: the HC stream rows in (2 buffers), y out (2) and two fp32 vectors.
-            # Per x element: cast, NOUT products, x^2, the fold; pass 2: cast, multiply, add
-            AscendRowPhase("forward", 1, 0, 0, 0, fwd_ub, -(-(2 * hc * e + 2 * e + 8) // 4),
-                           fast_ops_per_elem=2 * n + 6, slow_ops_per_elem=0, instrs_per_chunk=ct // 64 + 8),
+            # the forward's vector side (its Cube side: cube_model): per chunk of pass 2 (`chunk` columns
+            # of W: chunk / HC of each stream, pass2_chunk) the HC stream rows in (2 buffers), y out (2)
+            # and two fp32 vectors; per x element a cast, a multiply, an add
+            AscendRowPhase("forward", 1, 0, 0, 0, fwd_ub, 2, fast_ops_per_elem=3, slow_ops_per_elem=0, instrs_per_chunk=4),
             # x and dy tiles in, dx out; resident: the fn tile, the d_fn accumulator, the products, the
             # coefficients and their per-token broadcast blocks, two fp32 tiles. Per element: casts, dn
             # (NOUT products + the halving tree), dx, d_fn (NOUT products + one add), and the head
@@ -72,29 +90,110 @@ class MhcAscend(AscendKernel):
                            instrs_per_chunk=ct // 32 + 16),
         ]
 
+    # the forward's Cube tiling: token groups per super-tile, W columns per L1 chunk and per Mmad
+    CUBE_GROUPS = (1, 2, 3, 4, 6, 8)
+
+    def cube_model(self, problem: Problem, hw: HardwareProfile) -> ChoiceModel:
+        """The forward's AI cores: per super-tile (cube_groups x 16 tokens) and L1 chunk (cube_k columns
+        of W) fn's parts and the tokens' x rows into L1; per Mmad step (cube_k0 columns) their fractals
+        into L0A / L0B and the two Mmads; per super-tile the Fixpipes into the workspace and the AIVs'
+        head and second pass over x (from L2). Objective: per core the slowest pipe, plus the last
+        super-tile's vector work (nothing overlaps it) and the launch."""
+        rows, hc, d = problem.shape
+        e = problem.dtype.itemsize
+        w, n, tr = hc * d, self.spec.nout(hc), self.ROW_BLOCK
+        cores = cube_cores(hw)
+        p = hw.ascend_pipes(cores)
+        lat, rate, l2, issue = p.mte_latency, p.mte_bytes_per_cycle, p.l2_bytes_per_cycle, p.vec_issue
+        parts, c0 = (1 if e == 4 else 2), 32 // e
+        n16 = -(-n // 16) * 16
+        macs = p.cube_macs_fp32 if e == 4 else p.cube_macs_16bit
+        tpc = -(-rows // min(rows, cores))    # tokens of the busiest AI core
+        groups = -(-tpc // tr)
+        domains = {"cube_groups": [g for g in self.CUBE_GROUPS if g <= max(1, groups)] or [1],
+                   "cube_k": [k for k in (512, 1024, 2048, 4096) if k < 2 * w],
+                   "cube_k0": [64, 128, 256],
+                   "cube_blocks": [cores]}
+        knobs = ("cube_groups", "cube_k", "cube_k0")
+
+        @functools.cache   # every pipe's term and the fill read the same cell
+        def per_core(g, k1, k0):
+            supers, gt = -(-tpc // (g * tr)), g * tr
+            chunks, steps = -(-w // k1), -(-min(k1, w) // k0)
+            kbs = k0 // c0
+            ng = min(g, groups)
+            step_mte1 = (parts * n16 // 16 + ng + 1) * issue + (parts * n16 + 2 * ng * 16) * k0 * e / p.mte1_bytes_per_cycle
+            step_cube = parts * (issue + n16 * ng * 16 * k0 / macs) + issue + (ng * 16) ** 2 * k0 / macs
+            # the AIVs of a super-tile: x again from L2, y out, a cast, multiply and add per element
+            aiv = -(-ng // 2) * tr * (w * e / l2 + d * e / rate + 3 * w / 64) + 2 * lat
+            return {"MTE2": supers * chunks * (parts * (lat + n * min(k1, w) * e / l2) + lat) + tpc * w * e / rate,
+                    "MTE1": supers * chunks * steps * step_mte1,
+                    "Cube": supers * chunks * steps * step_cube,
+                    "FIX": supers * (2 * issue + (n * gt + gt * gt) * 4 / p.fix_bytes_per_cycle),
+                    "AIV": supers * aiv, "last": aiv, "gt": gt}
+        clock = hw.clock_ghz * 1e9
+        pipes = {pipe: [Term.of(knobs, domains, lambda g, k1, k0, pipe=pipe: per_core(g, k1, k0)[pipe] / clock)]
+                 for pipe in ("MTE2", "MTE1", "Cube", "FIX", "AIV")}
+        fill = Term.of(knobs, domains, lambda g, k1, k0: per_core(g, k1, k0)["last"] / clock)
+        launch = Term.of(("cube_blocks",), domains, lambda bd: hw.call_overhead_us * 1e-6)
+
+        def cap(name, fn, limit, formula):
+            return Constraint(name, Term.of(knobs, domains, fn), limit, formula)
+        l2_bytes = hw.memory["L2"].capacity if "L2" in hw.memory else 0
+        constraints = [
+            cap("L1 capacity", lambda g, k1, k0: 2 * (parts * n16 + g * tr) * k1 * e, p.l1_usable,
+                "2 x (parts x NOUT16 + cube_groups x 16) x cube_k x elem (fn's parts and x, double buffered)"),
+            cap("L0A capacity", lambda g, k1, k0: 2 * (parts * n16 // 16 + g) * (k0 // c0) * 512, p.l0a_bytes,
+                "2 x (parts x NOUT16 / 16 + cube_groups) x cube_k0 / C0 fractals"),
+            cap("L0B capacity", lambda g, k1, k0: 2 * g * (k0 // c0) * 512, p.l0b_bytes, "2 x cube_groups x cube_k0 / C0 fractals"),
+            cap("L0C capacity", lambda g, k1, k0: 2 * (n16 // 16 * g + g * g) * 1024, p.l0c_bytes,
+                "2 x (NOUT16 / 16 x cube_groups + cube_groups^2) fp32 fractals (the mixes and x x^T)"),
+            cap("Mmad step", lambda g, k1, k0: (k0 > k1) + g * (k0 // c0) / 255, 1,
+                "cube_k0 <= cube_k; cube_groups x cube_k0 / C0 <= 255 (x^T's fractals in one LoadData)"),
+            # the AIVs read x again from L2: what every AI core's AIC reads between (two super-tiles)
+            # stays within half of it
+            cap("L2 reuse", lambda g, k1, k0: 2 * cores * g * tr * w * e, l2_bytes / 2,
+                "2 x AI cores x cube_groups x 16 x W x elem <= L2 / 2"),
+        ]
+        return ChoiceModel(domains, constraints, [Phase("forward", pipes, [fill, launch])])
+
+    def cube_floor(self, problem: Problem) -> dict[str, CubeWork]:
+        """The forward's mix projection: NOUT products per x element (rows x W x NOUT MACs)."""
+        rows, hc, d = problem.shape
+        return {"forward": CubeWork(rows * hc * d * self.spec.nout(hc), fp32=problem.dtype.itemsize == 4)}
+
     def vector_floor(self, problem: Problem) -> dict[str, VectorWork]:
         """Per element of the HC streams (E = tokens x HC x D; bf16 / fp16 cast once to fp32 and back):
-        forward the NOUT mix products, x^2 and y's product (one MulAdd each), backward's head d pre
-        (dy . x), then dx (NOUT products of d mix, pre * dy, the norm's x term) and d fn (NOUT
-        products). On the vector unit these products make both kernels vector-bound; the Cube takes
-        them in issue 18."""
+        forward y's product (one MulAdd; the mix products and x^2 are the Cube's), backward's head
+        d pre (dy . x), then dx (NOUT products of d mix, pre * dy, the norm's x term) and d fn (NOUT
+        products), which on the vector unit make the backward vector-bound."""
         rows, hc, d = problem.shape
         n, c, elems, ys = self.spec.nout(hc), cast_passes(problem.dtype), rows * hc * d, rows * d
-        return {"forward": VectorWork(elems * (n + 2 + c) + ys * c),
+        return {"forward": VectorWork(elems * (1 + c) + ys * c),
                 "backward_head": VectorWork(elems * (1 + c) + ys * c),
                 "backward": VectorWork(elems * (2 * n + 2 + 2 * c) + ys * c)}
+
+    @staticmethod
+    def pass2_chunk(knobs: dict[str, int], hc: int) -> int:
+        """Columns of each stream per chunk of the forward's second pass: the plan's chunk of W over HC."""
+        return max(16, int(knobs["chunk"]) // hc)
 
     def params(self, problem: Problem, knobs: dict[str, int]) -> dict:
         _, hc, d = problem.shape
         col_tile = int(knobs["col_tile"])
         if col_tile not in self.col_tiles(problem):
             raise ValueError(f"{self.spec.name}: col_tile {col_tile}, accepted {self.col_tiles(problem)}")
-        fwd = phase_schedule(knobs, "forward", ("in",))
+        if hc * d > 65535:   # Nd2Nz's source row pitch
+            raise PlanInfeasible("hc x hidden size", f"{hc * d} must be <= 65535 (V4-Pro: 4 x 7168)")
+        groups, k1, k0 = int(knobs["cube_groups"]), int(knobs["cube_k"]), int(knobs["cube_k0"])
+        if groups not in self.CUBE_GROUPS or k0 not in (64, 128, 256) or k1 % k0 or k1 > 4096:
+            raise PlanInfeasible("Cube tile", f"cube_groups {groups} (one of {self.CUBE_GROUPS}), cube_k {k1} "
+                                              f"(a multiple of cube_k0, <= 4096), cube_k0 {k0} (64, 128 or 256)")
         bwd = phase_schedule(knobs, "backward", ("in", "out"))
         return {"dtype": problem.dtype, "hc": int(hc), "d": int(d), "nout": int(self.spec.nout(hc)), "iters": int(ITERS),
-                "head": bool(self.spec.head), "eps": float(EPS), "col_tile": col_tile, "chunk": int(knobs["chunk"]),
+                "head": bool(self.spec.head), "eps": float(EPS), "col_tile": col_tile, "chunk": self.pass2_chunk(knobs, hc),
                 "block_dim": int(knobs["block_dim"]), "row_block": int(self.ROW_BLOCK),
-                "fwd_prefetch": fwd["prefetch"], "fwd_in_buffers": fwd["in_buffers"],
+                "cube_groups": groups, "cube_k": k1, "cube_k0": k0, "cube_blocks": int(knobs["cube_blocks"]),
                 "bwd_prefetch": bwd["prefetch"], "bwd_in_buffers": bwd["in_buffers"],
                 "bwd_out_buffers": bwd["out_buffers"]}
 
@@ -115,20 +214,26 @@ class MhcAscend(AscendKernel):
         n, w = self.spec.nout(hc), hc * d
         op = "mhc_head" if self.spec.head else "mhc_pre"
         block_rows, block_dim = row_split(rows, knobs["block_dim"])
+        cube_rows, cube_blocks = row_split(rows, knobs["cube_blocks"])
         kcoef = 2 * n + hc + 2
         ws_dfn = -(-kcoef * rows // 8) * 8
         ws_par = ws_dfn + block_dim * n * w
-        tiling = bytearray(struct.pack("<7I3f", rows, d, block_rows, -(-d // knobs["col_tile"]), knobs["chunk"], ws_dfn,
-                                       ws_par, EPS, EPS, 1.0 / w))
+        tiling = bytearray(struct.pack("<7I3fI", rows, d, block_rows, -(-d // knobs["col_tile"]), self.pass2_chunk(knobs, hc), ws_dfn,
+                                       ws_par, EPS, EPS, 1.0 / w, cube_rows))
         fn, base = inputs["fn"].float().contiguous(), inputs["base"].float().contiguous()
         scale = inputs["scale"].float().contiguous()
         nan = float("nan")
         y = torch.full((rows, d), nan).to(x.dtype)
         post, comb = torch.full((rows, hc), nan), torch.full((rows, hc, hc), nan)
         mix_t, rstd = torch.full((n, rows), nan), torch.full((rows,), nan)
-        fwd_bufs = [to_bytes(x), to_bytes(fn), to_bytes(base), to_bytes(scale), to_bytes(y), to_bytes(post),
-                    to_bytes(comb), to_bytes(mix_t), to_bytes(rstd), bytearray(32), tiling]
-        fwd = emulator.run(emu.exe(f"ak_{op}_fwd", 11), block_dim, fwd_bufs)
+        gt = knobs["cube_groups"] * self.ROW_BLOCK   # a workspace slot per (AI core, 2): [NOUT][gt] mixes, [gt][gt] x x^T
+        slots = torch.full((cube_blocks * 2 * (n + gt) * gt,), nan)
+        fwd_bufs = [to_bytes(x.contiguous()), to_bytes(fn_parts(fn, x.dtype)), to_bytes(base), to_bytes(scale), to_bytes(y),
+                    to_bytes(post), to_bytes(comb), to_bytes(mix_t), to_bytes(rstd), to_bytes(slots), tiling]
+        # fn's parts (read by every AI core) and the workspace stay in L2; the AIVs' second read of x
+        # finds the rows their AIC read just before there
+        exe = emu.exe(f"ak_{op}_fwd", 11, cores="mix_1_2", block_dim=cube_blocks, l2_args=(1, 9), l2_vector_reads=(0,))
+        fwd = emulator.run(exe, cube_blocks, fwd_bufs)
         outputs = {"y": from_bytes(fwd_bufs[4], y)}
         if not self.spec.head:
             outputs["post"], outputs["comb"] = from_bytes(fwd_bufs[5], post), from_bytes(fwd_bufs[6], comb)
