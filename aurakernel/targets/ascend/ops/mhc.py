@@ -62,13 +62,13 @@ class MhcAscend(AscendKernel):
 
     def _ub(self, problem: Problem) -> tuple[int, int]:
         """(forward, backward) UB bytes of the kernels' fixed buffers (everything but the planner's queues):
-        the forward AIV's head vectors, post / comb staging and its two slots of up to MAX_GROUPS / 2
-        groups' mixes; the backward's fn tile, d_fn accumulator, products and coefficients."""
+        the forward AIV's two slots of its share of a super-tile's mixes, its head vectors (as many lanes
+        as that share has tokens) and post / comb staging; the backward's fn tile, d_fn accumulator, products and coefficients."""
         hc, e = problem.shape[1], problem.dtype.itemsize
         n, ct, tr = self.spec.nout(hc), self.col_tiles(problem)[0], self.ROW_BLOCK
         ncomb = 0 if self.spec.head else hc * hc
-        mix_slots = 2 * -(-max(self.CUBE_GROUPS) // 2) * (n * tr + tr * 8) * 4
-        fwd = mix_slots + ((n + 1) + 2 * hc + ncomb + 3 * hc) * tr * 4 + a32(tr * (hc + ncomb) * 4)
+        ht = max(self.CUBE_GROUPS) * tr // 2   # an AIV's tokens of a super-tile: its head's lanes
+        fwd = 2 * (n * ht + ht * 8) * 4 + ((n + 1) + 2 * hc + ncomb + 3 * hc) * ht * 4 + a32(ht * (hc + ncomb) * 4)
         kcoef = 2 * n + hc + 2
         bwd = 3 * n * ct * 4 + kcoef * tr * 4 + 2 * n * tr * 32 + (32 if e == 4 else 2 * ct * 4)
         return fwd, bwd
@@ -124,8 +124,9 @@ class MhcAscend(AscendKernel):
             ng = min(g, groups)
             step_mte1 = (parts * n16 // 16 + ng + 1) * issue + (parts * n16 + 2 * ng * 16) * k0 * e / p.mte1_bytes_per_cycle
             step_cube = parts * (issue + n16 * ng * 16 * k0 / macs) + issue + (ng * 16) ** 2 * k0 / macs
-            # the AIVs of a super-tile: x again from L2, y out, a cast, multiply and add per element
-            aiv = -(-ng // 2) * tr * (w * e / l2 + d * e / rate + 3 * w / 64) + 2 * lat
+            # an AIV's half of a super-tile: the head (issue-bound: ~400 instructions on its vectors), x
+            # again from L2, y out, a cast and an Axpy per element
+            aiv = 400 * issue + -(-ng * tr // 2) * (w * e / l2 + d * e / rate + 2 * w / 64) + 2 * lat
             return {"MTE2": supers * chunks * (parts * (lat + n * min(k1, w) * e / l2) + lat) + tpc * w * e / rate,
                     "MTE1": supers * chunks * steps * step_mte1,
                     "Cube": supers * chunks * steps * step_cube,
