@@ -129,7 +129,7 @@ def test_mhc_forward_on_the_cube_reads_x_once_from_hbm(tmp_path):
     rows, hc, d = x.shape
     n, gt = spec.nout(hc), 16
     cube_rows, blocks = row_split(rows, 3)      # 25 tokens per AI core: a group of 16 and one of 9
-    tiling = struct.pack("<7I3fI", rows, d, rows, -(-d // knobs["col_tile"]), 1024, 0, 0, 1e-6, 1e-6, 1.0 / (hc * d), cube_rows)
+    tiling = struct.pack("<7I3fII", rows, d, rows, -(-d // knobs["col_tile"]), 1024, 0, 0, 1e-6, 1e-6, 1.0 / (hc * d), cube_rows, 0)
     x_bytes = x.numel() * x.element_size()
     hbm = {}
     for marked in ((0,), ()):
@@ -165,13 +165,17 @@ def test_the_bound_is_the_larger_of_hbm_traffic_and_the_vector_work():
     assert bound_us(2 * share, VectorWork(one_us), HW) == (pytest.approx(2.0), "HBM")
     assert bound_us(0.5 * share, VectorWork(one_us), HW) == (pytest.approx(1.0), "vector")
     assert bound_us(0.5 * share, None, HW) == (pytest.approx(0.5), "HBM")
-    # mHC's backward on the vector unit: its NOUT products per element take longer than streaming x in
-    # and dx out; its forward leaves them to the Cube, and the vector work left is under the x stream
+    # mHC's backward on the vector unit (fp32 x): its NOUT products per element take longer than
+    # streaming x in and dx out; 16-bit x leaves them to the Cube, as both forwards do the mix
+    # projection, and the vector work left is under those streams
     mhc = ascend.kernel_of(OPS["mhc_pre"])
-    problem = OPS["mhc_pre"].problem("1024x4x4096", "bf16", None)
-    x_bytes = 1024 * 4 * 4096 * 2 / HW.cores
-    assert mhc.vector_floor(problem)["backward"].floor_us(HW) > roofline_us(2 * x_bytes, HW)
-    assert mhc.vector_floor(problem)["forward"].floor_us(HW) < roofline_us(x_bytes, HW)
+    for dtype, itemsize in (("fp32", 4), ("bf16", 2)):
+        problem = OPS["mhc_pre"].problem("1024x4x4096", dtype, None)
+        x_bytes = 1024 * 4 * 4096 * itemsize / HW.cores
+        floors = mhc.vector_floor(problem)
+        assert (floors["backward"].floor_us(HW) > roofline_us(2 * x_bytes, HW)) == (dtype == "fp32")
+        assert floors["forward"].floor_us(HW) < roofline_us(x_bytes, HW)
+        assert set(mhc.cube_floor(problem)) == ({"forward"} if dtype == "fp32" else {"forward", "backward"})
 
 
 def test_plan_that_cannot_fit_ub_names_the_constraint():

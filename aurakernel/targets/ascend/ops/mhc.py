@@ -20,14 +20,15 @@ from ..kernel import AscendKernel
 
 
 def fn_parts(fn: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """fn as the forward's Cube takes it, [parts, NOUT, W] in the dtype of x: fp32 fn itself; for 16-bit
-    x its hi part (fn rounded) and lo part (fn - hi, rounded), so hi + lo keeps fp32's precision in the
-    mixes (the binding makes the same on the NPU)."""
+    """fn as the Cube takes it, [parts, NOUT16, W] in the dtype of x (each part's rows padded with zeros
+    to a multiple of 16: whole fractals): fp32 fn itself; for 16-bit x its hi part (fn rounded) and lo
+    part (fn - hi, rounded), so hi + lo keeps fp32's precision (the binding makes the same on the NPU)."""
     fn = fn.float()
-    if dtype == torch.float32:
-        return fn.unsqueeze(0).contiguous()
-    hi = fn.to(dtype)
-    return torch.stack([hi, (fn - hi.float()).to(dtype)]).contiguous()
+    parts = [fn] if dtype == torch.float32 else [fn.to(dtype).float(), fn - fn.to(dtype).float()]
+    out = torch.zeros(len(parts), -(-fn.shape[0] // 16) * 16, fn.shape[1], dtype=dtype)
+    for p, part in enumerate(parts):
+        out[p, :fn.shape[0]] = part.to(dtype)
+    return out
 
 
 class MhcAscend(AscendKernel):
@@ -36,8 +37,10 @@ class MhcAscend(AscendKernel):
     #   the mix projection fn x^T and x x^T (its diagonal: each token's sum of squares) on the Cube, W
     #   in L1 chunks of cube_k and Mmads of cube_k0 columns; the AIVs the head and y = sum_i pre_i x_i
     #   (`chunk` columns at a time), reading x again from L2 (cube_model plans it).
-    # backward, on the vector cores: a token's flattened streams go through in column tiles against
-    #   fn's tile, TR tokens per fn tile.
+    # backward: the head in reverse on the vector cores (bwd_head), then dx and d_fn: for 16-bit x a
+    #   mixed kernel (dn = dmix fn and d_fn = c^T x on the Cube in super-tiles of bwd_groups x 16 tokens
+    #   and column tiles of bwd_k, dx on the AIVs: cube_model); for fp32 on the vector cores, a token's
+    #   flattened streams in column tiles against fn's tile, TR tokens per fn tile (the row-wise model).
     split_cols = True
     syncs_cores = False
 
@@ -92,6 +95,12 @@ class MhcAscend(AscendKernel):
 
     # the forward's Cube tiling: token groups per super-tile, W columns per L1 chunk and per Mmad
     CUBE_GROUPS = (1, 2, 3, 4, 6, 8)
+
+    @staticmethod
+    def cube_backward(problem: Problem) -> bool:
+        """16-bit x runs the backward's products on the Cube too (its transposes are the 2D LoadData's, of
+        16 x 16 fractals only); fp32 keeps the backward on the vector cores."""
+        return problem.dtype.itemsize == 2
 
     def cube_model(self, problem: Problem, hw: HardwareProfile) -> ChoiceModel:
         """The forward's AI cores: per super-tile (cube_groups x 16 tokens) and L1 chunk (cube_k columns
@@ -156,23 +165,96 @@ class MhcAscend(AscendKernel):
             cap("L2 reuse", lambda g, k1, k0: 2 * cores * g * tr * w * e, l2_bytes / 2,
                 "2 x AI cores x cube_groups x 16 x W x elem <= L2 / 2"),
         ]
-        return ChoiceModel(domains, constraints, [Phase("forward", pipes, [fill, launch])])
+        phases = [Phase("forward", pipes, [fill, launch])]
+        if self.cube_backward(problem):
+            bwd_phase, bwd_constraints = self._backward_model(problem, hw, domains)
+            phases.append(bwd_phase)
+            constraints += bwd_constraints
+        return ChoiceModel(domains, constraints, phases)
+
+    def _backward_model(self, problem: Problem, hw: HardwareProfile, domains: dict) -> tuple[Phase, list[Constraint]]:
+        """The Cube backward's tiling: super-tiles of bwd_groups x 16 tokens, column tiles of bwd_k (fn's
+        parts and x into L1 once per tile; Mmad steps of bwd_k0 columns, bwd_k0): per tile the AIC's loads,
+        the dn and d_fn Mmads and their Fixpipes; the AIVs' read of dn, x and dy (one copy each per tile)
+        and dx = rstd dn + pre dy - k x. Objective: the slowest pipe, plus one tile's fill and the launch."""
+        rows, hc, d = problem.shape
+        e = problem.dtype.itemsize
+        w, n, tr = hc * d, self.spec.nout(hc), self.ROW_BLOCK
+        cores = cube_cores(hw)
+        p = hw.ascend_pipes(cores)
+        lat, rate, l2, issue = p.mte_latency, p.mte_bytes_per_cycle, p.l2_bytes_per_cycle, p.vec_issue
+        n16, tpc = -(-n // 16) * 16, -(-rows // min(rows, cores))
+        m1 = n16 // 16
+        domains["bwd_groups"] = [g for g in (1, 2, 3, 4) if g == 1 or (g - 1) * tr < tpc]
+        domains["bwd_k"] = [k for k in (128, 256, 512, 1024) if k == 128 or k // 2 < d]
+        knobs = ("bwd_groups", "bwd_k")
+
+        @functools.cache
+        def per_core(g, bk):
+            bgt, bk0 = g * tr, self.bwd_k0(n, g)
+            supers, tiles, steps = -(-tpc // bgt), hc * -(-d // bk), -(-bk // bk0)
+            nb, tok = min(g, -(-tpc // tr)), min(bgt, tpc)
+            step_mte1 = (3 * m1 + nb) * issue + (3 * n16 * bk0 + tok * bk0) * e / p.mte1_bytes_per_cycle
+            step_cube = 3 * issue + (nb * 16 * bk0 * 3 * n16 + 2 * n16 * bk0 * nb * 16) / p.cube_macs_16bit
+            step_fix = 2 * issue + (tok * bk0 + n * bk0) * 4 / p.fix_bytes_per_cycle
+            mine = -(-tok // 2)
+            return {"MTE2": supers * (lat + 4 * n16 * tok * e / rate) + supers * tiles * (2 * lat + 2 * n16 * bk * e / l2)
+                            + tpc * w * e / rate,
+                    "MTE1": supers * tiles * steps * step_mte1, "Cube": supers * tiles * steps * step_cube,
+                    "FIX": supers * tiles * steps * step_fix,
+                    # per AIV and tile: dn (L2), x (L2) and dy in, dx out, one copy each; 8 fp32 passes
+                    "AIV MTE2": supers * tiles * (3 * lat + mine * bk * (4 / l2 + e / l2 + e / rate)),
+                    "AIV MTE3": supers * tiles * (lat + mine * bk * e / rate),
+                    "Vector": supers * tiles * (mine * bk * 8 / 64 + issue * (8 + 3 * bk / 64)), "tile": supers * tiles}
+        clock = hw.clock_ghz * 1e9
+        pipes = {pipe: [Term.of(knobs, domains, lambda g, bk, pipe=pipe: per_core(g, bk)[pipe] / clock)]
+                 for pipe in ("MTE2", "MTE1", "Cube", "FIX", "AIV MTE2", "AIV MTE3", "Vector")}
+        fill = Term.of(knobs, domains, lambda g, bk: sum(v for k, v in per_core(g, bk).items() if k != "tile")
+                       / per_core(g, bk)["tile"] / clock)
+        launch = Term.of(("cube_blocks",), domains, lambda bd: hw.call_overhead_us * 1e-6)
+
+        def cap(name, fn, limit, formula):
+            return Constraint(name, Term.of(knobs, domains, fn), limit, formula)
+        constraints = [
+            cap("backward L1 capacity", lambda g, bk: (4 * n16 * g * tr + 2 * (2 * n16 + g * tr) * bk) * e, p.l1_usable,
+                "(4 NOUT16 x 16 bwd_groups + 2 x (2 NOUT16 + 16 bwd_groups) x bwd_k) x elem"),
+            cap("backward L0A capacity", lambda g, bk: (g * tr * 3 * n16 + 2 * n16 * g * tr) * e, p.l0a_bytes,
+                "(16 bwd_groups x 3 NOUT16 + 2 NOUT16 x 16 bwd_groups) x elem (dn's and d_fn's A)"),
+            cap("backward L0B capacity", lambda g, bk: 2 * (3 * n16 + g * tr) * self.bwd_k0(n, g) * e, p.l0b_bytes,
+                "2 x (3 NOUT16 + 16 bwd_groups) x bwd_k0 x elem (dn's and d_fn's B, double buffered)"),
+            cap("backward L0C capacity", lambda g, bk: 2 * (g * tr + n16) * self.bwd_k0(n, g) * 4, p.l0c_bytes,
+                "2 x (16 bwd_groups + NOUT16) x bwd_k0 x fp32 (dn, d_fn)"),
+            cap("backward UB capacity", lambda g, bk: g * tr // 2 * bk * (2 * 4 + 6 * e + 4) + (hc + 2) * g * tr // 2 * 36,
+                p.ub_usable, "per AIV: 8 tokens x bwd_groups x bwd_k x (2 dn + x, dy, dx twice + a fp32 row) + its scalars"),
+        ]
+        return Phase("backward", pipes, [fill, launch]), constraints
+
+    @staticmethod
+    def bwd_k0(nout: int, groups: int) -> int:
+        """Columns per Mmad step of the Cube backward: 128 where dn's and d_fn's B (3 NOUT16 + 16 groups
+        rows of 16-bit) fit L0B's 64 KB twice, else 64."""
+        return 128 if 2 * (3 * -(-nout // 16) * 16 + 16 * groups) * 128 * 2 <= 65536 else 64
 
     def cube_floor(self, problem: Problem) -> dict[str, CubeWork]:
         """The forward's mix projection: NOUT products per x element (rows x W x NOUT MACs)."""
         rows, hc, d = problem.shape
-        return {"forward": CubeWork(rows * hc * d * self.spec.nout(hc), fp32=problem.dtype.itemsize == 4)}
+        macs = rows * hc * d * self.spec.nout(hc)
+        floors = {"forward": CubeWork(macs, fp32=problem.dtype.itemsize == 4)}
+        if self.cube_backward(problem):   # dn = dmix fn and d_fn = c^T x
+            floors["backward"] = CubeWork(2 * macs)
+        return floors
 
     def vector_floor(self, problem: Problem) -> dict[str, VectorWork]:
         """Per element of the HC streams (E = tokens x HC x D; bf16 / fp16 cast once to fp32 and back):
         forward y's product (one MulAdd; the mix products and x^2 are the Cube's), backward's head
-        d pre (dy . x), then dx (NOUT products of d mix, pre * dy, the norm's x term) and d fn (NOUT
-        products), which on the vector unit make the backward vector-bound."""
+        d pre (dy . x), then dx = rstd dn + pre dy - k x (three products and two adds) and, on the
+        vector unit (fp32), dn's and d fn's NOUT products each, which make that backward vector-bound."""
         rows, hc, d = problem.shape
         n, c, elems, ys = self.spec.nout(hc), cast_passes(problem.dtype), rows * hc * d, rows * d
+        products = 0 if self.cube_backward(problem) else 2 * n
         return {"forward": VectorWork(elems * (1 + c) + ys * c),
                 "backward_head": VectorWork(elems * (1 + c) + ys * c),
-                "backward": VectorWork(elems * (2 * n + 2 + 2 * c) + ys * c)}
+                "backward": VectorWork(elems * (products + 5 + 2 * c) + ys * c)}
 
     @staticmethod
     def pass2_chunk(knobs: dict[str, int], hc: int) -> int:
@@ -195,6 +277,9 @@ class MhcAscend(AscendKernel):
                 "head": bool(self.spec.head), "eps": float(EPS), "col_tile": col_tile, "chunk": self.pass2_chunk(knobs, hc),
                 "block_dim": int(knobs["block_dim"]), "row_block": int(self.ROW_BLOCK),
                 "cube_groups": groups, "cube_k": k1, "cube_k0": k0, "cube_blocks": int(knobs["cube_blocks"]),
+                "cube_backward": self.cube_backward(problem), "bwd_groups": int(knobs.get("bwd_groups", 1)),
+                "bwd_k": int(knobs.get("bwd_k", 128)),
+                "bwd_k0": self.bwd_k0(self.spec.nout(hc), int(knobs.get("bwd_groups", 1))),
                 "bwd_prefetch": bwd["prefetch"], "bwd_in_buffers": bwd["in_buffers"],
                 "bwd_out_buffers": bwd["out_buffers"]}
 
@@ -216,11 +301,15 @@ class MhcAscend(AscendKernel):
         op = "mhc_head" if self.spec.head else "mhc_pre"
         block_rows, block_dim = row_split(rows, knobs["block_dim"])
         cube_rows, cube_blocks = row_split(rows, knobs["cube_blocks"])
-        kcoef = 2 * n + hc + 2
+        on_cube = self.cube_backward(problem)
+        dfn_blocks = cube_blocks if on_cube else block_dim   # the d_fn partials: per AI core, or per vector core
+        kcoef, n16 = 2 * n + hc + 2, -(-n // 16) * 16
         ws_dfn = -(-kcoef * rows // 8) * 8
-        ws_par = ws_dfn + block_dim * n * w
-        tiling = bytearray(struct.pack("<7I3fI", rows, d, block_rows, -(-d // knobs["col_tile"]), self.pass2_chunk(knobs, hc), ws_dfn,
-                                       ws_par, EPS, EPS, 1.0 / w, cube_rows))
+        ws_par = ws_dfn + dfn_blocks * n * w
+        ws_parts = ws_par + block_dim * 32   # the Cube backward's dmix and c parts: [4][NOUT16][rows] of x's dtype
+        ws_end = ws_parts + (-(-4 * n16 * rows * x.element_size() // 32) * 8 if on_cube else 0)
+        tiling = bytearray(struct.pack("<7I3fII", rows, d, block_rows, -(-d // knobs["col_tile"]), self.pass2_chunk(knobs, hc), ws_dfn,
+                                       ws_par, EPS, EPS, 1.0 / w, cube_rows, ws_parts))
         fn, base = inputs["fn"].float().contiguous(), inputs["base"].float().contiguous()
         scale = inputs["scale"].float().contiguous()
         nan = float("nan")
@@ -242,17 +331,23 @@ class MhcAscend(AscendKernel):
         dy = grad_out["y"].to(x.dtype).contiguous()
         d_post = (grad_out["post"] if "post" in grad_out else torch.zeros(rows, hc)).float().contiguous()
         d_comb = (grad_out["comb"] if "comb" in grad_out else torch.zeros(rows, hc, hc)).float().contiguous()
-        workspace = bytearray(torch.full((ws_par + block_dim * 32,), nan).numpy().tobytes())
+        workspace = bytearray(torch.full((ws_end,), nan).numpy().tobytes())
         head_bufs = [to_bytes(x), to_bytes(dy), to_bytes(base), to_bytes(scale), to_bytes(mix_t), to_bytes(rstd),
                      to_bytes(d_post), to_bytes(d_comb), workspace, bytearray(tiling)]
         bwd_head = emulator.run(emu.exe(f"ak_{op}_bwd_head", 10), block_dim, head_bufs)
         dx = torch.full_like(x, nan)
-        bwd_bufs = [to_bytes(x), to_bytes(dy), to_bytes(fn), to_bytes(dx), head_bufs[8], bytearray(tiling)]
-        bwd = emulator.run(emu.exe(f"ak_{op}_bwd", 6), block_dim, bwd_bufs)
+        if on_cube:   # a mixed kernel: dn's two slots per AI core in L2, x's second read (the AIVs') from L2 too
+            dn_slots = torch.full((cube_blocks * 2 * knobs["bwd_groups"] * self.ROW_BLOCK * knobs["bwd_k"],), nan)
+            bwd_bufs = [to_bytes(x), to_bytes(dy), fwd_bufs[1], to_bytes(dx), head_bufs[8], to_bytes(dn_slots), bytearray(tiling)]
+            exe = emu.exe(f"ak_{op}_bwd", 7, cores="mix_1_2", block_dim=cube_blocks, l2_args=(2, 5), l2_vector_reads=(0,))
+            bwd = emulator.run(exe, cube_blocks, bwd_bufs)
+        else:
+            bwd_bufs = [to_bytes(x), to_bytes(dy), to_bytes(fn), to_bytes(dx), head_bufs[8], bytearray(tiling)]
+            bwd = emulator.run(emu.exe(f"ak_{op}_bwd", 6), block_dim, bwd_bufs)
         ws = torch.frombuffer(bwd_bufs[4], dtype=torch.float32)
-        par = ws[ws_par:].view(block_dim, 32).sum(0)
+        par = ws[ws_par:ws_parts].view(block_dim, 32).sum(0)
         grads = {"x": from_bytes(bwd_bufs[3], dx),
-                 "fn": ws[ws_dfn:ws_par].view(block_dim, n, w).sum(0).clone(),
+                 "fn": ws[ws_dfn:ws_par].view(dfn_blocks, n, w).sum(0).clone(),
                  "base": par[:n].clone(), "scale": par[n:n + (1 if self.spec.head else 3)].clone()}
         return outputs, grads, {"forward": fwd, "backward_head": bwd_head, "backward": bwd}
 
