@@ -1701,7 +1701,8 @@ void Mmad(const LocalTensor<T>& dst, const LocalTensor<U>& fm, const LocalTensor
 // srcStride x 16 elements apart), ReLU if reluEn, then to T (float: NoQuant; half: F322F16; bf16:
 // F322BF16, round to nearest even); CFG_ROW_MAJOR writes it ND (row i at i * dstStride elements),
 // CFG_NZ as NZ (column blocks dstStride x 32 B apart, nSize a multiple of 16); ndNum matrices,
-// srcNdStride x 256 elements / dstNdStride elements apart. Cost: FIX, the bytes written at its rate.
+// srcNdStride x 256 elements / dstNdStride elements apart. Cost: FIX, the bytes written at its rate (into
+// HBM no faster than the core's share of HBM).
 template <typename T, typename U, const FixpipeConfig& config = CFG_ROW_MAJOR>
 void Fixpipe(const GlobalTensor<T>& dst, const LocalTensor<U>& src, const FixpipeParamsV220& p) {
     static_assert(std::is_same_v<U, float> && (std::is_same_v<T, float> || std::is_same_v<T, half> || std::is_same_v<T, bfloat16_t>),
@@ -1736,8 +1737,10 @@ void Fixpipe(const GlobalTensor<T>& dst, const LocalTensor<U>& src, const Fixpip
                 else dst.ak_ptr()[at] = out;
             }
     const uint64_t bytes = uint64_t(p.ndNum) * p.mSize * p.nSize * sizeof(T);
-    detail::gm_cycles(dst.ak_ptr(), bytes, true, bytes);   /* counted as HBM or L2 traffic; timed at the Fixpipe's rate */
-    ak::core().issue(ak::FIX, AK_VEC_ISSUE + double(bytes) / AK_FIX_BYTES_PER_CYCLE, {src.slot()}, {});
+    detail::gm_cycles(dst.ak_ptr(), bytes, true, bytes);   /* counted as HBM or L2 traffic */
+    /* timed at the Fixpipe's rate; into HBM no faster than the core's share of it */
+    const double hbm = ak::gm_in_l2(dst.ak_ptr(), false) ? 0.0 : double(bytes) / AK_MTE_BYTES_PER_CYCLE;
+    ak::core().issue(ak::FIX, AK_VEC_ISSUE + std::max(double(bytes) / AK_FIX_BYTES_PER_CYCLE, hbm), {src.slot()}, {});
 }
 
 }  // namespace AscendC

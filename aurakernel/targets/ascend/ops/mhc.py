@@ -196,7 +196,8 @@ class MhcAscend(AscendKernel):
             nb, tok = min(g, -(-tpc // tr)), min(bgt, tpc)
             step_mte1 = (3 * m1 + nb) * issue + (3 * n16 * bk0 + tok * bk0) * e / p.mte1_bytes_per_cycle
             step_cube = 3 * issue + (nb * 16 * bk0 * 3 * n16 + 2 * n16 * bk0 * nb * 16) / p.cube_macs_16bit
-            step_fix = 2 * issue + (tok * bk0 + n * bk0) * 4 / p.fix_bytes_per_cycle
+            # dn into L2 at the Fixpipe's rate; d_fn's partial into HBM, no faster than the core's share
+            step_fix = 2 * issue + tok * bk0 * 4 / p.fix_bytes_per_cycle + n * bk0 * 4 / min(p.fix_bytes_per_cycle, rate)
             mine = -(-tok // 2)
             return {"MTE2": supers * (lat + 4 * n16 * tok * e / rate) + supers * tiles * (2 * lat + 2 * n16 * bk * e / l2)
                             + tpc * w * e / rate,
@@ -228,6 +229,15 @@ class MhcAscend(AscendKernel):
                 p.ub_usable, "per AIV: 8 tokens x bwd_groups x bwd_k x (2 dn + x, dy, dx twice + a fp32 row) + its scalars"),
         ]
         return Phase("backward", pipes, [fill, launch]), constraints
+
+    def head_col_tile(self, problem: Problem, col_tile: int) -> int:
+        """bwd_head's column tile: with the Cube backward 2048 (a whole 512 B-aligned multiple of 64 whose
+        HC x tile / 64 partial sums fold in one WholeReduceSum; fewer, larger copies of x and dy), capped
+        at the stream width rounded up to 512; else the vector backward's col_tile."""
+        if not self.cube_backward(problem):
+            return col_tile
+        hc, d = problem.shape[1], problem.shape[2]
+        return min(2048, -(-d // 512) * 512, 255 // hc * 64 // 512 * 512)
 
     @staticmethod
     def bwd_k0(nout: int, groups: int) -> int:
@@ -280,6 +290,7 @@ class MhcAscend(AscendKernel):
                 "cube_backward": self.cube_backward(problem), "bwd_groups": int(knobs.get("bwd_groups", 1)),
                 "bwd_k": int(knobs.get("bwd_k", 128)),
                 "bwd_k0": self.bwd_k0(self.spec.nout(hc), int(knobs.get("bwd_groups", 1))),
+                "head_col_tile": self.head_col_tile(problem, col_tile),
                 "bwd_prefetch": bwd["prefetch"], "bwd_in_buffers": bwd["in_buffers"],
                 "bwd_out_buffers": bwd["out_buffers"]}
 
