@@ -19,7 +19,7 @@ run: install
 	$(BIN)/aurakernel train --config trainer/configs/tiny.yaml --kernels plan.json --steps 20 --compare
 
 test: install
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=15 tests
 
 bench: install
 	$(BIN)/aurakernel bench --out docs/bench --readme README.md --baseline benchmarks/baseline.json

@@ -246,3 +246,34 @@ def cube_tile_cycles(m: int, n: int, k: int, elem_bytes: int, hw: HardwareProfil
                           mte1_b=b_loads * p.vec_issue + n16 * kc * elem_bytes / p.mte1_bytes_per_cycle,
                           cube=p.vec_issue + m16 * n16 * kc / rate,
                           fix=p.vec_issue + m * n * out_bytes / p.fix_bytes_per_cycle)
+
+
+class CubeCells:
+    """A Cube model's knob cells: `per_core(*cell)` gives the busiest AI core's cycles per pipe (and a
+    `tile` count where the fill is one tile's share) for one value of each of `knobs`; this turns
+    them into the model's Terms and Constraints."""
+
+    def __init__(self, knobs: tuple[str, ...], domains: dict[str, list[int]], per_core, hw: HardwareProfile):
+        self.knobs, self.domains, self.hw = knobs, domains, hw
+        self.per_core = per_core
+        self._clock = hw.clock_ghz * 1e9
+
+    def seconds(self, fn) -> Term:
+        """fn(*cell) cycles as seconds."""
+        return Term.of(self.knobs, self.domains, lambda *cell: fn(*cell) / self._clock)
+
+    def pipes(self, names: tuple[str, ...]) -> dict[str, list[Term]]:
+        return {pipe: [self.seconds(lambda *cell, pipe=pipe: self.per_core(*cell)[pipe])] for pipe in names}
+
+    def tile_fill(self) -> Term:
+        """One tile's share of every pipe: the fill and drain a pipelined loop adds to its slowest pipe."""
+        def fill(*cell):
+            c = self.per_core(*cell)
+            return sum(v for k, v in c.items() if k != "tile") / c["tile"]
+        return self.seconds(fill)
+
+    def launch(self) -> Term:
+        return Term.of(("cube_blocks",), self.domains, lambda bd: self.hw.call_overhead_us * 1e-6)
+
+    def cap(self, name: str, fn, limit: float, formula: str) -> Constraint:
+        return Constraint(name, Term.of(self.knobs, self.domains, fn), limit, formula)

@@ -17,7 +17,7 @@ from typing import ClassVar
 from ...ops.base import Problem, Tensors
 from ...parts import Part, Registry
 from ...planner.ascend import CubeWork, VectorWork
-from ...planner.model import ChoiceModel
+from ...planner.model import ChoiceModel, Constraint, Phase
 
 
 # operator name -> its kernel: the built-in ones (ops/__init__.py) and those registered from outside
@@ -63,6 +63,24 @@ class AscendKernel(Part, ABC):
         """For a kernel with Cube phases (a mixed launch), the tiling model of those (their knobs beside
         the row-wise model's, planned by the same solver); None: every phase is row-wise on the vector cores."""
         return None
+
+    def cube_backward(self, problem: Problem) -> bool:
+        """Whether the backward runs on the Cube too (then `backward_model` is a phase of cube_model)."""
+        return False
+
+    def backward_model(self, problem: Problem, hw, domains: dict) -> tuple[Phase, list[Constraint]]:
+        """The Cube backward's phase and its constraints (its knobs added to `domains`)."""
+        raise NotImplementedError(f"{self.spec.name}: no Cube backward")
+
+    def cube_choice_model(self, problem: Problem, hw, domains: dict, forward: Phase,
+                          constraints: list[Constraint]) -> ChoiceModel:
+        """cube_model's result: the forward's phase, and the backward's where it runs on the Cube."""
+        phases = [forward]
+        if self.cube_backward(problem):
+            backward, more = self.backward_model(problem, hw, domains)
+            phases.append(backward)
+            constraints = constraints + more
+        return ChoiceModel(domains, constraints, phases)
 
     def cube_floor(self, problem: Problem) -> dict[str, CubeWork]:
         """Per phase, the MACs of the matmuls its math needs, for a kernel that runs them on the Cube:

@@ -14,8 +14,8 @@ from ....errors import PlanInfeasible
 from ....hardware import HardwareProfile
 from ....ops.base import Problem, Tensors
 from ....ops.indexer_score import SPEC
-from ....planner.ascend import AscendRowPhase, CubeWork, align32, cube_cores, cube_tile_cycles, row_split
-from ....planner.model import ChoiceModel, Constraint, Phase, Term
+from ....planner.ascend import AscendRowPhase, CubeCells, CubeWork, align32, cube_cores, cube_tile_cycles, row_split
+from ....planner.model import ChoiceModel, Constraint, Phase
 from ..kernel import AscendKernel
 
 
@@ -109,21 +109,16 @@ class IndexerScoreAscend(AscendKernel):
                     "Vector": tc * key_tiles * mine * vec,
                     "AIV MTE3": tc * key_tiles * (lat + mine * kn * 4 / rate),
                     "tile": key_tiles * tc}
-        clock = hw.clock_ghz * 1e9
-        knobs = ("cube_rows", "cube_keys", "key_chunk", "cube_buffers")
+        cells = CubeCells(("cube_rows", "cube_keys", "key_chunk", "cube_buffers"), domains, per_core, hw)
+        cap = cells.cap
 
         def overlapped(pipe):   # with one q buffer the next tile's q load waits for this tile's Mmads
             def cycles(r, kn, ch, nb):
                 c = per_core(r, kn, ch, nb)
-                return (c[pipe] if nb == 2 or pipe != "MTE2" else c["MTE2"] + c["Cube"]) / clock
-            return [Term.of(knobs, domains, cycles)]
+                return c[pipe] if nb == 2 or pipe != "MTE2" else c["MTE2"] + c["Cube"]
+            return [cells.seconds(cycles)]
         pipes = {pipe: overlapped(pipe) for pipe in ("MTE2", "MTE1", "Cube", "FIX", "AIV MTE2", "Vector", "AIV MTE3")}
-        fill = Term.of(knobs, domains, lambda r, kn, ch, nb: sum(v for k, v in per_core(r, kn, ch, nb).items() if k != "tile")
-                       / per_core(r, kn, ch, nb)["tile"] / clock)
-        launch = Term.of(("cube_blocks",), domains, lambda bd: hw.call_overhead_us * 1e-6)
 
-        def cap(name, fn, limit, formula):
-            return Constraint(name, Term.of(knobs, domains, fn), limit, formula)
         def ub(r, kn, ch, nb):   # per AIV: its rows' products (2 slots), their score rows (2), w and its Brcb blocks
             mine = -(-r // 2)
             return (2 * mine * heads * kn * 4 + 2 * mine * kn * 4 + 2 * align32(mine * heads * 4) + align32((mine * heads + 8) * 4)
@@ -137,14 +132,10 @@ class IndexerScoreAscend(AscendKernel):
                 "(cube_buffers x M + key_chunk) x D x elem"),
             cap("UB capacity", ub, p.ub_usable, "2 x rows/2 x H x cube_keys fp32 products + 2 score tiles + w and its Brcb blocks"),
         ]
-        phases = [Phase("forward", pipes, [fill, launch])]
-        if self.cube_backward(problem):
-            bwd_phase, bwd_constraints = self._backward_model(problem, hw, domains)
-            phases.append(bwd_phase)
-            constraints += bwd_constraints
-        return ChoiceModel(domains, constraints, phases)
+        forward = Phase("forward", pipes, [cells.tile_fill(), cells.launch()])
+        return self.cube_choice_model(problem, hw, domains, forward, constraints)
 
-    def _backward_model(self, problem: Problem, hw: HardwareProfile, domains: dict) -> tuple[Phase, list[Constraint]]:
+    def backward_model(self, problem: Problem, hw: HardwareProfile, domains: dict) -> tuple[Phase, list[Constraint]]:
         """The Cube backward's tiling (bwd_rows query rows x bwd_keys keys per tile, every key in L1):
         per production the AIC's P, dq and dk Mmads with their loads and Fixpipes, the AIVs' read of P
         and g, coefficients and write of them; L0A / L0B / L0C each hold one of every operand."""
@@ -154,7 +145,6 @@ class IndexerScoreAscend(AscendKernel):
         domains["bwd_rows"] = [r for r in (1, 2, 4) if r <= seq and r * heads <= 4095]
         domains["bwd_keys"] = [k for k in (64, 128) if k <= keys64]
         domains["bwd_stream"] = [0, 1]   # 1: the keys stream through L1 a tile at a time (they do not fit it)
-        knobs = ("bwd_rows", "bwd_keys", "bwd_stream")
 
         @functools.cache
         def per_core(rows, kn, stream):
@@ -173,15 +163,9 @@ class IndexerScoreAscend(AscendKernel):
                     "FIX": n * (pt.fix + dk.fix) + tc * (issue + m * dim * e / p.fix_bytes_per_cycle),
                     "AIV MTE2": n * (2 * lat + mine * heads * kn * 4 / l2 + mine * kn * 4 / rate) + tc * (lat + mine * heads * 4 / rate),
                     "Vector": n * mine * vec, "AIV MTE3": n * (lat + mine * heads * kn * e / l2), "tile": n}
-        clock = hw.clock_ghz * 1e9
-        pipes = {pipe: [Term.of(knobs, domains, lambda r, kn, st, pipe=pipe: per_core(r, kn, st)[pipe] / clock)]
-                 for pipe in ("MTE2", "MTE1", "Cube", "FIX", "AIV MTE2", "Vector", "AIV MTE3")}
-        fill = Term.of(knobs, domains, lambda r, kn, st: sum(v for k, v in per_core(r, kn, st).items() if k != "tile")
-                       / per_core(r, kn, st)["tile"] / clock)
-        launch = Term.of(("cube_blocks",), domains, lambda bd: hw.call_overhead_us * 1e-6)
+        cells = CubeCells(("bwd_rows", "bwd_keys", "bwd_stream"), domains, per_core, hw)
+        cap = cells.cap
 
-        def cap(name, fn, limit, formula):
-            return Constraint(name, Term.of(knobs, domains, fn), limit, formula)
         def ub(r, kn, st):
             mine = -(-r // 2)
             return (2 * mine * heads * kn * 4 + 2 * mine * kn * 4 + 2 * align32(mine * heads * 4) + 2 * mine * heads * kn * e
@@ -199,7 +183,8 @@ class IndexerScoreAscend(AscendKernel):
                 p.l1_usable, "(M x D + (every key, or 2 streamed key tiles) x D + 2 x M x bwd_keys) x elem"),
             cap("backward UB capacity", ub, p.ub_usable, "per AIV: 2 P and g tiles, 2 coef tiles, w, work tiles, the dk conversion"),
         ]
-        return Phase("backward", pipes, [fill, launch]), constraints
+        pipes = cells.pipes(("MTE2", "MTE1", "Cube", "FIX", "AIV MTE2", "Vector", "AIV MTE3"))
+        return Phase("backward", pipes, [cells.tile_fill(), cells.launch()]), constraints
 
     def cube_floor(self, problem: Problem) -> dict[str, CubeWork]:
         batch, seq, heads, dim, keys = problem.shape

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import struct
+from dataclasses import dataclass
 
 import torch
 
@@ -25,8 +26,9 @@ from ....errors import PlanInfeasible
 from ....hardware import HardwareProfile
 from ....ops.base import Problem, Tensors
 from ....ops.mhc import EPS, HEAD, ITERS, PRE
-from ....planner.ascend import AscendRowPhase, CubeWork, VectorWork, cast_passes, align32 as a32, cube_cores, row_split
-from ....planner.model import ChoiceModel, Constraint, Phase, Term
+from ....planner.ascend import (AscendRowPhase, CubeCells, CubeWork, VectorWork, cast_passes, align32 as a32, cube_cores,
+                                row_split)
+from ....planner.model import ChoiceModel, Constraint, Phase
 from ....planner.schedule import phase_schedule
 from ..kernel import AscendKernel
 
@@ -41,6 +43,23 @@ def fn_parts(fn: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     for p, part in enumerate(parts):
         out[p, :fn.shape[0]] = part.to(dtype)
     return out
+
+
+@dataclass(frozen=True)
+class _CubeFigures:
+    """What both Cube models start from: the shape, the element size, W = HC x D, NOUT (and rounded up
+    to whole fractals), the tokens per group, the busiest AI core's tokens, the AI cores and their pipes."""
+    rows: int
+    hc: int
+    d: int
+    e: int
+    w: int
+    n: int
+    n16: int
+    tr: int
+    tpc: int
+    cores: int
+    p: object
 
 
 class MhcAscend(AscendKernel):
@@ -114,53 +133,46 @@ class MhcAscend(AscendKernel):
         16 x 16 fractals only); fp32 keeps the backward on the vector cores."""
         return problem.dtype.itemsize == 2
 
+    def _cube_figures(self, problem: Problem, hw: HardwareProfile) -> _CubeFigures:
+        rows, hc, d = problem.shape
+        cores, n = cube_cores(hw), self.spec.nout(hc)
+        return _CubeFigures(rows, hc, d, problem.dtype.itemsize, hc * d, n, -(-n // 16) * 16, self.ROW_BLOCK,
+                            -(-rows // min(rows, cores)), cores, hw.ascend_pipes(cores))
+
     def cube_model(self, problem: Problem, hw: HardwareProfile) -> ChoiceModel:
         """The forward's AI cores: per super-tile (cube_groups x 16 tokens) and L1 chunk (cube_k columns
         of W) fn's parts and the tokens' x rows into L1; per Mmad step (cube_k0 columns) their fractals
         into L0A / L0B and the two Mmads; per super-tile the Fixpipes into the workspace and the AIVs'
         head and second pass over x (from L2). Objective: per core the slowest pipe, plus the last
         super-tile's vector work (nothing overlaps it) and the launch."""
-        rows, hc, d = problem.shape
-        e = problem.dtype.itemsize
-        w, n, tr = hc * d, self.spec.nout(hc), self.ROW_BLOCK
-        cores = cube_cores(hw)
-        p = hw.ascend_pipes(cores)
+        f = self._cube_figures(problem, hw)
+        e, w, n, n16, tr, tpc, cores, p = f.e, f.w, f.n, f.n16, f.tr, f.tpc, f.cores, f.p
         lat, rate, l2, issue = p.mte_latency, p.mte_bytes_per_cycle, p.l2_bytes_per_cycle, p.vec_issue
         parts, c0 = (1 if e == 4 else 2), 32 // e
-        n16 = -(-n // 16) * 16
         macs = p.cube_macs_fp32 if e == 4 else p.cube_macs_16bit
-        tpc = -(-rows // min(rows, cores))    # tokens of the busiest AI core
         groups = -(-tpc // tr)
         domains = {"cube_groups": [g for g in self.CUBE_GROUPS if g <= max(1, groups)] or [1],
                    "cube_k": [k for k in (512, 1024, 2048, 4096) if k < 2 * w],
                    "cube_k0": [64, 128, 256],
                    "cube_blocks": [cores]}
-        knobs = ("cube_groups", "cube_k", "cube_k0")
 
         @functools.cache   # every pipe's term and the fill read the same cell
         def per_core(g, k1, k0):
             supers, gt = -(-tpc // (g * tr)), g * tr
             chunks, steps = -(-w // k1), -(-min(k1, w) // k0)
-            kbs = k0 // c0
             ng = min(g, groups)
             step_mte1 = (parts * n16 // 16 + ng + 1) * issue + (parts * n16 + 2 * ng * 16) * k0 * e / p.mte1_bytes_per_cycle
             step_cube = parts * (issue + n16 * ng * 16 * k0 / macs) + issue + (ng * 16) ** 2 * k0 / macs
             # an AIV's half of a super-tile: the head (issue-bound: ~400 instructions on its vectors), x
             # again from L2, y out, a cast and an Axpy per element
-            aiv = 400 * issue + -(-ng * tr // 2) * (w * e / l2 + d * e / rate + 2 * w / 64) + 2 * lat
+            aiv = 400 * issue + -(-ng * tr // 2) * (w * e / l2 + f.d * e / rate + 2 * w / 64) + 2 * lat
             return {"MTE2": supers * chunks * (parts * (lat + n * min(k1, w) * e / l2) + lat) + tpc * w * e / rate,
                     "MTE1": supers * chunks * steps * step_mte1,
                     "Cube": supers * chunks * steps * step_cube,
                     "FIX": supers * (2 * issue + (n * gt + gt * gt) * 4 / p.fix_bytes_per_cycle),
                     "AIV": supers * aiv, "last": aiv, "gt": gt}
-        clock = hw.clock_ghz * 1e9
-        pipes = {pipe: [Term.of(knobs, domains, lambda g, k1, k0, pipe=pipe: per_core(g, k1, k0)[pipe] / clock)]
-                 for pipe in ("MTE2", "MTE1", "Cube", "FIX", "AIV")}
-        fill = Term.of(knobs, domains, lambda g, k1, k0: per_core(g, k1, k0)["last"] / clock)
-        launch = Term.of(("cube_blocks",), domains, lambda bd: hw.call_overhead_us * 1e-6)
-
-        def cap(name, fn, limit, formula):
-            return Constraint(name, Term.of(knobs, domains, fn), limit, formula)
+        cells = CubeCells(("cube_groups", "cube_k", "cube_k0"), domains, per_core, hw)
+        cap = cells.cap
         l2_bytes = hw.memory["L2"].capacity if "L2" in hw.memory else 0
         constraints = [
             cap("L1 capacity", lambda g, k1, k0: 2 * (parts * n16 + g * tr) * k1 * e, p.l1_usable,
@@ -177,29 +189,21 @@ class MhcAscend(AscendKernel):
             cap("L2 reuse", lambda g, k1, k0: 2 * cores * g * tr * w * e, l2_bytes / 2,
                 "2 x AI cores x cube_groups x 16 x W x elem <= L2 / 2"),
         ]
-        phases = [Phase("forward", pipes, [fill, launch])]
-        if self.cube_backward(problem):
-            bwd_phase, bwd_constraints = self._backward_model(problem, hw, domains)
-            phases.append(bwd_phase)
-            constraints += bwd_constraints
-        return ChoiceModel(domains, constraints, phases)
+        forward = Phase("forward", cells.pipes(("MTE2", "MTE1", "Cube", "FIX", "AIV")),
+                        [cells.seconds(lambda *cell: per_core(*cell)["last"]), cells.launch()])
+        return self.cube_choice_model(problem, hw, domains, forward, constraints)
 
-    def _backward_model(self, problem: Problem, hw: HardwareProfile, domains: dict) -> tuple[Phase, list[Constraint]]:
+    def backward_model(self, problem: Problem, hw: HardwareProfile, domains: dict) -> tuple[Phase, list[Constraint]]:
         """The Cube backward's tiling: super-tiles of bwd_groups x 16 tokens, column tiles of bwd_k (fn's
         parts and x into L1 once per tile; Mmad steps of bwd_k0 columns, bwd_k0): per tile the AIC's loads,
         the dn and d_fn Mmads and their Fixpipes; the AIVs' read of dn, x and dy (one copy each per tile)
         and dx = rstd dn + pre dy - k x. Objective: the slowest pipe, plus one tile's fill and the launch."""
-        rows, hc, d = problem.shape
-        e = problem.dtype.itemsize
-        w, n, tr = hc * d, self.spec.nout(hc), self.ROW_BLOCK
-        cores = cube_cores(hw)
-        p = hw.ascend_pipes(cores)
+        f = self._cube_figures(problem, hw)
+        e, hc, d, w, n, n16, tr, tpc, p = f.e, f.hc, f.d, f.w, f.n, f.n16, f.tr, f.tpc, f.p
         lat, rate, l2, issue = p.mte_latency, p.mte_bytes_per_cycle, p.l2_bytes_per_cycle, p.vec_issue
-        n16, tpc = -(-n // 16) * 16, -(-rows // min(rows, cores))
         m1 = n16 // 16
         domains["bwd_groups"] = [g for g in (1, 2, 3, 4) if g == 1 or (g - 1) * tr < tpc]
         domains["bwd_k"] = [k for k in (128, 256, 512, 1024) if k == 128 or k // 2 < d]
-        knobs = ("bwd_groups", "bwd_k")
 
         @functools.cache
         def per_core(g, bk):
@@ -219,15 +223,8 @@ class MhcAscend(AscendKernel):
                     "AIV MTE2": supers * tiles * (3 * lat + mine * bk * (4 / l2 + e / l2 + e / rate)),
                     "AIV MTE3": supers * tiles * (lat + mine * bk * e / rate),
                     "Vector": supers * tiles * (mine * bk * 8 / 64 + issue * (8 + 3 * bk / 64)), "tile": supers * tiles}
-        clock = hw.clock_ghz * 1e9
-        pipes = {pipe: [Term.of(knobs, domains, lambda g, bk, pipe=pipe: per_core(g, bk)[pipe] / clock)]
-                 for pipe in ("MTE2", "MTE1", "Cube", "FIX", "AIV MTE2", "AIV MTE3", "Vector")}
-        fill = Term.of(knobs, domains, lambda g, bk: sum(v for k, v in per_core(g, bk).items() if k != "tile")
-                       / per_core(g, bk)["tile"] / clock)
-        launch = Term.of(("cube_blocks",), domains, lambda bd: hw.call_overhead_us * 1e-6)
-
-        def cap(name, fn, limit, formula):
-            return Constraint(name, Term.of(knobs, domains, fn), limit, formula)
+        cells = CubeCells(("bwd_groups", "bwd_k"), domains, per_core, hw)
+        cap = cells.cap
         constraints = [
             cap("backward L1 capacity", lambda g, bk: (4 * n16 * g * tr + 2 * (2 * n16 + g * tr) * bk) * e, p.l1_usable,
                 "(4 NOUT16 x 16 bwd_groups + 2 x (2 NOUT16 + 16 bwd_groups) x bwd_k) x elem"),
@@ -240,7 +237,8 @@ class MhcAscend(AscendKernel):
             cap("backward UB capacity", lambda g, bk: g * tr // 2 * bk * (2 * 4 + 6 * e + 4) + (hc + 2) * g * tr // 2 * 36,
                 p.ub_usable, "per AIV: 8 tokens x bwd_groups x bwd_k x (2 dn + x, dy, dx twice + a fp32 row) + its scalars"),
         ]
-        return Phase("backward", pipes, [fill, launch]), constraints
+        pipes = cells.pipes(("MTE2", "MTE1", "Cube", "FIX", "AIV MTE2", "AIV MTE3", "Vector"))
+        return Phase("backward", pipes, [cells.tile_fill(), cells.launch()]), constraints
 
     def head_col_tile(self, problem: Problem, col_tile: int) -> int:
         """bwd_head's column tile: with the Cube backward 2048 (a whole 512 B-aligned multiple of 64 whose

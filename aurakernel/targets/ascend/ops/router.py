@@ -1,4 +1,17 @@
-"""The AscendC kernel of router (templates/ascendc/): its planner phases, template values and emulator run."""
+"""The AscendC kernel of router (templates/ascendc/): its planner phases, template values and emulator run.
+
+Where the time goes (ascend910b2, 8192 x 256 experts, top-6, bf16; 171 rows per vector core; emulator
+cycles per core):
+- forward (~22k cycles against an HBM bound of ~5.3k): the vector unit. Selection sorts only the
+  members of each row's top K + 1 groups (96 structures of 256, was 256 + two merges: 22.8k -> 18.7k
+  cycles), but the NPU's sorting and gathering instructions (Sort32, MrgSort, Gather) run at the
+  slow-op rate per 256 B they write (the emulator's estimate): ~45 cycles a row for selection alone
+  against the ~31 a row of its HBM share, then ~40 a row for the tail on [rows][32 B] compact tiles
+  (ascending order, weights, tie flag: issue-bound, 12 cycles an instruction).
+- backward (~18k cycles against ~10k): the scatter of each row's K gradients on the scalar unit
+  (K reads of the expert ids, K of the gradients, K writes: ~73 cycles a row). A2/A3 have no vector
+  Scatter (the documented one is Ascend 950's), so this is the floor of the scatter here.
+"""
 
 from __future__ import annotations
 
@@ -41,24 +54,36 @@ class RouterAscend(AscendKernel):
             fwd = AscendRowPhase("forward", 1, 0, idx_bytes + 5 * lanes * 4 + lanes * e + lanes, lanes * e, 0, 0,
                                  fast_ops_per_elem=22 * lanes * 4 / 256 / repeats,
                                  slow_ops_per_elem=5 * lanes * 4 / 256 / repeats, instrs_per_chunk=0)
-        else:   # Sort32 in chunks of 8 rows (v, the expert ids and the sorted structures: resident), each
-            # list's top Q, the merges' lists and the final top 4Q per row; per row the compact tiles and tables
+        else:   # per row v = s + bias (fp32), its 32 group maxima and their sorted structures, the CW
+            # candidates (two tables, the expert, its byte offset, value and sorted structure), the merge
+            # queues and final lists (4Q structures each); the compact tiles and tables of the tail
             vp = -(-experts // 128) * 128
             q = -(-(top_k + 1) // 4) * 4
-            groups = vp // 128
-            sort_rows = 8
-            per_row = (vp // 32) * q * 8 + (groups * 4 * q * 8 if groups > 1 else 0) + 2 * 4 * q * 8
-            per_row += (2 + 32 + idx_bytes // 4) * 4 + 2 * 32 * 4 + 32 * 8 + idx_bytes + 3 * lanes * 4 + 16
-            fwd = AscendRowPhase("forward", 1, 0, per_row, idx_bytes + lanes * e + 1,
-                                 vp * 4 + sort_rows * vp * 16 + 288, 0,
-                                 fast_ops_per_elem=2 + q / 32 + 30 * lanes * 4 / 256 / repeats,
-                                 slow_ops_per_elem=2 + 2 * q / 32 * (2 if groups > 1 else 1), instrs_per_chunk=0,
-                                 instrs_per_tile=40)
+            cw = self.candidates(experts, top_k)
+            scratch = vp * 4 + (64 + 32) * 4 + 32 * 8 + cw * (6 * 4 + 8) + 32 * 4 + 2 * 4 * q * 8
+            scratch += (2 + 32 + idx_bytes // 4) * 4 + 2 * 32 * 4 + 32 * 8 + idx_bytes + 3 * lanes * 4 + 16 + vp // 64 * 4
+            # per element of a row: cast, bias, the NaN sum, the maxima (fast); at the slow rate per 256 B
+            # written: the maxima's and the tail's Sort32, the two Gathers and Sort32 of the candidates, the merge.
+            # The scratch (one per tile row, not queued) as whole fp32 rows of E
+            fwd = AscendRowPhase("forward", 1, 0, 0, idx_bytes + lanes * e + 1, vp * 4 + 288, 0,
+                                 fast_ops_per_elem=4 + 4 * cw / experts + 30 * lanes * 4 / 256 / repeats,
+                                 slow_ops_per_elem=(128 + 4 * cw + 8 * q) / experts, instrs_per_chunk=0,
+                                 f32_tiles=-(-scratch // (experts * 4)), instrs_per_tile=50)
         # logits in, d logits out; index and d weights in; 8 compact fp32 tiles
         bwd = AscendRowPhase("backward", 1, 1, idx_bytes + 32 + 8 * lanes * 4, 0, 0, 0,
                              fast_ops_per_elem=30 * lanes * 4 / 256 / repeats + 1,
                              slow_ops_per_elem=8 * lanes * 4 / 256 / repeats, instrs_per_chunk=0)
         return [fwd, bwd]
+
+    @staticmethod
+    def candidates(experts: int, top_k: int) -> int:
+        """The top-k kernel's candidates per row: the members (VP / 32 each) of its top G groups, G >= K + 1
+        and G x members a multiple of 32 (whole Sort32 lists)."""
+        members = -(-experts // 128) * 128 // 32
+        groups = top_k + 1
+        while groups * members % 32:
+            groups += 1
+        return groups * members
 
     def vector_floor(self, problem: Problem) -> dict[str, VectorWork]:
         """Per logit: the cast, the bias (top-k) and one pass of a selection (no selection reads a
@@ -74,8 +99,9 @@ class RouterAscend(AscendKernel):
         if top_k > 32 // problem.dtype.itemsize:
             raise UserError(f"router on AscendC: top_k {top_k} > {32 // problem.dtype.itemsize} "
                             f"(a row's experts are kept in 32 B of {problem.dtype.value})")
-        if problem.variant != "hash" and experts > 512:   # one merge of the lists' tops past the first
-            raise UserError(f"router on AscendC: {experts} experts; the top-k kernel takes up to 512")
+        if problem.variant != "hash" and self.candidates(experts, top_k) > 128:   # one merge of four candidate lists
+            raise UserError(f"router on AscendC: top-{top_k} of {experts} experts; the top-k kernel sorts the members "
+                            f"of a row's top k + 1 groups (experts / 32 each), at most 128 (e.g. top-7 of 512, top-15 of 256)")
         return {"dtype": problem.dtype, "experts": int(experts), "top_k": int(top_k), "hash": problem.variant == "hash",
                 "scale": float(SCALE), "tile_rows": int(knobs["tile_rows"]), "buffers": int(knobs["buffers"]),
                 "block_dim": int(knobs["block_dim"])}
