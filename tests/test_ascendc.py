@@ -80,7 +80,7 @@ def test_router_flags_exactly_the_rows_whose_kth_and_next_scores_tie(tmp_path):
     spec, kernel = OPS["router"], ascend.kernel_of(OPS["router"])
     problem = spec.problem("120x256x6", "bf16", "topk")
     knobs = ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs").knobs
-    emu = ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, tmp_path), HW, knobs["block_dim"])
+    emu = ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, tmp_path), HW)
     logits = (torch.randn(120, 256, generator=torch.Generator().manual_seed(0)) * 3).to(torch.bfloat16)
     scores, bias = ACT2FN["sqrtsoftplus"](logits), torch.zeros(256)
     indices, weights, tie, report = kernel.select(problem, knobs, scores, bias, emu)
@@ -124,7 +124,7 @@ def test_mhc_forward_on_the_cube_reads_x_once_from_hbm(tmp_path):
              "cube_blocks": 3}
     inputs = spec.make_inputs(problem, 0)
     ref = spec.reference(problem, inputs)
-    emu = ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, tmp_path), HW, knobs["block_dim"])
+    emu = ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, tmp_path), HW)
     x = inputs["x"]
     rows, hc, d = x.shape
     n, gt = spec.nout(hc), 16
@@ -139,7 +139,7 @@ def test_mhc_forward_on_the_cube_reads_x_once_from_hbm(tmp_path):
                 to_bytes(inputs["scale"].float()), to_bytes(y), to_bytes(post), to_bytes(comb),
                 to_bytes(torch.zeros(n, rows)), to_bytes(torch.zeros(rows)),
                 to_bytes(torch.full((blocks * 2 * (n + gt) * gt,), float("nan"))), bytearray(tiling)]
-        exe = emu.exe("ak_mhc_pre_fwd", 11, cores="mix_1_2", block_dim=blocks, l2_args=(1, 9), l2_vector_reads=marked)
+        exe = emu.exe("ak_mhc_pre_fwd", 11, cores="mix_1_2", l2_args=(1, 9), l2_vector_reads=marked)
         report = emulator.run(exe, blocks, bufs)
         assert report.ok, report.errors
         torch.testing.assert_close(from_bytes(bufs[4], y).float(), ref["y"].float(), rtol=1.6e-2, atol=2e-2)
@@ -162,7 +162,7 @@ def test_mhc_cube_kernels_over_several_super_tiles_per_ai_core(op, tmp_path):
     problem = spec.problem("75x4x4096", "bf16", "default")
     knobs = {**ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs").knobs,
              "cube_blocks": 3, "cube_groups": 1, "bwd_groups": 1}
-    emu = ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, tmp_path), HW, knobs["block_dim"])
+    emu = ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, tmp_path), HW)
     result = ascend.verify(spec, [problem], knobs, emu, seeds=(0,))
     assert result.passed, result.summary
     assert {"grad_x", "grad_fn"} <= {c.tensor for c in result.checks}
@@ -283,7 +283,7 @@ ON_THE_CUBE = {"sync: FIX reads", "L0A capacity", "512 B alignment", "Mmad: m 50
 @pytest.mark.parametrize("rule", list(BROKEN))
 def test_each_hardware_rule_trips_on_a_broken_kernel(rule):
     source = KERNEL_HEAD + "    " + BROKEN[rule] + "\n}\n"
-    exe = emulator.build(source, entry="k", nargs=2, hw=HW, block_dim=2, cores="aic" if rule in ON_THE_CUBE else "aiv")
+    exe = emulator.build(source, entry="k", nargs=2, hw=HW, cores="aic" if rule in ON_THE_CUBE else "aiv")
     report = emulator.run(exe, 2, [bytearray(256), bytearray(256)])
     assert not report.ok
     assert rule.split(":")[0] in report.errors[0], report.errors
@@ -296,8 +296,8 @@ def test_the_header_exposes_only_what_an_npu_build_has():
     compile, so it fails here too (the router's -inf is a builtin)."""
     for name, use in (("INFINITY", "INFINITY"), ("expf", "expf(1.0f)"), ("exp", "std::exp(1.0f)")):
         with pytest.raises(emulator.BuildError, match=name):
-            emulator.build(KERNEL_HEAD + f"    float v = {use}; (void)v;\n}}\n", entry="k", nargs=2, hw=HW, block_dim=1)
-    emulator.build(KERNEL_HEAD + "    float v = -__builtin_inff(); (void)v;\n}\n", entry="k", nargs=2, hw=HW, block_dim=1)
+            emulator.build(KERNEL_HEAD + f"    float v = {use}; (void)v;\n}}\n", entry="k", nargs=2, hw=HW)
+    emulator.build(KERNEL_HEAD + "    float v = -__builtin_inff(); (void)v;\n}\n", entry="k", nargs=2, hw=HW)
 
 
 # the templates' PipeWait (templates/ascendc/_kernel_common.h.j2), for the kernels below
@@ -310,7 +310,7 @@ PIPE_WAIT = """template <HardEvent E> void PipeWait() {
 def _run_kernel(body: str, x: bytearray, block_dim: int = 1, batch_mode: bool = False):
     y = bytearray(256)
     source = KERNEL_HEAD.replace('extern "C"', PIPE_WAIT + 'extern "C"', 1) + body + "\n}\n"
-    exe = emulator.build(source, entry="k", nargs=2, hw=HW, block_dim=block_dim, batch_mode=batch_mode)
+    exe = emulator.build(source, entry="k", nargs=2, hw=HW, batch_mode=batch_mode)
     return emulator.run(exe, block_dim, [x, y]), y
 
 
@@ -364,7 +364,7 @@ def test_sort32_and_mrgsort_order_as_documented():
     DataCopy(yg[256], merged, 64);
 }
 """
-    exe = emulator.build(source, entry="k", nargs=2, hw=HW, block_dim=1)
+    exe = emulator.build(source, entry="k", nargs=2, hw=HW)
     report = emulator.run(exe, 1, [bytearray(struct.pack("<128f", *scores)), out])
     assert report.ok, report.errors
 
@@ -464,7 +464,7 @@ def test_a_matmul_through_l1_l0_mmad_and_fixpipe_matches_torch(m, n, k, dtype, t
     source = CUBE_MATMUL.format(t="bfloat16_t" if dtype == "bf16" else "float", to="bfloat16_t" if dtype == "bf16" else "float",
                                 m=m, n=n, k=k, transpose="true" if transpose else "false", passes=passes,
                                 relu="true" if relu else "false", quant="F322BF16" if dtype == "bf16" else "NoQuant")
-    exe = emulator.build(source, entry="k", nargs=3, hw=HW, block_dim=1, cores="aic")
+    exe = emulator.build(source, entry="k", nargs=3, hw=HW, cores="aic")
     b_gm = b if transpose else b.t().contiguous()
     out = torch.full((m, n), float("nan")).to(tdt)
     bufs = [emulator.to_bytes(a.contiguous()), emulator.to_bytes(b_gm), emulator.to_bytes(out)]
@@ -486,7 +486,7 @@ def test_what_does_not_compile_on_the_npu_does_not_compile_here():
                       ("DataCopyExtParams", "DataCopyExtParams p(1, 32, 0, 0); (void)p;")):
         with pytest.raises(emulator.BuildError, match=name):
             emulator.build(KERNEL_HEAD + f"    TBuf<TPosition::VECCALC> b; pipe.InitBuffer(b, 256); {use}\n}}\n",
-                           entry="k", nargs=2, hw=HW, block_dim=1)
+                           entry="k", nargs=2, hw=HW)
 
 
 def test_data_copy_pad_places_the_left_padding_before_the_data():
@@ -570,7 +570,7 @@ def test_correct_kernel_passes_and_counts_pipes():
 }
 """
     import struct
-    exe = emulator.build(source, entry="k", nargs=2, hw=HW, block_dim=1)
+    exe = emulator.build(source, entry="k", nargs=2, hw=HW)
     x = bytearray(struct.pack("<64f", *range(64)))
     y = bytearray(256)
     report = emulator.run(exe, 1, [x, y])
@@ -736,7 +736,7 @@ def _mix_run(source: str, block_dim: int = 2, cores: str = "mix_1_2", l2_args=()
     import torch
     g = torch.Generator().manual_seed(7)
     a, b = torch.randn(16, 32, generator=g).half(), torch.randn(16, 32, generator=g).half()
-    exe = emulator.build(source.replace("using namespace AscendC;\n", "using namespace AscendC;\n" + PIPE_WAIT, 1), entry="k", nargs=4, hw=HW, block_dim=block_dim,
+    exe = emulator.build(source.replace("using namespace AscendC;\n", "using namespace AscendC;\n" + PIPE_WAIT, 1), entry="k", nargs=4, hw=HW,
                          cores=cores, l2_args=l2_args)
     bufs = [emulator.to_bytes(a), emulator.to_bytes(b), bytearray(block_dim * 1024), bytearray(block_dim * 1024)]
     return emulator.run(exe, block_dim, bufs, timeout_s=60), a.float() @ b.float().t(), bufs[3]
@@ -800,7 +800,7 @@ def test_indexer_backward_streams_keys_that_do_not_fit_l1():
     problem = spec.problem("2x27x64x128x261", "bf16")
     knobs = dict(ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs").knobs, bwd_stream=1)
     with tempfile.TemporaryDirectory() as tmp:
-        emu = ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, Path(tmp)), HW, knobs["block_dim"])
+        emu = ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, Path(tmp)), HW)
         result = ascend.verify(spec, [problem], knobs, emu, seeds=(0,))
     assert result.passed, result.summary
     assert {c.tensor for c in result.checks} >= {"y", "grad_q", "grad_k", "grad_hidden", "grad_proj"}

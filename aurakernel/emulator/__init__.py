@@ -1,7 +1,7 @@
 """AuraKernel's emulator of the AscendC kernel API: build a kernel against include/kernel_operator.h
 with g++, run every block on the CPU, and read back outputs, per-pipe counters and rule errors.
 
-    exe = build(kernel_source, entry="rms_norm_fwd", nargs=6, hw=profile, block_dim=48)
+    exe = build(kernel_source, entry="rms_norm_fwd", nargs=6, hw=profile)
     report = run(exe, block_dim=48, buffers=[x_bytes, gamma_bytes, ...])   # buffers updated in place
 
 A build's `cores` is its launch: per block one vector core ("aiv", the default), one Cube core
@@ -51,11 +51,14 @@ def compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
 
 
-def pipe_defines(hw: HardwareProfile, block_dim: int) -> dict[str, float]:
-    """The emulator's compile-time figures for `hw` (HardwareProfile.ascend_pipes: the planner's too)."""
-    p = hw.ascend_pipes(block_dim)
+def pipe_defines(hw: HardwareProfile) -> dict[str, float]:
+    """The emulator's compile-time figures for `hw` (HardwareProfile.ascend_pipes: the planner's too);
+    the HBM share of a core follows from the launch's block count at run time."""
+    p = hw.ascend_pipes(1)   # one block: the core's own MTE limit (the whole HBM is no limit to it)
     return {"AK_UB_BYTES": int(hw.memory["UB"].capacity), "AK_UB_USABLE": p.ub_usable,
-            "AK_MTE_BYTES_PER_CYCLE": p.mte_bytes_per_cycle, "AK_MTE_LATENCY": p.mte_latency,
+            "AK_MTE_CORE_BYTES_PER_CYCLE": p.mte_bytes_per_cycle,
+            "AK_HBM_BYTES_PER_CYCLE": hw.memory["HBM"].bandwidth_gbps / hw.clock_ghz,
+            "AK_VECTOR_CORES": int(hw.cores), "AK_MTE_LATENCY": p.mte_latency,
             "AK_VEC_ISSUE": p.vec_issue, "AK_VEC_SLOW_FACTOR": p.vec_slow_factor, "AK_SCALAR_OP": p.scalar_op,
             "AK_L1_USABLE": p.l1_usable, "AK_L0A_BYTES": p.l0a_bytes, "AK_L0B_BYTES": p.l0b_bytes, "AK_L0C_BYTES": p.l0c_bytes,
             "AK_CUBE_MACS_16BIT": p.cube_macs_16bit, "AK_CUBE_MACS_FP32": p.cube_macs_fp32,
@@ -63,8 +66,7 @@ def pipe_defines(hw: HardwareProfile, block_dim: int) -> dict[str, float]:
             "AK_L2_BYTES_PER_CYCLE": p.l2_bytes_per_cycle}
 
 
-def build(kernel_source: str, *, entry: str, nargs: int, hw: HardwareProfile, block_dim: int,
-          include_dirs: tuple[Path, ...] = (), batch_mode: bool = False, cores: str = "aiv",
+def build(kernel_source: str, *, entry: str, nargs: int, hw: HardwareProfile, include_dirs: tuple[Path, ...] = (), batch_mode: bool = False, cores: str = "aiv",
           l2_args: tuple[int, ...] = (), l2_vector_reads: tuple[int, ...] = ()) -> Path:
     """Compile kernel + runner into an executable (cached by content hash); BuildError on failure.
     `batch_mode`: the launch's schedule mode (the tiling's SetScheduleMode(1)), which SyncAll needs;
@@ -82,7 +84,7 @@ def build(kernel_source: str, *, entry: str, nargs: int, hw: HardwareProfile, bl
     cxx = compiler()
     if cxx is None:
         raise BuildError("no C++ compiler found for the AscendC emulator (set CXX or install g++)")
-    defines = {**pipe_defines(hw, block_dim), "AK_KERNEL": entry, "AK_BATCH_MODE": int(bool(batch_mode)),
+    defines = {**pipe_defines(hw), "AK_KERNEL": entry, "AK_BATCH_MODE": int(bool(batch_mode)),
                "AK_AIC_PER_BLOCK": CORES[cores][0], "AK_AIV_PER_BLOCK": CORES[cores][1],
                "AK_L2_ARGS": sum(1 << i for i in set(l2_args)),
                "AK_L2_VECTOR_READS": sum(1 << i for i in set(l2_vector_reads)),

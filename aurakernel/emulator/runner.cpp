@@ -209,6 +209,7 @@ double sync_all(bool aiv_only, double at) {
 int main(int argc, char** argv) {
     if (argc != 4) { fprintf(stderr, "usage: runner <blockDim> <dir> <nargs>\n"); return 2; }
     const int block_dim = atoi(argv[1]);
+    ak::set_launch_blocks(block_dim);
     const std::string dir = argv[2];
     const int nargs = atoi(argv[3]);
     for (int i = 0; i < nargs; ++i) g_bufs.push_back(map_arg(dir + "/arg" + std::to_string(i) + ".bin"));

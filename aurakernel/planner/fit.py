@@ -466,7 +466,7 @@ def ascend_samples(target: str, n: int, seed: int = 0, progress=None) -> tuple[l
         try:
             with tempfile.TemporaryDirectory(prefix=f"ak-fit-{spec.name}-") as tmp:
                 project = ascend.render_project(spec, problem, knobs, Path(tmp))
-                reports = ascend.emulate(spec, problem, knobs, ascend.Emulated(spec, project, hw, knobs["block_dim"]))
+                reports = ascend.emulate(spec, problem, knobs, ascend.Emulated(spec, project, hw))
         except BuildError:
             failed["emulator build failed"] += 1
             continue

@@ -43,12 +43,15 @@
 #include <utility>
 
 // The target's figures come from its profile (aurakernel/emulator/__init__.py: pipe_defines):
-// UB bytes and the part below the reserved top, and the cycle costs of the pipes.
-#if !defined(AK_UB_BYTES) || !defined(AK_UB_USABLE) || !defined(AK_MTE_BYTES_PER_CYCLE) || !defined(AK_MTE_LATENCY) || \
+// UB bytes and the part below the reserved top, and the cycle costs of the pipes. A core's MTE rate to
+// HBM is its share of the chip's (AK_HBM_BYTES_PER_CYCLE over the launch's blocks, at most
+// AK_VECTOR_CORES of them), capped by the core's own (AK_MTE_CORE_BYTES_PER_CYCLE): the runner sets
+// it from the launch's block count, so one build serves every launch.
+#if !defined(AK_UB_BYTES) || !defined(AK_UB_USABLE) || !defined(AK_MTE_CORE_BYTES_PER_CYCLE) || !defined(AK_MTE_LATENCY) || \
     !defined(AK_VEC_ISSUE) || !defined(AK_VEC_SLOW_FACTOR) || !defined(AK_SCALAR_OP) || !defined(AK_L1_USABLE) || \
     !defined(AK_L0A_BYTES) || !defined(AK_L0B_BYTES) || !defined(AK_L0C_BYTES) || !defined(AK_CUBE_MACS_16BIT) || \
     !defined(AK_CUBE_MACS_FP32) || !defined(AK_MTE1_BYTES_PER_CYCLE) || !defined(AK_FIX_BYTES_PER_CYCLE) || \
-    !defined(AK_L2_BYTES_PER_CYCLE)
+    !defined(AK_L2_BYTES_PER_CYCLE) || !defined(AK_HBM_BYTES_PER_CYCLE) || !defined(AK_VECTOR_CORES)
 #error "build through aurakernel.emulator.build: it defines the target's AK_* figures"
 #endif
 
@@ -199,6 +202,12 @@ struct Core {
 };
 
 inline thread_local Core* current = nullptr;
+// a core's MTE rate to HBM: its share of the chip's for the launch's blocks (set_launch_blocks)
+inline double hbm_bytes_per_cycle = AK_MTE_CORE_BYTES_PER_CYCLE;
+inline void set_launch_blocks(int blocks) {
+    const int sharing = std::max(1, std::min(blocks, int(AK_VECTOR_CORES)));
+    hbm_bytes_per_cycle = std::min(double(AK_MTE_CORE_BYTES_PER_CYCLE), double(AK_HBM_BYTES_PER_CYCLE) / sharing);
+}
 inline Core& core() { return *current; }
 
 // Between cores (the runner defines these over its threads): CrossCoreSetFlag of `mode` on `flag`,
@@ -831,7 +840,7 @@ inline double gm_cycles(const void* gm, uint64_t bytes, bool write, uint64_t mov
     auto& c = ak::core().c;
     const bool l2 = ak::gm_in_l2(gm, !write && ak::core().kind == 2);
     (l2 ? (write ? c.l2_written : c.l2_read) : (write ? c.gm_written : c.gm_read)) += bytes;
-    return AK_MTE_LATENCY + double(moved) / (l2 ? AK_L2_BYTES_PER_CYCLE : AK_MTE_BYTES_PER_CYCLE);
+    return AK_MTE_LATENCY + double(moved) / (l2 ? AK_L2_BYTES_PER_CYCLE : ak::hbm_bytes_per_cycle);
 }
 // the count form moves count * size bytes only when that is a multiple of 32 B
 inline void check_copy_32b(uint32_t count, size_t size, const char* dir, const ak::Slot* slot) {
@@ -1739,7 +1748,7 @@ void Fixpipe(const GlobalTensor<T>& dst, const LocalTensor<U>& src, const Fixpip
     const uint64_t bytes = uint64_t(p.ndNum) * p.mSize * p.nSize * sizeof(T);
     detail::gm_cycles(dst.ak_ptr(), bytes, true, bytes);   /* counted as HBM or L2 traffic */
     /* timed at the Fixpipe's rate; into HBM no faster than the core's share of it */
-    const double hbm = ak::gm_in_l2(dst.ak_ptr(), false) ? 0.0 : double(bytes) / AK_MTE_BYTES_PER_CYCLE;
+    const double hbm = ak::gm_in_l2(dst.ak_ptr(), false) ? 0.0 : double(bytes) / ak::hbm_bytes_per_cycle;
     ak::core().issue(ak::FIX, AK_VEC_ISSUE + std::max(double(bytes) / AK_FIX_BYTES_PER_CYCLE, hbm), {src.slot()}, {});
 }
 

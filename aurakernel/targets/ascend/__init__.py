@@ -125,24 +125,23 @@ def render_project(spec: OpSpec, problem: Problem, knobs: dict[str, int], out_di
 
 class Emulated:
     """The project's kernels built against the emulator, launched as the project's tiling launches them
-    (block_dim blocks of the entry's cores, batch mode where the kernel syncs them); `exe(entry, nargs)`
+    (in batch mode where the kernel syncs its blocks; the block count is each run's); `exe(entry, nargs)`
     builds on first use."""
 
-    def __init__(self, spec: OpSpec, project: dict[str, Path], hw: HardwareProfile, block_dim: int):
+    def __init__(self, spec: OpSpec, project: dict[str, Path], hw: HardwareProfile):
         self.source = project["kernel.cpp.j2"].read_text()
         self.include = project["tiling.h.j2"].parent
-        self.hw, self.block_dim, self.batch_mode = hw, block_dim, kernel_of(spec).syncs_cores
+        self.hw, self.batch_mode = hw, kernel_of(spec).syncs_cores
         self._exes: dict[tuple, Path] = {}
 
-    def exe(self, entry: str, nargs: int, *, cores: str = "aiv", block_dim: int | None = None,
-            l2_args: tuple[int, ...] = (), l2_vector_reads: tuple[int, ...] = ()) -> Path:
-        """The entry built for `block_dim` blocks (the plan's by default) of `cores` (emulator.CORES),
+    def exe(self, entry: str, nargs: int, *, cores: str = "aiv", l2_args: tuple[int, ...] = (),
+            l2_vector_reads: tuple[int, ...] = ()) -> Path:
+        """The entry built for blocks of `cores` (emulator.CORES; any number of them: the run gives it),
         with the workspace arguments `l2_args` kept in L2 and the vector cores' reads of
         `l2_vector_reads` found there (emulator.build)."""
-        key = (entry, nargs, cores, block_dim, l2_args, l2_vector_reads)
+        key = (entry, nargs, cores, l2_args, l2_vector_reads)
         if key not in self._exes:
-            self._exes[key] = emulator.build(self.source, entry=entry, nargs=nargs, hw=self.hw,
-                                             block_dim=block_dim or self.block_dim, include_dirs=(self.include,),
+            self._exes[key] = emulator.build(self.source, entry=entry, nargs=nargs, hw=self.hw, include_dirs=(self.include,),
                                              batch_mode=self.batch_mode, cores=cores, l2_args=l2_args,
                                              l2_vector_reads=l2_vector_reads)
         return self._exes[key]
@@ -205,7 +204,7 @@ def tune(spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, so
     with tempfile.TemporaryDirectory(prefix=f"ak-{spec.name}-") as scratch:
         project = render_project(spec, problem, knobs, Path(out_dir) if out_dir is not None else Path(scratch))
         source_hash = Source("ascendc/kernel.cpp", project["kernel.cpp.j2"].read_text()).hash
-        emu = Emulated(spec, project, hw, knobs["block_dim"])
+        emu = Emulated(spec, project, hw)
         verification = verify(spec, kernel.verification_problems(problem, knobs), knobs, emu)
         estimate = emulate(spec, problem, knobs, emu)
     errors = [e for r in estimate.values() for e in r.errors]

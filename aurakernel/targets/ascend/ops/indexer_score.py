@@ -253,13 +253,13 @@ class IndexerScoreAscend(AscendKernel):
         # the forward's workspace: two fp32 product slots per AI core, kept in L2
         workspace = bytearray(cube_blocks * 2 * knobs["cube_rows"] * heads * knobs["cube_keys"] * 4)
         fwd_bufs = [to_bytes(q), to_bytes(k), to_bytes(w), to_bytes(score), workspace, tiling]
-        fwd = emulator.run(emu.exe("ak_indexer_score_fwd", 6, cores="mix_1_2", block_dim=cube_blocks, l2_args=(4,)),
+        fwd = emulator.run(emu.exe("ak_indexer_score_fwd", 6, cores="mix_1_2", l2_args=(4,)),
                            cube_blocks, fwd_bufs)
         dq, dk, dw = (torch.full_like(t, float("nan")) for t in (q, k, w))
         g = grad_out["y"].float().contiguous()
         if self.cube_backward(problem):   # per AI core 2 P slots (fp32) and 2 coef slots, then the fp32 dk (in L2)
             ws = bytearray(bwd_blocks * 2 * bwd_rows * heads * bwd_keys * (4 + q.element_size()) + batch * entries * dim * 4)
-            exe, blocks = emu.exe("ak_indexer_score_bwd", 9, cores="mix_1_2", block_dim=bwd_blocks, l2_args=(7,)), bwd_blocks
+            exe, blocks = emu.exe("ak_indexer_score_bwd", 9, cores="mix_1_2", l2_args=(7,)), bwd_blocks
         else:
             ws, exe, blocks = bytearray(block_dim * batch * entries * dim * 4), emu.exe("ak_indexer_score_bwd", 9), block_dim
         bwd_bufs = [to_bytes(q), to_bytes(k), to_bytes(w), to_bytes(g), to_bytes(dq), to_bytes(dk), to_bytes(dw), ws,

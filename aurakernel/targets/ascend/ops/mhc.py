@@ -343,7 +343,7 @@ class MhcAscend(AscendKernel):
                     to_bytes(post), to_bytes(comb), to_bytes(mix_t), to_bytes(rstd), to_bytes(slots), tiling]
         # fn's parts (read by every AI core) and the workspace stay in L2; the AIVs' second read of x
         # finds the rows their AIC read just before there
-        exe = emu.exe(f"ak_{op}_fwd", 11, cores="mix_1_2", block_dim=cube_blocks, l2_args=(1, 9), l2_vector_reads=(0,))
+        exe = emu.exe(f"ak_{op}_fwd", 11, cores="mix_1_2", l2_args=(1, 9), l2_vector_reads=(0,))
         fwd = emulator.run(exe, cube_blocks, fwd_bufs)
         outputs = {"y": from_bytes(fwd_bufs[4], y)}
         if not self.spec.head:
@@ -360,7 +360,7 @@ class MhcAscend(AscendKernel):
         if on_cube:   # a mixed kernel: dn's two slots per AI core in L2, x's second read (the AIVs') from L2 too
             dn_slots = torch.full((cube_blocks * 2 * knobs["bwd_groups"] * self.ROW_BLOCK * knobs["bwd_k"],), nan)
             bwd_bufs = [to_bytes(x), to_bytes(dy), fwd_bufs[1], to_bytes(dx), head_bufs[8], to_bytes(dn_slots), bytearray(tiling)]
-            exe = emu.exe(f"ak_{op}_bwd", 7, cores="mix_1_2", block_dim=cube_blocks, l2_args=(2, 5), l2_vector_reads=(0,))
+            exe = emu.exe(f"ak_{op}_bwd", 7, cores="mix_1_2", l2_args=(2, 5), l2_vector_reads=(0,))
             bwd = emulator.run(exe, cube_blocks, bwd_bufs)
         else:
             bwd_bufs = [to_bytes(x), to_bytes(dy), to_bytes(fn), to_bytes(dx), head_bufs[8], bytearray(tiling)]
