@@ -175,7 +175,7 @@ def test_ascend_fit_recovers_scales_and_the_overlay_reaches_the_planner_only(tmp
     assert report.spearman_after >= report.spearman_before and report.median_rel_err_after < 1e-3
     fitted = load_profile("ascend910b2")
     assert {k: fitted.costmodel[k] for k in scales} == report.after
-    assert emulator.pipe_defines(fitted, 48) == emulator.pipe_defines(hw, 48)   # the emulator keeps its figures
+    assert emulator.pipe_defines(fitted) == emulator.pipe_defines(hw)   # the emulator keeps its figures
     spec = OPS["rms_norm"]
     problem = fit.calibration_problem(spec, hw)
     choice = samples[0].knobs
