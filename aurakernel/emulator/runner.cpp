@@ -262,13 +262,17 @@ int main(int argc, char** argv) {
         fwrite(g_bufs[i].data, 1, g_bufs[i].size, f);
         fclose(f);
     }
+    /* a block's makespan is at least its HBM traffic (reads and writes, every core of it) over its share */
+    std::vector<double> floor(block_dim, 0.0);
+    for (int t = 0; t < nthreads; ++t)
+        floor[t / per_block] += double(cores[t]->c.gm_read + cores[t]->c.gm_written) / ak::hbm_share_per_cycle;
     printf("{\"blocks\": [");
     for (int b = 0; b < nthreads; ++b) {
         const ak::Core& c = *cores[b];
         printf("%s{\"block\": %lld, \"core\": \"%s\", \"busy\": [%.1f, %.1f, %.1f, %.1f, %.1f, %.1f, %.1f], \"makespan\": %.1f, \"gm_read\": %llu, "
                "\"gm_written\": %llu, \"l2_read\": %llu, \"l2_written\": %llu, \"vec_repeats\": %llu, \"instrs\": [%llu, %llu, %llu, %llu], \"ub_used\": %u, \"buffers\": [",
                b ? ", " : "", (long long)c.block_idx, c.kind == AscendC::AIC ? "AIC" : ("AIV" + std::to_string(c.sub_idx)).c_str(), c.c.busy[0], c.c.busy[1], c.c.busy[2], c.c.busy[3], c.c.busy[4], c.c.busy[5], c.c.busy[6],
-               c.c.makespan(),
+               std::max(c.c.makespan(), floor[b / per_block]),
                (unsigned long long)c.c.gm_read, (unsigned long long)c.c.gm_written, (unsigned long long)c.c.l2_read,
                (unsigned long long)c.c.l2_written, (unsigned long long)c.c.vec_repeats,
                (unsigned long long)c.c.instrs[0], (unsigned long long)c.c.instrs[1], (unsigned long long)c.c.instrs[2],

@@ -51,6 +51,8 @@ class AscendRowPhase:
     tile_in_bytes: int = 0     # copied in once per tile (a row its rows share, e.g. a mask), queued with it
     extra_copies_in: int = 0   # further copies in per tile (e.g. side inputs split over several copies)
     instrs_per_tile: int = 0   # vector instructions (and scalar-sync drains) issued once per tile
+    copies_in: int | None = None    # DataCopys per tile of the row tiles (one strided copy can bring several
+    copies_out: int | None = None   # streams' rows); None: one per stream
 
 
 # planner-only scales (1.0: the model as written; fitted by planner/fit.py); every term is linear in them
@@ -124,12 +126,14 @@ def ascend_rowwise_model(rows: int, cols: int, elem_bytes: int, phases: list[Asc
     model_phases = []
     for p in phases:
         def mte2_parts(tr, ct, p=p):   # (copy latencies, transfer) cycles of the copies in
-            copies = p.streams_in + (1 if p.small_in_bytes else 0) + (1 if p.tile_in_bytes else 0) + p.extra_copies_in
+            copies = ((p.streams_in if p.copies_in is None else p.copies_in) + (1 if p.small_in_bytes else 0)
+                      + (1 if p.tile_in_bytes else 0) + p.extra_copies_in)
             return (tiles(tr, ct) * copies * latency,
                     (rb * (p.streams_in * cols * elem_bytes + p.small_in_bytes) + tiles(tr, ct) * p.tile_in_bytes) / rate)
 
         def mte3_parts(tr, ct, p=p):   # ... and of the copies out
-            return (tiles(tr, ct) * (p.streams_out + (1 if p.small_out_bytes else 0)) * latency,
+            out_copies = p.streams_out if p.copies_out is None else p.copies_out
+            return (tiles(tr, ct) * (out_copies + (1 if p.small_out_bytes else 0)) * latency,
                     rb * (p.streams_out * cols * elem_bytes + p.small_out_bytes) / rate)
 
         def scaled(parts):

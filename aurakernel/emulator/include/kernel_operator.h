@@ -204,9 +204,13 @@ struct Core {
 inline thread_local Core* current = nullptr;
 // a core's MTE rate to HBM: its share of the chip's for the launch's blocks (set_launch_blocks)
 inline double hbm_bytes_per_cycle = AK_MTE_CORE_BYTES_PER_CYCLE;
+// a block's share of HBM itself: its reads and writes together (MTE2 and MTE3 each run at the rate
+// above, but both draw on this), so no block finishes before its traffic / this (the runner's floor)
+inline double hbm_share_per_cycle = AK_HBM_BYTES_PER_CYCLE;
 inline void set_launch_blocks(int blocks) {
     const int sharing = std::max(1, std::min(blocks, int(AK_VECTOR_CORES)));
-    hbm_bytes_per_cycle = std::min(double(AK_MTE_CORE_BYTES_PER_CYCLE), double(AK_HBM_BYTES_PER_CYCLE) / sharing);
+    hbm_share_per_cycle = double(AK_HBM_BYTES_PER_CYCLE) / sharing;
+    hbm_bytes_per_cycle = std::min(double(AK_MTE_CORE_BYTES_PER_CYCLE), hbm_share_per_cycle);
 }
 inline Core& core() { return *current; }
 

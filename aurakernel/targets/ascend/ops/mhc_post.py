@@ -17,6 +17,7 @@ from ..kernel import AscendKernel
 class MhcPostAscend(AscendKernel):
     # --- AscendC (templates/ascendc/mhc_post/): a token's streams go through in column tiles ----
     split_cols = True
+    MIX_TOKENS = 64   # tokens whose post and comb one pair of copies brings in (the template's MIX_TOKENS)
 
     def rows_cols(self, problem: Problem) -> tuple[int, int]:
         return problem.shape[0], problem.shape[2]
@@ -24,17 +25,19 @@ class MhcPostAscend(AscendKernel):
     def phases(self, problem: Problem):
         hc = problem.shape[1]
         mix = 4 * (-(-hc // 8) * 8 + -(-hc * hc // 8) * 8)     # post and comb blocks, bytes
+        mix_block = self.MIX_TOKENS * mix                        # resident: MIX_TOKENS tokens' blocks, copied in together
         return [
-            # out + HC streams in, HC out; HC + 1 casts in, HC out; per output stream one Muls and HC Axpy
-            AscendRowPhase("forward", 1 + hc, hc, mix, 0, 0, hc + 2, fast_ops_per_elem=2 * hc + 1 + hc * (1 + hc),
-                           slow_ops_per_elem=0, instrs_per_chunk=2 * hc + 1 + hc * (1 + hc)),
-            # out, HC streams, HC gradients in; d out and HC d streams out; 2 HC + 1 casts in, (1 + HC) sums
+            # out + HC streams in (two copies: the streams' rows in one strided copy), HC out (one); HC + 1 casts in, HC out; per output stream one Muls and HC Axpy
+            AscendRowPhase("forward", 1 + hc, hc, 0, 0, mix_block, hc + 2, fast_ops_per_elem=2 * hc + 1 + hc * (1 + hc),
+                           slow_ops_per_elem=0, instrs_per_chunk=2 * hc + 1 + hc * (1 + hc), copies_in=2, copies_out=1),
+            # out, HC streams, HC gradients in (three copies); d out and HC d streams out (two); 2 HC + 1 casts in, (1 + HC) sums
             # of HC products (a Muls and HC - 1 Axpy each), HC + HC^2 dot products accumulating their
             # lanes (one MulAddDst each per chunk; summed once per token into the gradient block, resident);
             # work: hf, df (HC each), of, acc and the HC + HC^2 lane accumulators
-            AscendRowPhase("backward", 1 + 2 * hc, 1 + hc, mix, 0, mix, 2 * hc + 2 + hc + hc * hc,
+            AscendRowPhase("backward", 1 + 2 * hc, 1 + hc, 0, 0, mix + mix_block, 2 * hc + 2 + hc + hc * hc,
                            fast_ops_per_elem=(2 * hc + 1) + (hc + 1) * hc + (hc + hc * hc),
-                           slow_ops_per_elem=0, instrs_per_chunk=(2 * hc + 1) + (hc + 1) * hc + (hc + hc * hc)),
+                           slow_ops_per_elem=0, instrs_per_chunk=(2 * hc + 1) + (hc + 1) * hc + (hc + hc * hc),
+                           copies_in=3, copies_out=2),
         ]
 
     def vector_floor(self, problem: Problem) -> dict[str, VectorWork]:
@@ -49,7 +52,8 @@ class MhcPostAscend(AscendKernel):
     def params(self, problem: Problem, knobs: dict[str, int]) -> dict:
         _, hc, d = problem.shape
         return {"dtype": problem.dtype, "hc": int(hc), "d": int(d), "col_tile": int(knobs["col_tile"]),
-                "buffers": int(knobs["buffers"]), "chunk": int(knobs["chunk"]), "block_dim": int(knobs["block_dim"])}
+                "buffers": int(knobs["buffers"]), "chunk": int(knobs["chunk"]), "block_dim": int(knobs["block_dim"]),
+                "mix_tokens": int(self.MIX_TOKENS)}
 
     def verification_problems(self, problem: Problem, knobs: dict[str, int]) -> list[Problem]:
         """Tokens that leave a tail core, and a width with a short last column tile that is not a
