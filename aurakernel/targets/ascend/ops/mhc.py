@@ -7,9 +7,11 @@ Where the time goes (ascend910b2, 1024 x 4 x 4096 bf16, 43 tokens per AI core; e
   second pass (~31k, after the AIC: one super-tile per core leaves nothing to overlap).
 - bwd_head (vector): d_pre's pass over x and dy (~68k MTE2, latency-bound at small tiles before the
   2048-column tiles) and the head in reverse on 16-lane vectors (issue-bound: the 20-step Sinkhorn).
-- backward (mixed, 16-bit): ~101k cycles, the AIC's MTE2 (x once, fn's parts per super-tile) and the
-  AIVs' copies of dn, x and dy per tile; the vector products the old kernel made (3 NOUT + 12 fp32
-  passes per element, 1.0M cycles) are the Cube's.
+- backward (mixed, 16-bit): its busiest pipes ~101k cycles (the AIC's MTE2: x once, fn's parts per
+  super-tile; the AIVs' copies of dn, x and dy per tile), but its HBM traffic sets it at ~157k: x, dy,
+  dx and the per-AI-core d_fn partials (NOUT x W fp32 each, 1.5 MB: a quarter of the traffic at 43
+  tokens per AI core; fewer AI cores writing partials would cut it). The vector products the old
+  kernel made (3 NOUT + 12 fp32 passes per element, 1.0M cycles) are the Cube's.
 """
 
 from __future__ import annotations
