@@ -66,8 +66,8 @@ def pipe_defines(hw: HardwareProfile) -> dict[str, float]:
             "AK_L2_BYTES_PER_CYCLE": p.l2_bytes_per_cycle}
 
 
-def build(kernel_source: str, *, entry: str, nargs: int, hw: HardwareProfile, include_dirs: tuple[Path, ...] = (), batch_mode: bool = False, cores: str = "aiv",
-          l2_args: tuple[int, ...] = (), l2_vector_reads: tuple[int, ...] = ()) -> Path:
+def build(kernel_source: str, *, entry: str, nargs: int, hw: HardwareProfile, include_dirs: tuple[Path, ...] = (),
+          batch_mode: bool = False, cores: str = "aiv", l2_args: tuple[int, ...] = (), l2_vector_reads: tuple[int, ...] = ()) -> Path:
     """Compile kernel + runner into an executable (cached by content hash); BuildError on failure.
     `batch_mode`: the launch's schedule mode (the tiling's SetScheduleMode(1)), which SyncAll needs;
     `cores`: the launch's cores per block (CORES); `l2_args`: the arguments (a workspace that fits

@@ -25,7 +25,7 @@ import torch
 from .... import emulator
 from ....emulator import from_bytes, to_bytes
 from ....errors import PlanInfeasible
-from ....hardware import HardwareProfile
+from ....hardware import AscendPipes, HardwareProfile
 from ....ops.base import Problem, Tensors
 from ....ops.mhc import EPS, HEAD, ITERS, PRE
 from ....planner.ascend import (AscendRowPhase, CubeCells, CubeWork, VectorWork, cast_passes, align32 as a32, cube_cores,
@@ -51,7 +51,6 @@ def fn_parts(fn: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class _CubeFigures:
     """What both Cube models start from: the shape, the element size, W = HC x D, NOUT (and rounded up
     to whole fractals), the tokens per group, the busiest AI core's tokens, the AI cores and their pipes."""
-    rows: int
     hc: int
     d: int
     e: int
@@ -61,7 +60,7 @@ class _CubeFigures:
     tr: int
     tpc: int
     cores: int
-    p: object
+    p: AscendPipes
 
 
 class MhcAscend(AscendKernel):
@@ -138,7 +137,7 @@ class MhcAscend(AscendKernel):
     def _cube_figures(self, problem: Problem, hw: HardwareProfile) -> _CubeFigures:
         rows, hc, d = problem.shape
         cores, n = cube_cores(hw), self.spec.nout(hc)
-        return _CubeFigures(rows, hc, d, problem.dtype.itemsize, hc * d, n, -(-n // 16) * 16, self.ROW_BLOCK,
+        return _CubeFigures(hc, d, problem.dtype.itemsize, hc * d, n, -(-n // 16) * 16, self.ROW_BLOCK,
                             -(-rows // min(rows, cores)), cores, hw.ascend_pipes(cores))
 
     def cube_model(self, problem: Problem, hw: HardwareProfile) -> ChoiceModel:
@@ -172,7 +171,7 @@ class MhcAscend(AscendKernel):
                     "MTE1": supers * chunks * steps * step_mte1,
                     "Cube": supers * chunks * steps * step_cube,
                     "FIX": supers * (2 * issue + (n * gt + gt * gt) * 4 / p.fix_bytes_per_cycle),
-                    "AIV": supers * aiv, "last": aiv, "gt": gt}
+                    "AIV": supers * aiv, "last": aiv}
         cells = CubeCells(("cube_groups", "cube_k", "cube_k0"), domains, per_core, hw)
         cap = cells.cap
         l2_bytes = hw.memory["L2"].capacity if "L2" in hw.memory else 0

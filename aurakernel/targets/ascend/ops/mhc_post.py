@@ -37,10 +37,12 @@ class MhcPostAscend(AscendKernel):
         mix = 4 * (-(-hc // 8) * 8 + -(-hc * hc // 8) * 8)     # post and comb blocks, bytes
         mix_block = self.MIX_TOKENS * mix                        # resident: MIX_TOKENS tokens' blocks, copied in together
         return [
-            # out + HC streams in (two copies: the streams' rows in one strided copy), HC out (one); HC + 1 casts in, HC out; per output stream one Muls and HC Axpy
+            # out + HC streams in (two copies: the streams' rows in one strided copy), HC out (one);
+            # HC + 1 casts in, HC out; per output stream one Muls and HC Axpy
             AscendRowPhase("forward", 1 + hc, hc, 0, 0, mix_block, hc + 2, fast_ops_per_elem=2 * hc + 1 + hc * (1 + hc),
                            slow_ops_per_elem=0, instrs_per_chunk=2 * hc + 1 + hc * (1 + hc), copies_in=2, copies_out=1),
-            # out, HC streams, HC gradients in (three copies); d out and HC d streams out (two); 2 HC + 1 casts in, (1 + HC) sums
+            # out, HC streams, HC gradients in (three copies); d out and HC d streams out (two);
+            # 2 HC + 1 casts in, (1 + HC) sums
             # of HC products (a Muls and HC - 1 Axpy each), HC + HC^2 dot products accumulating their
             # lanes (one MulAddDst each per chunk; summed once per token into the gradient block, resident);
             # work: hf, df (HC each), of, acc and the HC + HC^2 lane accumulators

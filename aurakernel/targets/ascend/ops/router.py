@@ -78,7 +78,8 @@ class RouterAscend(AscendKernel):
     @staticmethod
     def candidates(experts: int, top_k: int) -> int:
         """The top-k kernel's candidates per row: the members (VP / 32 each) of its top G groups, G >= K + 1
-        and G x members a multiple of 32 (whole Sort32 lists)."""
+        and G x members a multiple of 32 (whole Sort32 lists); the kernel's Init derives the same from the
+        run's E."""
         members = -(-experts // 128) * 128 // 32
         groups = top_k + 1
         while groups * members % 32:
