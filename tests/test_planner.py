@@ -9,7 +9,7 @@ import pytest
 from aurakernel.errors import PlanInfeasible
 from aurakernel.ops import get_op
 from aurakernel.planner import solve_tiling
-from aurakernel.planner.model import solve
+from aurakernel.planner.model import ChoiceModel, Constraint, Phase, Term, solve
 from aurakernel.targets.host.ops import kernel_of as host_kernel
 
 SPEC = get_op("rms_norm")
@@ -44,6 +44,22 @@ def test_milp_finds_the_exhaustive_optimum(host, shape, dtype, variant, solver):
     assert sol.status == "optimal"
     assert model.feasible(sol.choice)
     assert sol.objective == pytest.approx(best_obj, rel=1e-6 if solver == "highs" else 1e-3)
+
+
+@pytest.mark.parametrize("solver", ["highs", "cpsat"])
+def test_candidates_that_run_for_minutes_still_plan(solver):
+    """A long problem (V4's csa attention at 65536 tokens) has candidates of hundreds of seconds beside
+    overheads of microseconds: the solvers still find the exhaustive optimum (HiGHS called such a
+    model in microseconds infeasible)."""
+    domains = {"a": [1, 2, 4, 8, 16], "b": [16, 32, 64, 128, 256, 512], "c": [1, 2]}
+    model = ChoiceModel(domains, [Constraint("cap", Term.of(("a", "b"), domains, lambda a, b: 4 * a * b), 16e6, "4ab")],
+                        [Phase(name, {"compute": [Term.of(("a", "b", "c"), domains, lambda a, b, c: (500 + 37 * a + 1000 * a / b) / c),
+                                                  Term.of(("a", "b", "c"), domains, lambda a, b, c: (3 + 50 / a + b / 100) / c)],
+                                      "DRAM": [Term.of(("c",), domains, lambda c: 0.5 + 0.1 * c)]},
+                               [Term.of(("a", "c"), domains, lambda a, c: 8e-5 * c + 2e-3 / a)]) for name in ("forward", "backward")])
+    sol = solve(model, solver)
+    assert sol.status == "optimal"
+    assert sol.objective == pytest.approx(exhaustive(model)[0], rel=1e-6 if solver == "highs" else 1e-3)
 
 
 def test_highs_and_cpsat_agree(host):

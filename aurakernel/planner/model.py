@@ -116,6 +116,17 @@ def _cells(term: Term, domains: dict[str, list[int]]):
     return list(itertools.product(*(domains[k] for k in term.knobs)))
 
 
+def _time_scale(model: ChoiceModel) -> float:
+    """The factor the objective's seconds are multiplied by for the LP: microseconds, or coarser where
+    the slowest candidate runs for seconds (HiGHS misjudges a model with coefficients of 1e9 as infeasible)."""
+    longest = max((v for ph in model.phases for terms in (*ph.pipes.values(), ph.additive) for t in terms
+                   for v in t.table.values()), default=0.0)
+    scale = 1e6
+    while longest * scale > 1e5:
+        scale /= 10
+    return scale
+
+
 def _solve_highs(model: ChoiceModel, time_limit_s: float, drop: str | None) -> Solution:
     import pyomo.environ as pyo
     from pyomo.contrib.solver.common.factory import SolverFactory
@@ -133,7 +144,7 @@ def _solve_highs(model: ChoiceModel, time_limit_s: float, drop: str | None) -> S
     counter = itertools.count()
 
     def expr(term: Term):
-        # microseconds keep the LP well scaled
+        # in the units _time_scale picks, which keep the LP well scaled
         if len(term.knobs) == 1:
             k = term.knobs[0]
             return sum(term.table[(v,)] * m.x[k, v] for v in model.domains[k])
@@ -153,10 +164,11 @@ def _solve_highs(model: ChoiceModel, time_limit_s: float, drop: str | None) -> S
     m.T = pyo.Var(range(len(model.phases)), domain=pyo.NonNegativeReals)
     m.epigraph = pyo.ConstraintList()
     objective = 0
+    scale = _time_scale(model)
     for i, ph in enumerate(model.phases):
         for terms in ph.pipes.values():
-            m.epigraph.add(m.T[i] >= sum(expr(t) * 1e6 for t in terms))
-        objective = objective + m.T[i] + sum(expr(t) * 1e6 for t in ph.additive)
+            m.epigraph.add(m.T[i] >= sum(expr(t) * scale for t in terms))
+        objective = objective + m.T[i] + sum(expr(t) * scale for t in ph.additive)
     m.obj = pyo.Objective(expr=objective, sense=pyo.minimize)
 
     opt = SolverFactory("highs")
