@@ -48,3 +48,29 @@ def test_the_forced_isa_is_what_the_planner_sees(monkeypatch):
     monkeypatch.setenv("AURAKERNEL_HOST_ISA", "sse2")
     with pytest.raises(UserError, match="accepted are native, avx2"):
         host_isa()
+
+
+@pytest.mark.parametrize("op,shape,variant", [("sparse_attention", "1x4x40x64x16x8", "csa"),
+                                              ("indexer_score", "1x40x4x64x48", "default"),
+                                              ("mhc_pre", "40x4x256", "default")])
+def test_the_tile_paths_compile_on_every_machine(op, shape, variant, tmp_path):
+    """The AMX code of the bf16 kernels is compiled only for a CPU with AMX: on an AVX2-only machine
+    it is built for Sapphire Rapids here, so an edit that breaks it cannot pass unseen where it cannot run."""
+    from aurakernel.codegen import render
+    from aurakernel.ops import get_op
+    from aurakernel.planner import solve_tiling
+    from aurakernel.targets.host.library import CFLAGS
+    from aurakernel.targets.host.ops import kernel_of
+
+    spec = get_op(op)
+    impl = kernel_of(spec)
+    problem = spec.problem(shape, "bf16", variant)
+    knobs = solve_tiling(impl.tiling_problem(problem, host_profile()), op=op, variant=variant, shape=problem.shape,
+                         dtype="bf16", target="host").knobs
+    source = tmp_path / f"{op}.c"
+    source.write_text(render(impl.template(), impl.render_params(problem, knobs), spec.template_dirs).text)
+    flags = [f for f in CFLAGS if f != "-shared"]
+    proc = subprocess.run(["gcc", "-march=sapphirerapids", *flags, "-Werror", "-c", str(source), "-o", str(tmp_path / "k.o")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "tdpbf16ps" in _disassembly(tmp_path / "k.o")

@@ -33,13 +33,17 @@ TEMPLATE = "host/sparse_attention.c.j2"
 
 @pytest.mark.parametrize("variant", ["csa", "hca", "sliding"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("knobs", [{"tile_rows": 1, "key_chunk": 16, "threads": 2},
-                                   {"tile_rows": 4, "key_chunk": 32, "threads": 2},
-                                   {"tile_rows": 16, "key_chunk": 256, "threads": 1}], ids=["t1k16", "t4k32", "t16k256"])
+@pytest.mark.parametrize("knobs", [{"tile_rows": 1, "key_chunk": 16, "threads": 2, "pack_rows": 2},
+                                   {"tile_rows": 4, "key_chunk": 32, "threads": 2, "pack_rows": 0},
+                                   {"tile_rows": 16, "key_chunk": 256, "threads": 1, "pack_rows": 10 ** 6}],
+                         ids=["t1k16", "t4k32-own", "t16k256-union"])
 def test_kernel_matches_dense_attention_at_tails(variant, dtype, knobs):
     """Sequences not a multiple of the task, windows longer than the sequence and shorter, keys in
     several chunks (the online softmax rescales), csa rows whose picks are all -1 (the first
-    positions) or repeated, hca sequences ending inside a compression window, D off the SIMD grid."""
+    positions) or repeated, hca sequences ending inside a compression window, D off the SIMD grid.
+    csa tasks take both ways to their picks: with packing priced at nothing (pack_rows 0) each position
+    gathers its own unless all a task's positions picked the same, priced at everything every task
+    gathers its positions' union, each row masked to its own picks."""
     vec = max(host_profile().simd_bytes // 4, 4)
     shapes = ["2x4x45x64x64x16", "1x3x83x40x8x8"]   # BxHxSxDxWINDOWxEXTRA
     for shape in shapes:
@@ -57,7 +61,7 @@ def test_bf16_runs_on_the_tile_unit_where_the_cpu_has_one():
     from aurakernel.hardware import _cpu_flags
     vec = max(host_profile().simd_bytes // 4, 4)
     problem = SPEC.problem("1x4x40x64x16x8", "bf16", "hca")
-    kernel = build_kernel(SPEC, problem, {"tile_rows": 2, "key_chunk": 32, "threads": 1, "vec": vec})
+    kernel = build_kernel(SPEC, problem, {"tile_rows": 2, "key_chunk": 32, "threads": 1, "vec": vec, "pack_rows": 8})
     code = subprocess.run(["objdump", "-d", str(kernel.artifact)], capture_output=True, text=True, check=True).stdout
     assert ("tdpbf16ps" in code) == ("amx_bf16" in _cpu_flags())
 

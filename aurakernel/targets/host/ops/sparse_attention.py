@@ -3,6 +3,12 @@ template values and C calls.
 
 Tiling model (an ESTIMATE, per phase; the coefficients are the profile's, as for the row kernels):
   tasks        B x ceil(S / tile_rows), split statically over threads
+  csa picks    a task gathers the union of its positions' picks once and scores all its rows against
+               it (masked to each position's own), or each position's picks for its H rows, whichever
+               costs fewer GEMM rows x keys plus packing (pack_rows: a key's gathering and packing in
+               GEMM rows of it; the kernel decides per task from the picks it is given). The model
+               expects the union of picks drawn at random among the ready entries (what the tests and
+               benchmarks feed; the indexer's picks of neighbouring queries overlap more)
   compute      the busiest thread's GEMM flops / (the calibrated fp32 matmul rate per core x 0.5):
                window rows see tile_rows - 1 more keys than they use (the band's waste), which
                bigger tiles pay; 1.5x when the task's working set overflows L2. bf16 on a CPU with
@@ -24,12 +30,13 @@ layouts, the score block) must fit the per-core share of the largest cache.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
 from ....ops.base import Problem, Tensors
-from ....ops.sparse_attention import SPEC, entries_of
+from ....ops.sparse_attention import CSA_RATIO, SPEC, entries_of
 from ....hardware import _cpu_flags
 from ....planner.costmodel import DEFAULTS, thread_candidates
 from ....planner.model import ChoiceModel, Constraint, Phase, Term
@@ -83,7 +90,8 @@ def backward(kernel, q, kv, ckv, idx, sinks, out, lse, dout, dq, dkv, dckv, dsin
 
 class SparseAttentionHost(HostKernel):
     knob_docs = {"tile_rows": "query positions per task (their heads share the window's keys)",
-                 "key_chunk": "keys per online-softmax chunk", "threads": "OpenMP threads"}
+                 "key_chunk": "keys per online-softmax chunk", "threads": "OpenMP threads",
+                 "pack_rows": "a key's gathering and packing in GEMM rows of it (csa: when a task gathers its picks' union)"}
     entries = {"fwd": Entry("ak_sparse_attention_fwd", ("ptr",) * 8 + ("i64",) * 4 + ("f32",)),
                "bwd": Entry("ak_sparse_attention_bwd", ("ptr",) * 13 + ("i64",) * 4 + ("f32",)),
                "scratch": Entry("ak_sparse_attention_scratch", ("i64",) * 5, "i64")}
@@ -99,11 +107,15 @@ class SparseAttentionHost(HostKernel):
         amx = problem.dtype.value == "bf16" and "amx_bf16" in _cpu_flags()
         step = 32 if amx else vec
         widest = window + 16 + (min(extra, entries) if problem.variant == "csa" else entries)
-        domains = {"tile_rows": [v for v in (1, 2, 4, 8, 16) if v <= max(seq, 1)],
-                   "key_chunk": [c for c in (16, 32, 64, 128, 256, 512) if c % step == 0 and c < 2 * widest] or [step],
-                   "threads": thread_candidates(hw.cores), "vec": [vec]}
         rate = hw.peak_tflops.get("bf16", 0.0) * AMX_EFFICIENCY if amx else 0.0
         per_core_rate = (rate or hw.peak_tflops.get("fp32", 0.1) * GEMM_EFFICIENCY) * 1e12 / max(hw.cores, 1)
+        # a key's gathering and packing against one GEMM row of it (the forward's GEMMs: q k^T, p v)
+        fwd_gemms = 3 if amx else 2
+        pack_cycles = dim * (AMX_PACK_CYCLES if amx else 2 * cm["vector_cycles_per_elem"] + TRANSPOSE_CYCLES)
+        pack_rows = max(1, round(pack_cycles / clock / (2 * fwd_gemms * dim / per_core_rate)))
+        domains = {"tile_rows": [v for v in (1, 2, 4, 8, 16) if v <= max(seq, 1)],
+                   "key_chunk": [c for c in (16, 32, 64, 128, 256, 512) if c % step == 0 and c < 2 * widest] or [step],
+                   "threads": thread_candidates(hw.cores), "vec": [vec], "pack_rows": [pack_rows]}
         l2 = hw.memory["L2"].capacity * (1 if hw.memory["L2"].per_core else 1 / max(hw.cores, 1))
         last = hw.memory["L3"] if "L3" in hw.memory else hw.memory["L2"]
         last_share = last.capacity / (1 if last.per_core else max(hw.cores, 1))
@@ -115,24 +127,43 @@ class SparseAttentionHost(HostKernel):
         def pad(rows):   # the tile path's GEMMs run whole blocks of 32 rows
             return math.ceil(rows / 32) * 32 if amx else rows
 
-        def keys_of_task(qb):
-            """(keys every row of a task is scored against, keys gathered per task)."""
+        @functools.cache
+        def csa_task(qb, kb):
+            """A csa task's picks, the mean over the sequence's tasks as the kernel takes them (union or
+            each position's): (GEMM rows x keys, keys gathered, chunks, row chunks)."""
+            ready = [min((s + 1) // CSA_RATIO, entries) for s in range(seq)]
+            picks = [min(extra, r) for r in ready]
+            total = [0.0, 0.0, 0.0, 0.0]
+            starts = range(0, seq, qb)
+            for s0 in starts:
+                span = range(s0, min(s0 + qb, seq))
+                own = sum(picks[s] for s in span)
+                missed = math.prod(1 - picks[s] / ready[s] for s in span if ready[s])
+                union = ready[span[-1]] * (1 - missed)
+                rows = len(span) * heads
+                if union * (pack_rows + pad(rows)) <= own * (pack_rows + pad(heads)):
+                    cells = (pad(rows) * union, union, math.ceil(union / kb), rows * math.ceil(union / kb))
+                else:
+                    chunks = sum(math.ceil(picks[s] / kb) for s in span)
+                    cells = (pad(heads) * own, own, chunks, heads * chunks)
+                total = [t + c for t, c in zip(total, cells)]
+            return tuple(t / len(starts) for t in total)
+
+        def keys_of_task(qb, kb):
+            """(keys every row of a task is scored against, keys gathered per task), the band's and the
+            hca entries' (a csa task's picks: csa_task)."""
             band = min(window + qb - 1, seq)
-            if problem.variant == "csa":
-                k = min(extra, entries)
-                return band + k, band + qb * k
             if problem.variant == "hca":
                 return band + entries / 2, band + entries / 2
             return band, band
 
-        def row_keys(qb):
-            """GEMM rows x keys per task: the task's rows against the band (and hca entries), a csa
-            position's heads against its picks."""
-            scored, _ = keys_of_task(qb)
-            if problem.variant == "csa":
-                k = min(extra, entries)
-                return pad(qb * heads) * (scored - k) + qb * pad(heads) * k
-            return pad(qb * heads) * scored
+        def row_keys(qb, kb):
+            """GEMM rows x keys per task: the task's rows against the band (and hca entries), and its
+            csa picks."""
+            return pad(qb * heads) * keys_of_task(qb, kb)[0] + (csa_task(qb, kb)[0] if problem.variant == "csa" else 0)
+
+        def gathered(qb, kb):
+            return keys_of_task(qb, kb)[1] + (csa_task(qb, kb)[1] if problem.variant == "csa" else 0)
 
         def tasks(qb, th):
             return math.ceil(batch * math.ceil(seq / qb) / th)
@@ -145,25 +176,25 @@ class SparseAttentionHost(HostKernel):
         # bf16's backward sums dO . O exactly in a first pass over the chunks: two more GEMMs, a second load
         exact = problem.dtype.value != "fp32"
         # the tile path: p (forward) and dz, p (backward) in two bf16 parts, each GEMM taking them twice
-        fwd_gemms, bwd_gemms = (3, 10) if amx else (2, 7 if exact else 5)
+        bwd_gemms = 10 if amx else (7 if exact else 5)
         for name, backward, gemms, loads in (("forward", False, fwd_gemms, 1), ("backward", True, bwd_gemms,
                                                                                 2 if exact else 1)):
             def compute(qb, kb, th, backward=backward, gemms=gemms, loads=loads):
-                gemm = tasks(qb, th) * 2 * gemms * row_keys(qb) * dim / per_core_rate
+                gemm = tasks(qb, th) * 2 * gemms * row_keys(qb, kb) * dim / per_core_rate
                 if amx:   # packing each chunk for the tiles runs on the same core, between the tile ops
-                    return gemm + tasks(qb, th) * loads * keys_of_task(qb)[1] * dim * AMX_PACK_CYCLES / clock
+                    return gemm + tasks(qb, th) * loads * gathered(qb, kb) * dim * AMX_PACK_CYCLES / clock
                 return gemm * (L2_SPILL if working_set(qb, kb, backward) > l2 else 1.0)
 
             def vector(qb, kb, th, backward=backward, loads=loads):
-                scored, gathered = keys_of_task(qb)
-                elems = (3 if backward else 2) * qb * heads * scored
+                shared_keys = keys_of_task(qb, kb)[1]
+                csa = csa_task(qb, kb) if problem.variant == "csa" else (0.0, 0.0, 0, 0)
+                elems = (3 if backward else 2) * (qb * heads * shared_keys + csa[0])
                 if not amx:   # the chunk's conversion to fp32 in both layouts (the tile path counts its packing above)
-                    elems += 2 * loads * gathered * dim
-                shared = math.ceil((gathered - (qb * min(extra, entries) if problem.variant == "csa" else 0)) / kb)
-                own = qb * math.ceil(min(extra, entries) / kb) if problem.variant == "csa" else 0
-                chunks = loads * (shared + own)
-                row_chunks = loads * (shared * qb * heads + own * heads)
-                transpose = 0.0 if amx else loads * gathered * dim * TRANSPOSE_CYCLES
+                    elems += 2 * loads * gathered(qb, kb) * dim
+                shared = math.ceil(shared_keys / kb)
+                chunks = loads * (shared + csa[2])
+                row_chunks = loads * (shared * qb * heads + csa[3])
+                transpose = 0.0 if amx else loads * gathered(qb, kb) * dim * TRANSPOSE_CYCLES
                 return tasks(qb, th) * (elems * cm["vector_cycles_per_elem"] + chunks * cm["chunk_overhead_cycles"]
                                         + row_chunks * (ROW_CHUNK_CYCLES + ROW_CHUNK_CYCLES_PER_DIM * dim)
                                         + transpose) / clock
@@ -189,7 +220,7 @@ class SparseAttentionHost(HostKernel):
         return {"dtype": problem.dtype, "variant_id": VARIANT_ID[problem.variant],
                 "heads": int(heads), "dim": int(dim), "window": int(window), "extra": int(extra),
                 "tile_rows": int(knobs["tile_rows"]), "key_chunk": int(knobs["key_chunk"]),
-                "threads": int(knobs["threads"]), "vec": int(knobs["vec"])}
+                "threads": int(knobs["threads"]), "vec": int(knobs["vec"]), "pack_rows": int(knobs["pack_rows"])}
 
     def empty_outputs(self, problem: Problem, inputs: Tensors) -> Tensors:
         q = inputs["q"]
