@@ -11,9 +11,10 @@ Tiling model (an ESTIMATE, per phase; the coefficients are the profile's, as for
                benchmarks feed; the indexer's picks of neighbouring queries overlap more)
   compute      the busiest thread's GEMM flops / (the calibrated fp32 matmul rate per core x 0.5):
                window rows see tile_rows - 1 more keys than they use (the band's waste), which
-               bigger tiles pay; 1.5x when the task's working set overflows L2. bf16 on a CPU with
-               AMX: the tile unit at the calibrated bf16 rate x 0.5, rows padded to 32 (a csa
-               position's heads on their own), p and dz in two bf16 parts (twice their GEMMs), plus
+               bigger tiles pay; 1.5x when a chunk and its score blocks overflow L2 (the rows stream
+               past them). bf16 on a CPU with AMX: the tile unit at the calibrated bf16 rate x 0.5,
+               rows padded to 32 (a csa position's heads on their own, where it gathers its own
+               picks), p and dz in two bf16 parts (twice their GEMMs), plus
                packing each chunk for the tiles (same core, so added, not overlapped; no L2 spill
                measured up to 16 x 16 rows)
   vector       converting each chunk's keys into both layouts (the transposed one 8 x 8 blocks in
@@ -50,7 +51,7 @@ TRANSPOSE_CYCLES = 0.1    # per key element of the transposed copy of each chunk
 # rescale of its accumulator (D wide); measured at 4 x 4 x 256 x 64 fp32 on AVX-512 (130 cycles at D = 64)
 ROW_CHUNK_CYCLES = 100
 ROW_CHUNK_CYCLES_PER_DIM = 0.5
-L2_SPILL = 1.5            # compute slowdown when a task's working set overflows L2 (ESTIMATE)
+L2_SPILL = 1.5            # compute slowdown when a chunk and its scores overflow L2 (ESTIMATE)
 AMX_EFFICIENCY = 0.5      # of the calibrated bf16 matmul rate, for the tile path's 32-row GEMMs (ESTIMATE)
 AMX_PACK_CYCLES = 0.5     # per key element packed for the tiles, both layouts (ESTIMATE: vectorised interleave and 8 x 8
                           # transposes; csa at V4 widths estimates 538 ms forward + backward, measured 511)
@@ -124,6 +125,11 @@ class SparseAttentionHost(HostKernel):
             m = qb * heads
             return 4 * ((5 if backward else 2) * m * dim + 2 * kb * dim + (3 if backward else 1) * m * kb)
 
+        def streamed_set(qb, kb, backward):
+            """What the GEMMs reuse from L2 while the task's rows stream past: the chunk in both layouts
+            and the score blocks (measured on a 512 KB L2: 8-position tasks run no slower than 2)."""
+            return 4 * (2 * kb * dim + (3 if backward else 1) * qb * heads * kb)
+
         def pad(rows):   # the tile path's GEMMs run whole blocks of 32 rows
             return math.ceil(rows / 32) * 32 if amx else rows
 
@@ -183,7 +189,7 @@ class SparseAttentionHost(HostKernel):
                 gemm = tasks(qb, th) * 2 * gemms * row_keys(qb, kb) * dim / per_core_rate
                 if amx:   # packing each chunk for the tiles runs on the same core, between the tile ops
                     return gemm + tasks(qb, th) * loads * gathered(qb, kb) * dim * AMX_PACK_CYCLES / clock
-                return gemm * (L2_SPILL if working_set(qb, kb, backward) > l2 else 1.0)
+                return gemm * (L2_SPILL if streamed_set(qb, kb, backward) > l2 else 1.0)
 
             def vector(qb, kb, th, backward=backward, loads=loads):
                 shared_keys = keys_of_task(qb, kb)[1]
