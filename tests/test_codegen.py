@@ -91,3 +91,30 @@ def test_a_damaged_cached_build_is_rebuilt_and_killed_builds_temp_dirs_removed(t
     assert kernel.artifact == artifact and artifact.read_bytes() == whole   # rebuilt, and loaded
     damage(b"")
     assert not paths.whole_build(artifact) and not artifact.exists()   # a damaged file is removed
+
+
+def test_bf16_stores_round_like_torch_and_keep_nan(tmp_path):
+    """Every bf16 kernel narrows its fp32 results with the common header's ak_store: round to nearest
+    even exactly as torch (ties both ways, subnormals, overflow to inf, inf), and a NaN stays a NaN (so
+    the trainer's non-finite step guard sees what a kernel computed)."""
+    import struct
+
+    import torch
+
+    from aurakernel.targets.host.library import Entry, compile_source
+
+    (tmp_path / "probe.c.j2").write_text('{% include "host/_common.h.j2" %}\n'
+                                         "void ak_probe(const float* x, elem_t* y, int64_t n) {\n"
+                                         "    #pragma omp simd\n"
+                                         "    for (int64_t i = 0; i < n; ++i) y[i] = ak_store(x[i]);\n}\n")
+    kernel = compile_source(render("probe.c.j2", {"dtype": DType.bf16}, (tmp_path,)),
+                            {"probe": Entry("ak_probe", ("ptr", "ptr", "i64"))})
+    bits = [0x3f808000, 0x3f818000, 0x3f807fff, 0x3f808001, 0x00008000, 0x80018000, 0x7f7fffff, 0xff7f8000,
+            0x7f800000, 0xff800000, 0x00000000, 0x80000000, 0x7fc00000, 0xffc00001, 0x7f800001, 0x7fffffff]
+    special = torch.tensor([struct.unpack("f", struct.pack("I", b))[0] for b in bits])
+    x = torch.cat([special, torch.randn(4093) * 1e3, torch.randn(4091) * 1e-39])   # odd lengths: vector tails
+    y = torch.empty(x.numel(), dtype=torch.bfloat16)
+    kernel.call("probe", x, y, x.numel())
+    nan = x.isnan()
+    assert y[nan].isnan().all() and nan.sum() == 4
+    assert torch.equal(y[~nan].view(torch.int16), x[~nan].to(torch.bfloat16).view(torch.int16))
