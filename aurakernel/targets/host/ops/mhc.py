@@ -19,6 +19,13 @@ mhc_head's backward (4 outputs: no GEMM) updated the weight gradient row by row,
 (4 x W fp32) and fn once per token; it now sweeps the tile's rows over one column chunk at a time
 (that chunk of fn and of the gradient stays in cache) and recomputes dn for dx in a second sweep:
 10.5 -> 7.6 ms.
+On the AVX2 EPYC (portable path) the projection is the forward's cost: ak_gemm ran its 8 x 2-vector
+register blocks with 16 spilled registers and N = 24 as a 2-vector block plus a lone vector (one FMA
+per broadcast of x), 53 GFLOP/s per core; 6-row blocks and one 3-vector block run 100, forward 13.1 ->
+10.7 ms. The backward (28.6 ms against 4.9 of traffic) is bound by its two fp32 GEMMs (1.6 GFLOP:
+~8 ms at that rate on 2 cores), the weight gradient's per-thread accumulator (24 x 16384 fp32, past
+the 512 KB L2) and the passes over x; K = 24 of dn = dmix fn leaves each register block 24 FMAs
+per load and store of its accumulators.
 """
 
 from __future__ import annotations
