@@ -133,12 +133,13 @@ class SparseAttentionHost(HostKernel):
         def pad(rows):   # the tile path's GEMMs run whole blocks of 32 rows
             return math.ceil(rows / 32) * 32 if amx else rows
 
+        ready = [min((s + 1) // CSA_RATIO, entries) for s in range(seq)] if problem.variant == "csa" else []
+        picks = [min(extra, r) for r in ready]
+
         @functools.cache
         def csa_task(qb, kb):
             """A csa task's picks, the mean over the sequence's tasks as the kernel takes them (union or
             each position's): (GEMM rows x keys, keys gathered, chunks, row chunks)."""
-            ready = [min((s + 1) // CSA_RATIO, entries) for s in range(seq)]
-            picks = [min(extra, r) for r in ready]
             total = [0.0, 0.0, 0.0, 0.0]
             starts = range(0, seq, qb)
             for s0 in starts:
@@ -155,21 +156,17 @@ class SparseAttentionHost(HostKernel):
                 total = [t + c for t, c in zip(total, cells)]
             return tuple(t / len(starts) for t in total)
 
-        def keys_of_task(qb, kb):
-            """(keys every row of a task is scored against, keys gathered per task), the band's and the
-            hca entries' (a csa task's picks: csa_task)."""
-            band = min(window + qb - 1, seq)
-            if problem.variant == "hca":
-                return band + entries / 2, band + entries / 2
-            return band, band
+        def shared_keys(qb):
+            """The keys every row of a task is scored against, gathered once per task: the window's band
+            and the hca entries (a csa task's picks: csa_task)."""
+            return min(window + qb - 1, seq) + (entries / 2 if problem.variant == "hca" else 0)
 
         def row_keys(qb, kb):
-            """GEMM rows x keys per task: the task's rows against the band (and hca entries), and its
-            csa picks."""
-            return pad(qb * heads) * keys_of_task(qb, kb)[0] + (csa_task(qb, kb)[0] if problem.variant == "csa" else 0)
+            """GEMM rows x keys per task: the task's rows against the shared keys, and its csa picks."""
+            return pad(qb * heads) * shared_keys(qb) + (csa_task(qb, kb)[0] if problem.variant == "csa" else 0)
 
         def gathered(qb, kb):
-            return keys_of_task(qb, kb)[1] + (csa_task(qb, kb)[1] if problem.variant == "csa" else 0)
+            return shared_keys(qb) + (csa_task(qb, kb)[1] if problem.variant == "csa" else 0)
 
         def tasks(qb, th):
             return math.ceil(batch * math.ceil(seq / qb) / th)
@@ -192,14 +189,14 @@ class SparseAttentionHost(HostKernel):
                 return gemm * (L2_SPILL if streamed_set(qb, kb, backward) > l2 else 1.0)
 
             def vector(qb, kb, th, backward=backward, loads=loads):
-                shared_keys = keys_of_task(qb, kb)[1]
+                shared = shared_keys(qb)
                 csa = csa_task(qb, kb) if problem.variant == "csa" else (0.0, 0.0, 0, 0)
-                elems = (3 if backward else 2) * (qb * heads * shared_keys + csa[0])
+                elems = (3 if backward else 2) * (qb * heads * shared + csa[0])
                 if not amx:   # the chunk's conversion to fp32 in both layouts (the tile path counts its packing above)
                     elems += 2 * loads * gathered(qb, kb) * dim
-                shared = math.ceil(shared_keys / kb)
-                chunks = loads * (shared + csa[2])
-                row_chunks = loads * (shared * qb * heads + csa[3])
+                shared_chunks = math.ceil(shared / kb)
+                chunks = loads * (shared_chunks + csa[2])
+                row_chunks = loads * (shared_chunks * qb * heads + csa[3])
                 transpose = 0.0 if amx else loads * gathered(qb, kb) * dim * TRANSPOSE_CYCLES
                 return tasks(qb, th) * (elems * cm["vector_cycles_per_elem"] + chunks * cm["chunk_overhead_cycles"]
                                         + row_chunks * (ROW_CHUNK_CYCLES + ROW_CHUNK_CYCLES_PER_DIM * dim)
