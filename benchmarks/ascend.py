@@ -4,7 +4,7 @@ largest tile and chunk that fit the UB; a Cube kernel's one query row per tile),
 roofline bound (1.0 = at the bound): per kernel the largest of its HBM traffic, the vector work its
 math cannot avoid and its Cube MACs at peak, and which one it is.
 
-    python -m benchmarks.ascend [--target ascend910b2] [--rows 8192] [--json]
+    python -m benchmarks.ascend [--target ascend910b2] [--rows 8192] [--ops OP,...] [--json]
 """
 
 from __future__ import annotations
@@ -44,7 +44,12 @@ CASES = (("rms_norm", "weighted", "{rows}x4096", "bf16"), ("rms_norm", "unweight
          # the compressors' pooling + kv_norm over an 8192-token sequence: CSA (m = 4) and HCA (m = 128), head_dim 512
          ("compressor", "csa", "1x2048x4x512", "bf16"), ("compressor", "hca", "1x64x128x512", "bf16"),
          # the MoE router after its gate matmul: V4-Flash's 256 experts, top-6 (biased top-k, and the hash layers)
-         ("router", "topk", "{rows}x256x6", "bf16"), ("router", "hash", "{rows}x256x6", "bf16"))
+         ("router", "topk", "{rows}x256x6", "bf16"), ("router", "hash", "{rows}x256x6", "bf16"),
+         # V4-Flash's sparse attention (64 heads of 512, window 128) over 1024 tokens: CSA picking 128 of the
+         # 256 compressed entries (half of those ready at the end, as V4's top-512 of 1024 at 4096 tokens;
+         # random picks, so about half of them start a run of consecutive entries), and HCA (m = 128)
+         ("sparse_attention", "csa", "1x64x1024x512x128x128", "bf16"),
+         ("sparse_attention", "hca", "1x64x1024x512x128x128", "bf16"))
 
 
 def naive_knobs(model: ChoiceModel) -> dict[str, int]:
@@ -93,12 +98,19 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="ascend910b2")
     ap.add_argument("--rows", type=int, default=8192)
+    ap.add_argument("--ops", default="", help="comma-separated operators to run (default: every case)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    only = {o for o in args.ops.split(",") if o}
+    if only - {op for op, *_ in CASES}:
+        ap.error(f"--ops {','.join(sorted(only - {op for op, *_ in CASES}))}: not a case here; "
+                 f"one of {', '.join(sorted({op for op, *_ in CASES}))}")
     hw = load_profile(args.target)
     console = Console(stderr=args.json, width=160)
     rows = []
     for op, variant, shape, dtype in CASES:
+        if only and op not in only:
+            continue
         spec = OPS[op]
         problem = spec.problem(shape.format(rows=args.rows), dtype, variant)
         console.log(problem.describe())
@@ -121,7 +133,8 @@ def main(argv=None) -> int:
         t.add_column(col)
     def knobs(k, cols):
         cube = (f"; Cube: rows {k['cube_rows']} x keys {k['cube_keys']}, chunk {k['key_chunk']}, q buffers "
-                f"{k['cube_buffers']}, AI cores {k['cube_blocks']}" if "cube_rows" in k else "")
+                f"{k['cube_buffers']}, AI cores {k['cube_blocks']}" if "cube_rows" in k else
+                f"; Cube: keys {k['kv_tile']} x D slices {k['d_chunk']}, AI cores {k['cube_blocks']}" if "kv_tile" in k else "")
         return (f"rows {k['tile_rows']}, buffers {k['buffers']}, chunk {k['chunk']}, cores {k['block_dim']}"
                 + (f", col tile {k['col_tile']}" if k["col_tile"] < cols else "") + cube)
     def per_phase(phases):   # each phase against its own bound, and what bounds it

@@ -344,7 +344,13 @@ template <typename T> class GlobalTensor {
     void SetGlobalBuffer(__gm__ T* buffer) { base_ = buffer; size_ = UINT64_MAX; }
     __gm__ T* GetPhyAddr(uint64_t offset = 0) const { return base_ + offset; }
     __gm__ T* ak_ptr() const { return base_; }   // the emulator's own access
-    T GetValue(uint64_t off) const { check(off, 1); ak::core().c.gm_read += sizeof(T); return base_[off]; }
+    // a scalar-unit read of GM (through its data cache): timed as one scalar op, as a UB GetValue is
+    T GetValue(uint64_t off) const {
+        check(off, 1);
+        ak::core().c.gm_read += sizeof(T);
+        ak::core().issue(ak::SCALAR, AK_SCALAR_OP, {}, {});
+        return base_[off];
+    }
     void SetValue(uint64_t off, T v) { check(off, 1); ak::core().c.gm_written += sizeof(T); base_[off] = v; }
     uint64_t GetSize() const { return size_; }
     GlobalTensor operator[](uint64_t offset) const {

@@ -4,12 +4,12 @@ A third-party operator adds its own through aurakernel.register."""
 from __future__ import annotations
 
 from . import (adamw, attn_softmax, compressor, cross_entropy, indexer_score, mhc, mhc_post, rms_norm, rope, router,
-               swiglu)
+               sparse_attention, swiglu)
 from ....ops.base import OpSpec
 from ..kernel import KERNELS
 
 KERNELS.load(rms_norm, mhc, mhc_post, router, swiglu, rope, attn_softmax, compressor, indexer_score,
-             cross_entropy, adamw)
+             cross_entropy, adamw, sparse_attention)
 kernel_of = KERNELS.of
 
 

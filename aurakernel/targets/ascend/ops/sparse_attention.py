@@ -1,0 +1,267 @@
+"""The AscendC kernel of sparse_attention (templates/ascendc/sparse_attention/): a mixed kernel, the
+Cube's Q K^T and P V over each position's gathered keys, the vector cores' online softmax with the sink.
+
+One position's H heads are the Cube's M (they share the one KV head), so each AI core takes whole
+positions; its keys (the window's, then the compressed entries it sees) are gathered into L1 a tile
+of `kv_tile` keys at a time, and D is sliced `d_chunk` columns per Mmad (Q K^T contracts over it,
+P V produces it). 16-bit q and kv only: P V needs K's fractals transposed (V = K), which LoadData
+does for 16-bit data.
+"""
+
+from __future__ import annotations
+
+import functools
+import struct
+
+import torch
+
+from .... import emulator
+from ....emulator import from_bytes, to_bytes
+from ....errors import PlanInfeasible
+from ....hardware import HardwareProfile
+from ....ops.base import Problem, Tensors
+from ....ops.sparse_attention import CSA_RATIO, SPEC, entries_of
+from ....planner.ascend import CubeCells, CubeWork, align32, cube_cores, cube_tile_cycles
+from ....planner.model import ChoiceModel, Constraint, Phase
+from ..kernel import AscendKernel
+
+TILING = "<8If"   # AkSparseAttentionTiling
+TAIL_MASK = 256 * 4 + 32   # UB of the tail tiles' mask: 256 column numbers, and at least a block of bits
+CVT = 2048                 # floats per step of the backward's key-gradient conversion
+
+
+def compact_picks(indices: torch.Tensor, entries: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The indexer's picks [B, S, K] as the kernel reads them: each row's distinct valid entries in
+    ascending order, then -1s (int32), and their count per row [B, S] (int32). The dense mask the
+    reference builds sees a repeated pick once; so does the kernel, which gathers each listed entry."""
+    none = entries + 1
+    x = torch.where(indices >= 0, indices, torch.full_like(indices, none)).sort(-1).values
+    repeat = torch.zeros_like(x, dtype=torch.bool)
+    repeat[..., 1:] = x[..., 1:] == x[..., :-1]
+    x = torch.where(repeat, torch.full_like(x, none), x).sort(-1).values
+    count = (x < none).sum(-1)
+    return torch.where(x < none, x, torch.full_like(x, -1)).to(torch.int32), count.to(torch.int32)
+
+
+def pick_runs(seq: int, topk: int) -> float:
+    """Runs of consecutive entries among a csa position's picks, the mean over the positions (the copies
+    that gather them): k picks drawn at random among r ready entries leave k (k - 1) / r of them right
+    after another pick. Real indexer picks cluster more; this is what random picks cost."""
+    total = 0.0
+    for s in range(seq):
+        ready = (s + 1) // CSA_RATIO
+        k = min(topk, ready)
+        total += k - k * (k - 1) / ready if ready else 0.0
+    return total / seq
+
+
+def position_split(positions: int, cores: int) -> tuple[int, int]:
+    """Positions per AI core and the AI cores used (as AkSparseAttentionMakeTiling)."""
+    per = -(-positions // max(1, min(positions, cores)))
+    return per, -(-positions // per)
+
+
+class SparseAttentionAscend(AscendKernel):
+    syncs_cores = True   # the backward's blocks meet in SyncAll
+
+    def phases(self, problem: Problem):
+        return []   # every phase is the Cube model's
+
+    def rows_cols(self, problem: Problem) -> tuple[int, int]:
+        batch, heads, seq, dim, _, _ = problem.shape
+        return batch * seq * heads, dim
+
+    @staticmethod
+    def cube_backward(problem: Problem) -> bool:
+        return True
+
+    def _figures(self, problem: Problem, hw: HardwareProfile):
+        """What both models start from: the AI cores, their pipe figures, a core's HBM rate (bytes per
+        cycle), the positions per core, the mean keys per position and the copies that gather them."""
+        batch, heads, seq, dim, window, extra = problem.shape
+        cores = cube_cores(hw)
+        p = hw.ascend_pipes(cores)
+        hbm = min(p.mte_bytes_per_cycle, hw.memory["HBM"].bandwidth_gbps / hw.clock_ghz / cores)
+        keys = SPEC.keys_per_query(problem)
+        copies = 1 + (pick_runs(seq, extra) if problem.variant == "csa" else 1 if problem.variant == "hca" else 0)
+        return cores, p, hbm, position_split(batch * seq, cores)[0], keys, copies
+
+    def cube_model(self, problem: Problem, hw: HardwareProfile) -> ChoiceModel:
+        """The forward's tiling per AI core: per position its key tiles (gather, Q K^T, P V on the AIC;
+        the softmax and O's update on the AIVs) under L1 / L0A / L0B / L0C / UB; objective the slowest
+        pipe of the busiest core plus one tile's fill and the launch (the backward's phase beside it)."""
+        batch, heads, seq, dim, window, extra = problem.shape
+        e = problem.dtype.itemsize
+        cores, p, hbm, per, keys, copies = self._figures(problem, hw)
+        lat, l2, issue = p.mte_latency, p.l2_bytes_per_cycle, p.vec_issue
+        mine = heads // 2
+        domains = {"kv_tile": [64, 128, 256],
+                   "d_chunk": [c for c in (32, 64, 128, 256, 512) if c <= dim and dim % c == 0] or [dim],
+                   "o_chunk": [c for c in (16, 32, 64, 128) if dim % c == 0],
+                   "s_buffers": [1, 2],
+                   "cube_blocks": [cores]}
+
+        @functools.cache
+        def per_core(kn, dc, vc, sb):
+            tiles, n, chunks, vchunks = per * -(-keys // kn), min(kn, keys), dim // dc, dim // vc
+            s = cube_tile_cycles(heads, n, dc, e, hw, cores, a_loads=heads // 16, b_loads=dc // 16)
+            pv = cube_tile_cycles(heads, dc, n, e, hw, cores, a_loads=heads // 16, b_loads=-(-n // 16))
+            gather = (1 + copies) * lat + (keys + heads) * dim * e / hbm   # q, the window's run, the entries
+            vec = issue * (22 + 4 * kn // 64) + mine * kn / 64 * 9 + vchunks * (issue * (1 + -(-vc // 64)) + mine * vc / 64 * 2)
+            wait = 0 if sb == 2 else tiles * (lat + mine * kn * 4 / l2)   # one score tile: its copy in is not hidden
+            return {"MTE2": per * gather + tiles * (lat + heads * kn * e / l2),
+                    "MTE1": tiles * (chunks * (s.mte1_a + s.mte1_b + pv.mte1_b) + pv.mte1_a),
+                    "Cube": tiles * chunks * (s.cube + pv.cube),
+                    "FIX": tiles * (s.fix + chunks * pv.fix),
+                    "AIV MTE2": tiles * (lat + mine * kn * 4 / l2 + vchunks * (lat + mine * vc * 4 / l2)),
+                    "Vector": tiles * vec + wait,
+                    "AIV MTE3": tiles * (lat + mine * kn * e / l2) + per * 2 * vchunks * (lat + mine * vc * e / hbm),
+                    "tile": tiles}
+        cells = CubeCells(("kv_tile", "d_chunk", "o_chunk", "s_buffers"), domains, per_core, hw)
+        cap = cells.cap
+        constraints = [
+            cap("L1 capacity", lambda kn, dc, vc, sb: (heads * dim + 2 * kn * dim + heads * kn) * e, p.l1_usable,
+                "(H x D + 2 x kv_tile x D + H x kv_tile) x elem (q, two key tiles, P)"),
+            cap("L0A capacity", lambda kn, dc, vc, sb: (2 * heads * dc + heads * kn) * e, p.l0a_bytes,
+                "(2 x H x d_chunk + H x kv_tile) x elem (q's slices, P)"),
+            cap("L0B capacity", lambda kn, dc, vc, sb: 2 * kn * dc * e, p.l0b_bytes, "2 x kv_tile x d_chunk x elem (K / V slices)"),
+            cap("L0C capacity", lambda kn, dc, vc, sb: (heads * kn + 2 * heads * dc) * 4, p.l0c_bytes,
+                "(H x kv_tile + 2 x H x d_chunk) x fp32 (S, two P V slices)"),
+            cap("UB capacity", lambda kn, dc, vc, sb: (sb * mine * kn * 4 + 2 * mine * kn * e + 2 * mine * vc * (4 + e)
+                                                       + mine * dim * 4 + TAIL_MASK + mine * kn // 8 + 7 * mine * 4 + 2 * mine * 32),
+                p.ub_usable, "per AIV (H/2 heads): s_buffers S tiles, P tiles, P V and y slices of o_chunk, O (fp32), the tail mask"),
+        ]
+        forward = Phase("forward", cells.pipes(("MTE2", "MTE1", "Cube", "FIX", "AIV MTE2", "Vector", "AIV MTE3")),
+                        [cells.tile_fill(), cells.launch()])
+        return self.cube_choice_model(problem, hw, domains, forward, constraints)
+
+    def backward_model(self, problem: Problem, hw: HardwareProfile, domains: dict) -> tuple[Phase, list[Constraint]]:
+        """The backward at the same tiles: per key tile S and dP (one K slice feeds both), dQ into the
+        AIVs' accumulators, dKV added into GM at its keys' rows (a Fixpipe per pick for csa)."""
+        batch, heads, seq, dim, window, extra = problem.shape
+        e = problem.dtype.itemsize
+        cores, p, hbm, per, keys, copies = self._figures(problem, hw)
+        lat, l2, issue = p.mte_latency, p.l2_bytes_per_cycle, p.vec_issue
+        mine = heads // 2
+
+        @functools.cache
+        def per_core(kn, dc, vc, sb):
+            tiles, n, chunks, vchunks = per * -(-keys // kn), min(kn, keys), dim // dc, dim // vc
+            s = cube_tile_cycles(heads, n, dc, e, hw, cores, a_loads=heads // 16, b_loads=dc // 16)
+            dq = cube_tile_cycles(heads, dc, n, e, hw, cores, a_loads=0, b_loads=-(-n // 16))
+            dkv = cube_tile_cycles(n, dc, heads, e, hw, cores, a_loads=0, b_loads=heads // 16)
+            scatter = copies * n / keys + 1   # Fixpipes per dKV slice: the window's run, the entries' runs or rows
+            gather = (2 + copies) * lat + (keys + 2 * heads) * dim * e / hbm   # q, dy, the keys
+            vec = issue * (24 + 4 * kn // 64) + mine * kn / 64 * 10
+            wait = tiles * (lat + 2 * mine * kn * 4 / l2)   # one S and dP tile each (the queues' events run out at two)
+            return {"MTE2": per * gather + tiles * (2 * lat + 2 * heads * kn * e / l2),
+                    "MTE1": tiles * (chunks * (2 * s.mte1_a + s.mte1_b + dq.mte1_b + 2 * dkv.mte1_b) + 3 * heads * kn * e / p.mte1_bytes_per_cycle),
+                    "Cube": tiles * chunks * (2 * s.cube + dq.cube + 2 * dkv.cube),
+                    "FIX": tiles * (2 * s.fix + chunks * (dq.fix + dkv.fix + (scatter - 1) * issue)),
+                    "AIV MTE2": tiles * (2 * lat + 2 * mine * kn * 4 / l2)
+                                + per * vchunks * (4 * lat + 3 * mine * vc * e / hbm + mine * vc * 4 / l2),
+                    "Vector": tiles * vec + wait + per * vchunks * (issue * 7 + mine * vc / 64 * 6),
+                    "AIV MTE3": tiles * 2 * (lat + mine * kn * e / l2) + per * vchunks * (2 * lat + mine * vc * (e / hbm + 4 / l2)),
+                    "tile": tiles}
+        cells = CubeCells(("kv_tile", "d_chunk", "o_chunk", "s_buffers"), domains, per_core, hw)
+        cap = cells.cap
+        constraints = [
+            cap("backward L1 capacity", lambda kn, dc, vc, sb: (2 * heads * dim + 2 * kn * dim + 2 * heads * kn) * e, p.l1_usable,
+                "(2 x H x D + 2 x kv_tile x D + 2 x H x kv_tile) x elem (q, dy, two key tiles, P, dS)"),
+            cap("backward L0A capacity", lambda kn, dc, vc, sb: (2 * heads * dc + 3 * heads * kn) * e, p.l0a_bytes,
+                "(2 x H x d_chunk + 3 x H x kv_tile) x elem (q's / dy's slices, dS, dS^T, P^T)"),
+            cap("backward L0B capacity", lambda kn, dc, vc, sb: 2 * max(heads, kn) * dc * e, p.l0b_bytes,
+                "2 x max(H, kv_tile) x d_chunk x elem (K, V, q^T, dy^T slices)"),
+            cap("backward L0C capacity", lambda kn, dc, vc, sb: (2 * heads * kn + 2 * max(heads, kn) * dc) * 4, p.l0c_bytes,
+                "(2 x H x kv_tile + 2 x max(H, kv_tile) x d_chunk) x fp32 (S, dP, dQ / dKV slices)"),
+            cap("backward UB capacity", lambda kn, dc, vc, sb: (2 * mine * kn * 4 + 2 * mine * kn * e + 2 * mine * vc * (4 + 2 * e)
+                                                                + 3 * mine * vc * 4 + CVT * (4 + e) + TAIL_MASK + mine * kn // 8
+                                                                + 7 * mine * 4 + 2 * mine * 32),
+                p.ub_usable, "per AIV: S and dP tiles, P and dS out, dq / y slices of o_chunk, the conversion step, the tail mask"),
+        ]
+        pipes = cells.pipes(("MTE2", "MTE1", "Cube", "FIX", "AIV MTE2", "Vector", "AIV MTE3"))
+        return Phase("backward", pipes, [cells.tile_fill(), cells.launch()]), constraints
+
+    def cube_floor(self, problem: Problem) -> dict[str, CubeWork]:
+        batch, heads, seq, dim, _, _ = problem.shape
+        macs = 2 * batch * seq * heads * dim * SPEC.keys_per_query(problem)   # Q K^T and P V
+        return {"forward": CubeWork(macs), "backward": CubeWork(2.5 * macs)}   # S, dP, dQ, dK, dV
+
+    def params(self, problem: Problem, knobs: dict[str, int]) -> dict:
+        batch, heads, seq, dim, window, extra = problem.shape
+        if problem.dtype.itemsize != 2:
+            raise PlanInfeasible("dtype", f"{problem.dtype.value}: the Cube kernel takes 16-bit q and kv (bf16); "
+                                          "P V transposes K's fractals, which LoadData does for 16-bit data only")
+        if heads % 16 or heads > 4095:
+            raise PlanInfeasible("heads", f"{heads} must be a multiple of 16 (the Cube's M; V4: 64 / 128)")
+        if dim % 16:
+            raise PlanInfeasible("head_dim", f"{dim} must be a multiple of 16 (V4: 512)")
+        kv_tile, d_chunk = int(knobs["kv_tile"]), int(knobs["d_chunk"])
+        if kv_tile % 64 or not 64 <= kv_tile <= 2040:
+            raise PlanInfeasible("kv_tile", f"{kv_tile} keys must be a multiple of 64 in [64, 2040]")
+        if d_chunk % 16 or dim % d_chunk:
+            raise PlanInfeasible("d_chunk", f"{d_chunk} columns must be a multiple of 16 dividing head_dim {dim}")
+        o_chunk, s_buffers = int(knobs["o_chunk"]), int(knobs["s_buffers"])
+        if o_chunk % 16 or dim % o_chunk:
+            raise PlanInfeasible("o_chunk", f"{o_chunk} columns must be a multiple of 16 dividing head_dim {dim}")
+        if s_buffers not in (1, 2):
+            raise PlanInfeasible("s_buffers", f"{s_buffers} score tiles: 1 or 2")
+        return {"dtype": problem.dtype, "csa": problem.variant == "csa", "hca": problem.variant == "hca", "heads": int(heads),
+                "dim": int(dim), "window": int(window), "kv_tile": kv_tile, "d_chunk": d_chunk, "o_chunk": o_chunk,
+                "s_buffers": s_buffers, "cube_blocks": int(knobs["cube_blocks"])}
+
+    def verification_problems(self, problem: Problem, knobs: dict[str, int]) -> list[Problem]:
+        """Short sequences at the plan's heads and width: one batch row whose window (at most 24) is
+        longer than its first positions, every position in one key tile; and two batch rows over more
+        positions than AI cores (a tail core) with a window wider than a key tile (the kernel reads the
+        window from its tiling), so positions span tiles and end in part ones."""
+        batch, heads, seq, dim, window, extra = problem.shape
+        kn = knobs["kv_tile"]
+        first = {"csa": min(extra, 20), "hca": min(extra, 4), "sliding": 1}[problem.variant]
+        return [Problem(problem.op, problem.variant, (1, heads, 40, dim, window, first), problem.dtype),
+                Problem(problem.op, problem.variant, (2, heads, kn + 13, dim, kn + 13, first), problem.dtype)]
+
+    def _buffers(self, problem: Problem, knobs: dict[str, int], inputs: Tensors):
+        """The GM buffers both kernels read (q as [B, S, H, D], kv, compressed kv, the compacted picks and
+        their counts, the sinks) and the tiling, as the binding passes them."""
+        batch, heads, seq, dim, window, extra = problem.shape
+        entries = entries_of(problem)
+        q = inputs["q"].transpose(1, 2).contiguous()                    # [B, S, H, D]: a position's heads together
+        ckv = inputs["compressed_kv"].contiguous() if entries else torch.zeros(batch, 1, dim, dtype=q.dtype)
+        if problem.variant == "csa":
+            idx, cnt = compact_picks(inputs["indices"], entries)
+            width = idx.shape[-1]
+        else:
+            idx, cnt, width = torch.zeros(8, dtype=torch.int32), torch.zeros(8, dtype=torch.int32), extra
+        per, blocks = position_split(batch * seq, knobs["cube_blocks"])
+        tiling = bytearray(struct.pack(TILING, batch, seq, entries, window, width, batch * seq, per, blocks, dim ** -0.5))
+        reads = [to_bytes(q), to_bytes(inputs["kv"]), to_bytes(ckv), to_bytes(idx), to_bytes(cnt), to_bytes(inputs["sinks"].float())]
+        return q, ckv, reads, tiling, blocks
+
+    def run(self, problem: Problem, knobs: dict[str, int], inputs: Tensors, grad_out: Tensors, emu):
+        """Forward and backward kernels in the emulator: (outputs, grads, {phase: RunReport})."""
+        batch, heads, seq, dim, window, extra = problem.shape
+        q, ckv, reads, tiling, blocks = self._buffers(problem, knobs, inputs)
+        kn = knobs["kv_tile"]
+        y = torch.full((batch, seq, heads, dim), float("nan"), dtype=q.dtype)
+        lse = torch.full((batch, seq, heads), float("nan"))
+        slots = bytearray(blocks * (2 * heads * kn * 4 + heads * kn * 2 + heads * dim * 4))
+        fwd_bufs = [*reads, to_bytes(y), to_bytes(y), to_bytes(lse), slots, tiling]
+        fwd = emulator.run(emu.exe("ak_sparse_attention_fwd", 11, cores="mix_1_2", l2_args=(9,)), blocks, fwd_bufs)
+        y, y_lo, lse = from_bytes(fwd_bufs[6], y), from_bytes(fwd_bufs[7], y), from_bytes(fwd_bufs[8], lse)
+        dy = grad_out["y"].to(q.dtype).contiguous()                      # [B, S, H, D], as y
+        dq, dkv, dckv = (torch.full_like(t, float("nan")) for t in (q, inputs["kv"], ckv))
+        dsinks = torch.full((heads,), float("nan"))
+        slots = bytearray(blocks * (4 * heads * kn * 4 + 2 * heads * kn * 2 + 2 * heads * dim * 4))
+        acc = bytearray((batch * seq + batch * entries_of(problem)) * dim * 4)   # fp32 dkv and dckv, added into
+        bwd_bufs = [*reads, to_bytes(y), to_bytes(y_lo), to_bytes(lse), to_bytes(dy), to_bytes(dq), to_bytes(dkv), to_bytes(dckv),
+                    to_bytes(dsinks), slots, acc, bytearray(tiling)]
+        bwd = emulator.run(emu.exe("ak_sparse_attention_bwd", 17, cores="mix_1_2", l2_args=(14,)), blocks, bwd_bufs)
+        grads = {"q": from_bytes(bwd_bufs[10], dq).transpose(1, 2), "kv": from_bytes(bwd_bufs[11], dkv),
+                 "sinks": from_bytes(bwd_bufs[13], dsinks)}
+        if problem.variant != "sliding":
+            grads["compressed_kv"] = from_bytes(bwd_bufs[12], dckv)
+        return {"y": y}, grads, {"forward": fwd, "backward": bwd}
+
+
+PARTS = (SparseAttentionAscend(SPEC),)
