@@ -8,17 +8,18 @@ P V produces it). 16-bit q and kv only: P V needs K's fractals transposed (V = K
 does for 16-bit data.
 
 Where the time goes (ascend910b2, V4-Flash widths, 1024 tokens, csa picking 128 of 256 entries at
-random; emulator, per AI core):
-- forward (1.73x its HBM bound): the AIC's MTE2. Each copy costs the profile's 200-cycle latency, so
-  csa's picks gather at a copy per run of consecutive entries (random picks: about half of them start
-  a run), besides the bytes; the window and hca's entries are one copy each. Then the chain per key
-  tile AIV softmax -> AIC P V -> AIV O update is serial (the next tile's gather and S overlap it).
-  Positions are dealt to the AI cores round-robin: contiguous ranges left the last core (the longest
-  windows, the most picks) 6x the first one's gather.
-- backward (1.12x): HBM-bound: q, dy, y, y_lo, the gathered keys, and the fp32 key gradients added at
-  their rows.
-The planner's pipe model takes the busiest pipe, not that serial chain, so it predicts below the
-emulator (csa: 778 us planned against 1245 us emulated).
+random; emulator, per AI core; the plan's 64-key tiles):
+- forward (2.02x its HBM bound; 1.73x with 128-key tiles): the AIC's MTE2. Each copy costs the
+  profile's 200-cycle latency, so csa's picks gather at a copy per run of consecutive entries (random
+  picks: about half of them start a run), besides the bytes; the window and hca's entries are one copy
+  each. Then the chain per key tile AIV softmax -> AIC P V -> AIV O update is serial (the next tile's
+  gather and S overlap it). Positions are dealt to the AI cores round-robin: contiguous ranges left the
+  last core (the longest windows, the most picks) 6x the first one's gather.
+- backward (1.01x): at its HBM bound: q, dy, y, y_lo, the gathered keys, and the fp32 key gradients
+  added at their rows.
+The planner's model takes the busiest pipe (the block's HBM share among them), not that serial chain,
+so it predicts below the emulator (csa: 1084 us planned against 1243 us emulated; 778 us before the
+HBM share was one of its pipes) and cannot tell 64- from 128-key tiles apart in the forward.
 """
 
 from __future__ import annotations
@@ -122,7 +123,8 @@ class SparseAttentionAscend(AscendKernel):
             gather = (1 + copies) * lat + (keys + heads) * dim * e / hbm   # q, the window's run, the entries
             vec = issue * (22 + 4 * kn // 64) + mine * kn / 64 * 9 + vchunks * (issue * (1 + -(-vc // 64)) + mine * vc / 64 * 2)
             wait = 0 if sb == 2 else tiles * (lat + mine * kn * 4 / l2)   # one score tile: its copy in is not hidden
-            return {"MTE2": per * gather + tiles * (lat + heads * kn * e / l2),
+            return {"HBM": per * ((keys + 3 * heads) * dim * e + heads * 4) / hbm,   # the block's share: q, keys; y, y_lo, lse
+                    "MTE2": per * gather + tiles * (lat + heads * kn * e / l2),
                     "MTE1": tiles * (chunks * (s.mte1_a + s.mte1_b + pv.mte1_b) + pv.mte1_a),
                     "Cube": tiles * chunks * (s.cube + pv.cube),
                     "FIX": tiles * (s.fix + chunks * pv.fix),
@@ -144,7 +146,7 @@ class SparseAttentionAscend(AscendKernel):
                                                        + mine * dim * 4 + TAIL_MASK + mine * kn // 8 + 7 * mine * 4 + 2 * mine * 32),
                 p.ub_usable, "per AIV (H/2 heads): s_buffers S tiles, P tiles, P V and y slices of o_chunk, O (fp32), the tail mask"),
         ]
-        forward = Phase("forward", cells.pipes(("MTE2", "MTE1", "Cube", "FIX", "AIV MTE2", "Vector", "AIV MTE3")),
+        forward = Phase("forward", cells.pipes(("HBM", "MTE2", "MTE1", "Cube", "FIX", "AIV MTE2", "Vector", "AIV MTE3")),
                         [cells.tile_fill(), cells.launch()])
         return self.cube_choice_model(problem, hw, domains, forward, constraints)
 
@@ -167,7 +169,12 @@ class SparseAttentionAscend(AscendKernel):
             gather = (2 + copies) * lat + (keys + 2 * heads) * dim * e / hbm   # q, dy, the keys
             vec = issue * (24 + 4 * kn // 64) + mine * kn / 64 * 10
             wait = tiles * (lat + 2 * mine * kn * 4 / l2)   # one S and dP tile each (the queues' events run out at two)
-            return {"MTE2": per * gather + tiles * (2 * lat + 2 * heads * kn * e / l2),
+            # the block's share of HBM: q, y, y_lo, dy, the keys, lse in; dq out, the keys' fp32 gradients
+            # added at their rows; the accumulators zeroed, read back and converted (its share of them)
+            acc = (batch * seq + batch * entries_of(problem)) * dim * (8 + e) / cores
+            hbm_bytes = per * ((5 * heads + keys) * dim * e + heads * 4 + keys * dim * 4) + acc
+            return {"HBM": hbm_bytes / hbm,
+                    "MTE2": per * gather + tiles * (2 * lat + 2 * heads * kn * e / l2),
                     "MTE1": tiles * (chunks * (2 * s.mte1_a + s.mte1_b + dq.mte1_b + 2 * dkv.mte1_b) + 3 * heads * kn * e / p.mte1_bytes_per_cycle),
                     "Cube": tiles * chunks * (2 * s.cube + dq.cube + 2 * dkv.cube),
                     "FIX": tiles * (2 * s.fix + chunks * (dq.fix + dkv.fix + (scatter - 1) * issue)),
@@ -192,7 +199,7 @@ class SparseAttentionAscend(AscendKernel):
                                                                 + 7 * mine * 4 + 2 * mine * 32),
                 p.ub_usable, "per AIV: S and dP tiles, P and dS out, dq / y slices of o_chunk, the conversion step, the tail mask"),
         ]
-        pipes = cells.pipes(("MTE2", "MTE1", "Cube", "FIX", "AIV MTE2", "Vector", "AIV MTE3"))
+        pipes = cells.pipes(("HBM", "MTE2", "MTE1", "Cube", "FIX", "AIV MTE2", "Vector", "AIV MTE3"))
         return Phase("backward", pipes, [cells.tile_fill(), cells.launch()]), constraints
 
     def cube_floor(self, problem: Problem) -> dict[str, CubeWork]:
