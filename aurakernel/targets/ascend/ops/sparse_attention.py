@@ -217,8 +217,8 @@ class SparseAttentionAscend(AscendKernel):
         if dim % 16:
             raise PlanInfeasible("head_dim", f"{dim} must be a multiple of 16 (V4: 512)")
         kv_tile, d_chunk = int(knobs["kv_tile"]), int(knobs["d_chunk"])
-        if kv_tile % 64 or not 64 <= kv_tile <= 2040:
-            raise PlanInfeasible("kv_tile", f"{kv_tile} keys must be a multiple of 64 in [64, 2040]")
+        if kv_tile not in (64, 128, 256):   # 64-lane reductions; a row's tail mask within one 256-bit block
+            raise PlanInfeasible("kv_tile", f"{kv_tile} keys: 64, 128 or 256")
         if d_chunk % 16 or dim % d_chunk:
             raise PlanInfeasible("d_chunk", f"{d_chunk} columns must be a multiple of 16 dividing head_dim {dim}")
         o_chunk, s_buffers = int(knobs["o_chunk"]), int(knobs["s_buffers"])
@@ -231,15 +231,17 @@ class SparseAttentionAscend(AscendKernel):
                 "s_buffers": s_buffers, "cube_blocks": int(knobs["cube_blocks"])}
 
     def verification_problems(self, problem: Problem, knobs: dict[str, int]) -> list[Problem]:
-        """Short sequences at the plan's heads and width: one batch row whose window (at most 24) is
-        longer than its first positions, every position in one key tile; and two batch rows over more
+        """Short sequences at the plan's heads and width: one batch row of 40 positions at the problem's
+        window (longer than the first positions'); and two batch rows over more
         positions than AI cores (a tail core) with a window wider than a key tile (the kernel reads the
-        window from its tiling), so positions span tiles and end in part ones."""
+        window from its tiling), so positions span tiles and end in part ones; csa there picks 8 of up to
+        (kn + 13) / 4 ready entries, so its picks break into several runs of consecutive entries."""
         batch, heads, seq, dim, window, extra = problem.shape
         kn = knobs["kv_tile"]
         first = {"csa": min(extra, 20), "hca": min(extra, 4), "sliding": 1}[problem.variant]
+        second = min(extra, 8) if problem.variant == "csa" else first
         return [Problem(problem.op, problem.variant, (1, heads, 40, dim, window, first), problem.dtype),
-                Problem(problem.op, problem.variant, (2, heads, kn + 13, dim, kn + 13, first), problem.dtype)]
+                Problem(problem.op, problem.variant, (2, heads, kn + 13, dim, kn + 13, second), problem.dtype)]
 
     def _buffers(self, problem: Problem, knobs: dict[str, int], inputs: Tensors):
         """The GM buffers both kernels read (q as [B, S, H, D], kv, compressed kv, the compacted picks and
