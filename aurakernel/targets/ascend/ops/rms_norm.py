@@ -27,15 +27,15 @@ class RmsNormAscend(AscendKernel):
         weighted = problem.variant == "weighted"
         cast = 0 if problem.dtype is DType.fp32 else 1
         return [
-            # pass 1: cast, x^2, ReduceSum; pass 2: cast, Muls rstd, (Mul gamma), cast
+            # pass 1: cast, x^2 accumulated (one ReduceSum a row); pass 2: cast, Muls rstd, (Mul gamma), cast
             AscendRowPhase("forward", 1, 1, 0, 4, cols * 4 if weighted else 0, 2,
-                           fast_ops_per_elem=3 + 3 * cast + weighted, slow_ops_per_elem=0,
-                           instrs_per_chunk=4 + 3 * cast + weighted),
-            # pass 1: 2 casts, Muls, Mul gamma, Mul, ReduceSum (+ cast, Mul, Add for dgamma);
-            # pass 2: 2 casts, Muls, Mul gamma, Muls, Sub, Muls, cast
+                           fast_ops_per_elem=2 + 3 * cast + weighted, slow_ops_per_elem=0,
+                           instrs_per_chunk=2 + 3 * cast + weighted),
+            # pass 1: 2 casts, g x accumulated (weighted: dy x, Axpy into dgamma, times gamma accumulated);
+            # pass 2: 2 casts, (Mul gamma), Muls rstd, Axpy x, cast
             AscendRowPhase("backward", 2, 1, 4, 0, cols * 8 if weighted else 0, 3,
-                           fast_ops_per_elem=9 + 5 * cast + 3 * weighted, slow_ops_per_elem=0,
-                           instrs_per_chunk=9 + 5 * cast + 3 * weighted),
+                           fast_ops_per_elem=3 + 5 * cast + 3 * weighted, slow_ops_per_elem=0,
+                           instrs_per_chunk=3 + 5 * cast + 3 * weighted),
         ]
 
     def params(self, problem: Problem, knobs: dict[str, int]) -> dict:
