@@ -47,7 +47,7 @@ class AscendRowPhase:
     fast_ops_per_elem: float   # fp32 vector passes over the row (1 cycle per 256 B repeat)
     slow_ops_per_elem: float   # Exp/Sqrt/Div-class passes
     instrs_per_chunk: int      # vector instructions issued per chunk of a row
-    f32_tiles: int = 0         # fp32 buffers of a whole tile (tile_rows x the row), beside the chunk buffers
+    f32_tiles: float = 0       # fp32 buffers of a whole tile (tile_rows x the row), beside the chunk buffers
     tile_in_bytes: int = 0     # copied in once per tile (a row its rows share, e.g. a mask), queued with it
     extra_copies_in: int = 0   # further copies in per tile (e.g. side inputs split over several copies)
     instrs_per_tile: int = 0   # vector instructions (and scalar-sync drains) issued once per tile

@@ -313,7 +313,7 @@ def ascend_row_pipeline(phase, rows: int, cols: int, elem_bytes: int, knobs: dic
                             + align32(tr * phase.small_out_bytes), max_buffers))
     # the UB beside the queues, as planner/ascend.py counts it
     fixed = (align32(phase.resident_bytes) + phase.work_buffers * ch * 4 + align32((8 + ch * 4 / 256) * 4)
-             + phase.f32_tiles * tr * align32(width * 4))
+             + math.ceil(phase.f32_tiles * tr * align32(width * 4)))
     return Pipeline(tuple(stages), tuple(queues), tiles, figures.ub_usable - fixed)
 
 

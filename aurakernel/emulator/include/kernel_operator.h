@@ -493,6 +493,13 @@ inline double lower_flag(HardEvent e, int32_t id) {
             for (int x = 0; x < ak::NPIPES; ++x) k.safe[x][p] = std::max(k.safe[x][p], k.flag_safe[f][x]);
     return k.flag_at[f];
 }
+// The waiting pipe resumes when the signalling pipe got to the SetFlag (set_at), also for a queue's
+// own events: an AllocTensor's copy in waits for the FreeTensor's place in the vector pipe's program
+// order, not only for the buffer's last read (the pipe executes in order and sets the flag there).
+inline void wait_pipe(HardEvent e, double set_at) {
+    auto& c = ak::core().c;
+    c.at[event_dst(e)] = std::max({c.at[event_dst(e)], c.at[ak::SCALAR], set_at});
+}
 // An ID of e from the pipe's pool, held for `who` until given back.
 // The pool's first free ID of e (as AllocEventID and FetchEventID pick it); all taken is an error.
 inline int32_t free_id(HardEvent e, const std::string& who) {
@@ -536,9 +543,7 @@ template <HardEvent event> inline void SetFlag(int32_t eventID) {
     detail::raise_flag(event, eventID, "a SetFlag of the kernel");
 }
 template <HardEvent event> inline void WaitFlag(int32_t eventID) {
-    const double set_at = detail::lower_flag(event, eventID);
-    auto& c = ak::core().c;   // the waiting pipe resumes when the signalling pipe got to the SetFlag
-    c.at[event_dst(event)] = std::max({c.at[event_dst(event)], c.at[ak::SCALAR], set_at});
+    detail::wait_pipe(event, detail::lower_flag(event, eventID));
 }
 
 // ---- TPipe / TQue / TBuf -----------------------------------------------------------------------
@@ -591,7 +596,7 @@ template <TPosition src, TPosition dst, int32_t depth> class TQueImpl {
                 busy_[i] = true;
                 cursor_ = (i + 1) % bufs_.size();
                 if (free_id_[i] >= 0) {   // the wait on this buffer's FreeTensor
-                    detail::lower_flag(ev.free, free_id_[i]);
+                    detail::wait_pipe(ev.free, detail::lower_flag(ev.free, free_id_[i]));
                     detail::give_id(ev.free, free_id_[i], "AllocTensor");
                     free_id_[i] = -1;
                 }
@@ -633,7 +638,7 @@ template <TPosition src, TPosition dst, int32_t depth> class TQueImpl {
         auto e = queued_.front();
         queued_.erase(queued_.begin());
         if constexpr (ev.synced) {
-            detail::lower_flag(ev.enque, e.id);
+            detail::wait_pipe(ev.enque, detail::lower_flag(ev.enque, e.id));
             detail::give_id(ev.enque, e.id, "DeQue");
         }
         return LocalTensor<T>(reinterpret_cast<T*>(e.ptr), e.bytes / sizeof(T), e.slot);

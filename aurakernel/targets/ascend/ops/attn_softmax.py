@@ -32,12 +32,17 @@ def ascend_tiling(shape, has_mask: bool, msb: int, mss: int, knobs: dict[str, in
     return bytearray(struct.pack(f"<{len(fields)}If", *map(int, fields), scaling)), block_dim
 
 
+# RowSteps' whole-tile form (kernel.cpp.j2): per repeat of a tile a 32 B broadcast block, a spread value
+# and its gather offset, as a share of the tile's fp32 bytes (32 + 4 + 4 B per 256 B)
+ROW_STEP_TILES = 40 / 256
+
+
 class AttnSoftmaxAscend(AscendKernel):
     syncs_cores = True   # its blocks meet in SyncAll
     # --- AscendC (templates/ascendc/attn_softmax/): rows over the vector cores in (b, s, h) order -
     # a tile is up to tile_rows heads of one query position, so they share its mask row (one copy
     # per tile); every row is softmaxed whole in fp32 (the tile-wide fp32 buffers are f32_tiles) on
-    # the vector unit alone: each row-wise step is one instruction per 64-lane column of the tile.
+    # the vector unit alone: a row-wise step is a few instructions a tile (RowSteps' whole-tile form).
     # The backward's d sinks go through the scalar unit where a tile's first head is not 32 B aligned.
     compute_waits_scalar = {"forward": False, "backward": True}
 
@@ -48,18 +53,19 @@ class AttnSoftmaxAscend(AscendKernel):
         mask = -(-keys // 64) * 256                              # the mask row a tile's rows share (whole repeats)
         vecs = 12 * 64 * 4 + 64 * 4                                # per-row vectors, their broadcast, gather offsets
         return [
-            # casts in (3) and out, Muls scale, Exp (tile-wide); per column the mask add, max (reduce and
-            # combine), the subtraction, sum (reduce and combine) and the normalisation
+            # tile-wide: casts in (3) and out, Muls scale, Exp, and the row steps in RowSteps' whole-tile
+            # form (an instruction or three and a pass over the tile each: max, the subtraction, sum, the
+            # normalisation); the mask add per row (or column) of the tile
             AscendRowPhase("forward", 1, 1, 0, 8, hp * 4 + vecs, 0, fast_ops_per_elem=3 + 5 + 3 * cast,
-                           slow_ops_per_elem=1, instrs_per_chunk=5, f32_tiles=1, tile_in_bytes=mask,
-                           instrs_per_tile=16),   # modelled row by row: a tile of rows longer than they are many
+                           slow_ops_per_elem=1, instrs_per_chunk=1, f32_tiles=1 + ROW_STEP_TILES, tile_in_bytes=mask,
+                           instrs_per_tile=26),
             # recompute z (as forward) and p (subtraction, Exp, scaling), cast dp, p dp and its row sum,
             # p dot, the difference, scale, cast out; resident besides: the sinks, the d sinks accumulator
             # and every core's partials (core 0 reduces them)
             AscendRowPhase("backward", 2, 1, 8, 0, 2 * hp * 4 + AIV_MAX * hp * 4 + vecs, 0,
-                           fast_ops_per_elem=3 + 8 + 5 * cast, slow_ops_per_elem=1, instrs_per_chunk=5, f32_tiles=2,
-                           tile_in_bytes=mask, extra_copies_in=1,   # row max and row sum: two copies
-                           instrs_per_tile=24),
+                           fast_ops_per_elem=3 + 8 + 5 * cast, slow_ops_per_elem=1, instrs_per_chunk=1,
+                           f32_tiles=2 + ROW_STEP_TILES, tile_in_bytes=mask, extra_copies_in=1,   # row max and row sum: two copies
+                           instrs_per_tile=32),
         ]
 
     def rows_cols(self, problem: Problem) -> tuple[int, int]:
