@@ -40,8 +40,10 @@ ROW_STEP_TILES = 40 / 256
 class AttnSoftmaxAscend(AscendKernel):
     syncs_cores = True   # its blocks meet in SyncAll
     # --- AscendC (templates/ascendc/attn_softmax/): rows over the vector cores in (b, s, h) order -
-    # a tile is up to tile_rows heads of one query position, so they share its mask row (one copy
-    # per tile); every row is softmaxed whole in fp32 (the tile-wide fp32 buffers are f32_tiles) on
+    # a tile is up to tile_rows heads of one query position, so they share its mask row (copied once
+    # per position and spread over a tile's rows in fp32: added with one instruction a tile; the
+    # copy is modelled per tile); every row is softmaxed whole in fp32 (tile-wide fp32 buffers: z,
+    # the spread mask, and dp in the backward, are f32_tiles) on
     # the vector unit alone: a row-wise step is a few instructions a tile (RowSteps' whole-tile form).
     # The backward's d sinks go through the scalar unit where a tile's first head is not 32 B aligned.
     compute_waits_scalar = {"forward": False, "backward": True}
@@ -55,17 +57,16 @@ class AttnSoftmaxAscend(AscendKernel):
         return [
             # tile-wide: casts in (3) and out, Muls scale, Exp, and the row steps in RowSteps' whole-tile
             # form (an instruction or three and a pass over the tile each: max, the subtraction, sum, the
-            # normalisation); the mask add per row (or column) of the tile
-            AscendRowPhase("forward", 1, 1, 0, 8, hp * 4 + vecs, 0, fast_ops_per_elem=3 + 5 + 3 * cast,
-                           slow_ops_per_elem=1, instrs_per_chunk=1, f32_tiles=1 + ROW_STEP_TILES, tile_in_bytes=mask,
+            # normalisation); a mask row spread once per position
+            AscendRowPhase("forward", 1, 1, 0, 4, hp * 4 + vecs, 0, fast_ops_per_elem=3 + 5 + 3 * cast,
+                           slow_ops_per_elem=1, instrs_per_chunk=1, f32_tiles=2 + ROW_STEP_TILES, tile_in_bytes=mask,
                            instrs_per_tile=26),
-            # recompute z (as forward) and p (subtraction, Exp, scaling), cast dp, p dp and its row sum,
+            # recompute z (as forward) and p (the subtraction of lse, Exp), cast dp, p dp and its row sum,
             # p dot, the difference, scale, cast out; resident besides: the sinks, the d sinks accumulator
             # and every core's partials (core 0 reduces them)
-            AscendRowPhase("backward", 2, 1, 8, 0, 2 * hp * 4 + AIV_MAX * hp * 4 + vecs, 0,
-                           fast_ops_per_elem=3 + 8 + 5 * cast, slow_ops_per_elem=1, instrs_per_chunk=1,
-                           f32_tiles=2 + ROW_STEP_TILES, tile_in_bytes=mask, extra_copies_in=1,   # row max and row sum: two copies
-                           instrs_per_tile=32),
+            AscendRowPhase("backward", 2, 1, 4, 0, 2 * hp * 4 + AIV_MAX * hp * 4 + vecs, 0,
+                           fast_ops_per_elem=3 + 7 + 5 * cast, slow_ops_per_elem=1, instrs_per_chunk=1,
+                           f32_tiles=3 + ROW_STEP_TILES, tile_in_bytes=mask, instrs_per_tile=28),
         ]
 
     def rows_cols(self, problem: Problem) -> tuple[int, int]:
@@ -98,7 +99,7 @@ class AttnSoftmaxAscend(AscendKernel):
 
     def run(self, problem: Problem, knobs: dict[str, int], inputs: Tensors, grad_out: Tensors, emu):
         """Forward and backward kernels in the emulator: (outputs, grads, {phase: RunReport}). The
-        saved row max and sum are indexed in the kernel's (b, s, h) row order."""
+        saved lse is indexed in the kernel's (b, s, h) row order."""
         s = inputs["scores"].contiguous()
         batch, heads, seq, keys = s.shape
         mask, msb, mss = _mask_rows(inputs["mask"], s)
@@ -107,18 +108,17 @@ class AttnSoftmaxAscend(AscendKernel):
         tiling, block_dim = ascend_tiling(s.shape, mask is not None, msb, mss, knobs, float(inputs.get("scaling", SCALING)))
         rows = batch * heads * seq
         probs = torch.full_like(s, float("nan"))
-        stats = torch.full((rows,), float("nan"))
-        fwd_bufs = [to_bytes(s), mask_bytes, to_bytes(sinks), to_bytes(probs), to_bytes(stats), to_bytes(stats),
-                    bytearray(32), tiling]
-        fwd = emulator.run(emu.exe("ak_attn_softmax_fwd", 8), block_dim, fwd_bufs)
+        lse = torch.full((rows,), float("nan"))
+        fwd_bufs = [to_bytes(s), mask_bytes, to_bytes(sinks), to_bytes(probs), to_bytes(lse), bytearray(32), tiling]
+        fwd = emulator.run(emu.exe("ak_attn_softmax_fwd", 7), block_dim, fwd_bufs)
         hp = -(-heads // 8) * 8
         dscores, dsinks = torch.full_like(s, float("nan")), torch.full((heads,), float("nan"))
-        bwd_bufs = [to_bytes(s), bytearray(mask_bytes), to_bytes(sinks), fwd_bufs[4], fwd_bufs[5],
+        bwd_bufs = [to_bytes(s), bytearray(mask_bytes), to_bytes(sinks), fwd_bufs[4],
                     to_bytes(grad_out["probs"].to(s.dtype)), to_bytes(dscores), to_bytes(dsinks),
                     bytearray(4 * hp * block_dim), bytearray(tiling)]
-        bwd = emulator.run(emu.exe("ak_attn_softmax_bwd", 10), block_dim, bwd_bufs)
+        bwd = emulator.run(emu.exe("ak_attn_softmax_bwd", 9), block_dim, bwd_bufs)
         return ({"probs": from_bytes(fwd_bufs[3], probs)},
-                {"scores": from_bytes(bwd_bufs[6], dscores), "sinks": from_bytes(bwd_bufs[7], dsinks)},
+                {"scores": from_bytes(bwd_bufs[5], dscores), "sinks": from_bytes(bwd_bufs[6], dsinks)},
                 {"forward": fwd, "backward": bwd})
 
 
