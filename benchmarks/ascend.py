@@ -59,6 +59,7 @@ def naive_knobs(model: ChoiceModel) -> dict[str, int]:
         for tr in sorted(d["tile_rows"], reverse=True):
             for ch in sorted(d["chunk"], reverse=True):
                 choice = {"tile_rows": tr, "buffers": 1, "chunk": ch, "block_dim": d["block_dim"][0], "col_tile": ct}
+                choice |= {k: tr for k in d if k.endswith("_tile_rows")}   # a phase's own tile rows: the same
                 if model.feasible(choice):
                     return choice
     raise RuntimeError("nothing fits the UB")

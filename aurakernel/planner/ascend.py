@@ -53,6 +53,8 @@ class AscendRowPhase:
     instrs_per_tile: int = 0   # vector instructions (and scalar-sync drains) issued once per tile
     copies_in: int | None = None    # DataCopys per tile of the row tiles (one strided copy can bring several
     copies_out: int | None = None   # streams' rows); None: one per stream
+    own_tile_rows: bool = False     # its tile rows are a knob of its own, `<name>_tile_rows` (the phase's
+                                    # launch takes its own tiling): a phase with more UB to spare takes more rows
 
 
 # planner-only scales (1.0: the model as written; fitted by planner/fit.py); every term is linear in them
@@ -105,7 +107,12 @@ def ascend_rowwise_model(rows: int, cols: int, elem_bytes: int, phases: list[Asc
                "chunk": _pow2_upto(max(64, math.ceil(cols / 64) * 64), 64)[:12],
                "block_dim": [block_dim],
                "col_tile": col_tiles}
-    knobs = ("tile_rows", "buffers", "chunk", "col_tile")
+
+    def tr_knob(p: AscendRowPhase) -> str:
+        return f"{p.name}_tile_rows" if p.own_tile_rows else "tile_rows"
+
+    for p in phases:
+        domains[tr_knob(p)] = domains["tile_rows"]
 
     def ub_bytes(p: AscendRowPhase, tr: int, nb: int, ch: int, ct: int) -> float:
         if ct < cols and tr > 1:
@@ -116,15 +123,22 @@ def ascend_rowwise_model(rows: int, cols: int, elem_bytes: int, phases: list[Asc
         return (nb * per_buf + align32(p.resident_bytes) + p.work_buffers * ch * 4 + align32((8 + ch * 4 / 256) * 4)
                 + p.f32_tiles * tr * align32(ct * 4))
 
-    usage = Term.of(knobs, domains, lambda tr, nb, ch, ct: max((ub_bytes(p, tr, nb, ch, ct) for p in phases), default=0))
-    constraints = [Constraint("UB capacity", usage, figures.ub_usable,
-                              "buffers x (row tiles + per-row outputs) + resident + work chunks + reduce scratch")]
+    # one UB constraint over the phases that share tile_rows, one for each phase with rows of its own
+    groups = {}
+    for p in phases:
+        groups.setdefault(tr_knob(p), []).append(p)
+    constraints = [Constraint("UB capacity", Term.of((k, "buffers", "chunk", "col_tile"), domains,
+                                                     lambda tr, nb, ch, ct, ps=ps: max(ub_bytes(p, tr, nb, ch, ct) for p in ps)),
+                              figures.ub_usable,
+                              "buffers x (row tiles + per-row outputs) + resident + work chunks + reduce scratch")
+                   for k, ps in groups.items()]
 
     def tiles(tr: int, ct: int) -> int:
         return rb * math.ceil(cols / ct) if ct < cols else math.ceil(rb / tr)
 
     model_phases = []
     for p in phases:
+        knobs = (tr_knob(p), "buffers", "chunk", "col_tile")
         def mte2_parts(tr, ct, p=p):   # (copy latencies, transfer) cycles of the copies in
             copies = ((p.streams_in if p.copies_in is None else p.copies_in) + (1 if p.small_in_bytes else 0)
                       + (1 if p.tile_in_bytes else 0) + p.extra_copies_in)

@@ -282,7 +282,7 @@ def ascend_row_pipeline(phase, rows: int, cols: int, elem_bytes: int, knobs: dic
     copy-in -> compute -> copy-out pipeline, per tile, with the figures the emulator charges.
     `compute_waits_scalar`: the compute step reads reductions back on the scalar unit (a V_S wait)."""
     figures = hw.ascend_pipes(knobs["block_dim"])
-    tr, ch, ct = knobs["tile_rows"], knobs["chunk"], knobs.get("col_tile", cols)
+    tr, ch, ct = knobs.get(f"{phase.name}_tile_rows", knobs["tile_rows"]), knobs["chunk"], knobs.get("col_tile", cols)
     rb = math.ceil(rows / knobs["block_dim"])
     tiles = rb * math.ceil(cols / ct) if split_cols and ct < cols else math.ceil(rb / tr)
     width = min(ct, cols)

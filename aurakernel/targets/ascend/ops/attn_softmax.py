@@ -17,15 +17,17 @@ from ....planner.schedule import phase_schedule
 from ..kernel import AscendKernel
 
 
-def ascend_tiling(shape, has_mask: bool, msb: int, mss: int, knobs: dict[str, int], scaling: float) -> tuple[bytearray, int]:
-    """AkAttnSoftmaxTiling (templates/ascendc/attn_softmax/tiling.h.j2) for scores [B, H, S, K] and
-    mask rows at b * msb + s * mss (fp32); and the cores it runs on. The host tiling function
-    computes the same fields."""
+def ascend_tiling(shape, has_mask: bool, msb: int, mss: int, knobs: dict[str, int], scaling: float,
+                  tile_rows: int) -> tuple[bytearray, int]:
+    """AkAttnSoftmaxTiling (templates/ascendc/attn_softmax/tiling.h.j2) for scores [B, H, S, K],
+    mask rows at b * msb + s * mss (fp32) and tiles of `tile_rows` rows (the forward's and the
+    backward's are knobs of their own); and the cores it runs on. The host tiling function computes
+    the same fields."""
 
     batch, heads, seq, keys = shape
     pitch = -(-keys // 64) * 64                # UB row pitch: whole 256 B repeats in fp32
     block_rows, block_dim = row_split(batch * heads * seq, knobs["block_dim"])
-    fields = [batch, heads, seq, keys, pitch, block_rows, knobs["tile_rows"], int(has_mask), msb, mss,
+    fields = [batch, heads, seq, keys, pitch, block_rows, tile_rows, int(has_mask), msb, mss,
               -(-heads // 8) * 8, block_dim]
     if any(not 0 <= int(f) < 2 ** 32 for f in fields):
         raise ValueError(f"attn_softmax tiling field out of uint32 range: {fields}")
@@ -64,9 +66,10 @@ class AttnSoftmaxAscend(AscendKernel):
             # recompute z (as forward) and p (the subtraction of lse, Exp), cast dp, p dp and its row sum,
             # p dot, the difference, scale, cast out; resident besides: the sinks, the d sinks accumulator
             # and every core's partials (core 0 reduces them)
+            # (its rows a knob of their own: a third fp32 tile and a second stream leave it less UB)
             AscendRowPhase("backward", 2, 1, 4, 0, 2 * hp * 4 + AIV_MAX * hp * 4 + vecs, 0,
                            fast_ops_per_elem=3 + 7 + 5 * cast, slow_ops_per_elem=1, instrs_per_chunk=1,
-                           f32_tiles=3 + ROW_STEP_TILES, tile_in_bytes=mask, instrs_per_tile=28),
+                           f32_tiles=3 + ROW_STEP_TILES, tile_in_bytes=mask, instrs_per_tile=28, own_tile_rows=True),
         ]
 
     def rows_cols(self, problem: Problem) -> tuple[int, int]:
@@ -85,7 +88,8 @@ class AttnSoftmaxAscend(AscendKernel):
         fwd = phase_schedule(knobs, "forward", ("in", "out"))
         bwd = phase_schedule(knobs, "backward", ("in", "out"))
         return {"dtype": problem.dtype, "heads": int(problem.shape[1]), "keys": int(problem.shape[3]),
-                "scaling": float(SCALING), "tile_rows": int(knobs["tile_rows"]), "block_dim": int(knobs["block_dim"]),
+                "scaling": float(SCALING), "tile_rows": int(knobs["tile_rows"]),
+                "bwd_tile_rows": int(knobs["backward_tile_rows"]), "block_dim": int(knobs["block_dim"]),
                 "fwd_prefetch": fwd["prefetch"], "fwd_in_buffers": fwd["in_buffers"], "fwd_out_buffers": fwd["out_buffers"],
                 "bwd_prefetch": bwd["prefetch"], "bwd_in_buffers": bwd["in_buffers"], "bwd_out_buffers": bwd["out_buffers"]}
 
@@ -105,7 +109,9 @@ class AttnSoftmaxAscend(AscendKernel):
         mask, msb, mss = _mask_rows(inputs["mask"], s)
         mask_bytes = to_bytes(mask) if mask is not None else bytearray(32)
         sinks = inputs["sinks"].float().contiguous()
-        tiling, block_dim = ascend_tiling(s.shape, mask is not None, msb, mss, knobs, float(inputs.get("scaling", SCALING)))
+        scaling = float(inputs.get("scaling", SCALING))
+        tiling, block_dim = ascend_tiling(s.shape, mask is not None, msb, mss, knobs, scaling, knobs["tile_rows"])
+        bwd_tiling, _ = ascend_tiling(s.shape, mask is not None, msb, mss, knobs, scaling, knobs["backward_tile_rows"])
         rows = batch * heads * seq
         probs = torch.full_like(s, float("nan"))
         lse = torch.full((rows,), float("nan"))
@@ -115,7 +121,7 @@ class AttnSoftmaxAscend(AscendKernel):
         dscores, dsinks = torch.full_like(s, float("nan")), torch.full((heads,), float("nan"))
         bwd_bufs = [to_bytes(s), bytearray(mask_bytes), to_bytes(sinks), fwd_bufs[4],
                     to_bytes(grad_out["probs"].to(s.dtype)), to_bytes(dscores), to_bytes(dsinks),
-                    bytearray(4 * hp * block_dim), bytearray(tiling)]
+                    bytearray(4 * hp * block_dim), bwd_tiling]
         bwd = emulator.run(emu.exe("ak_attn_softmax_bwd", 9), block_dim, bwd_bufs)
         return ({"probs": from_bytes(fwd_bufs[3], probs)},
                 {"scores": from_bytes(bwd_bufs[5], dscores), "sinks": from_bytes(bwd_bufs[6], dsinks)},
