@@ -40,6 +40,10 @@ from ....planner.model import ChoiceModel, Constraint, Phase
 from ..kernel import AscendKernel
 
 TILING = "<8If"   # AkSparseAttentionTiling
+# the Cube models' knobs (both directions): keys per tile, D columns per Mmad, O / dq columns per vector
+# step, score tiles per vector core, q (and dy) buffers in L1 (two: the next position's copy runs under
+# this one's tiles)
+KNOBS = ("kv_tile", "d_chunk", "o_chunk", "s_buffers", "q_buffers")
 TAIL_MASK = 256 * 4 + 32   # UB of the tail tiles' mask: 256 column numbers, and at least a block of bits
 CVT = 2048                 # floats per step of the backward's key-gradient conversion
 
@@ -113,10 +117,11 @@ class SparseAttentionAscend(AscendKernel):
                    "d_chunk": [c for c in (32, 64, 128, 256, 512) if c <= dim and dim % c == 0] or [dim],
                    "o_chunk": [c for c in (16, 32, 64, 128) if dim % c == 0],
                    "s_buffers": [1, 2],
+                   "q_buffers": [1, 2],
                    "cube_blocks": [cores]}
 
         @functools.cache
-        def per_core(kn, dc, vc, sb):
+        def per_core(kn, dc, vc, sb, qb):
             tiles, n, chunks, vchunks = per * -(-keys // kn), min(kn, keys), dim // dc, dim // vc
             s = cube_tile_cycles(heads, n, dc, e, hw, cores, a_loads=heads // 16, b_loads=dc // 16)
             pv = cube_tile_cycles(heads, dc, n, e, hw, cores, a_loads=heads // 16, b_loads=-(-n // 16))
@@ -132,22 +137,24 @@ class SparseAttentionAscend(AscendKernel):
                     "Vector": tiles * vec + wait,
                     "AIV MTE3": tiles * (lat + mine * kn * e / l2) + per * 2 * vchunks * (lat + mine * vc * e / hbm),
                     "tile": tiles}
-        cells = CubeCells(("kv_tile", "d_chunk", "o_chunk", "s_buffers"), domains, per_core, hw)
+        cells = CubeCells(KNOBS, domains, per_core, hw)
         cap = cells.cap
         constraints = [
-            cap("L1 capacity", lambda kn, dc, vc, sb: (heads * dim + 2 * kn * dim + heads * kn) * e, p.l1_usable,
-                "(H x D + 2 x kv_tile x D + H x kv_tile) x elem (q, two key tiles, P)"),
-            cap("L0A capacity", lambda kn, dc, vc, sb: (2 * heads * dc + heads * kn) * e, p.l0a_bytes,
+            cap("L1 capacity", lambda kn, dc, vc, sb, qb: (qb * heads * dim + 2 * kn * dim + heads * kn) * e, p.l1_usable,
+                "(q_buffers x H x D + 2 x kv_tile x D + H x kv_tile) x elem (q, two key tiles, P)"),
+            cap("L0A capacity", lambda kn, dc, vc, sb, qb: (2 * heads * dc + heads * kn) * e, p.l0a_bytes,
                 "(2 x H x d_chunk + H x kv_tile) x elem (q's slices, P)"),
-            cap("L0B capacity", lambda kn, dc, vc, sb: 2 * kn * dc * e, p.l0b_bytes, "2 x kv_tile x d_chunk x elem (K / V slices)"),
-            cap("L0C capacity", lambda kn, dc, vc, sb: (heads * kn + 2 * heads * dc) * 4, p.l0c_bytes,
+            cap("L0B capacity", lambda kn, dc, vc, sb, qb: 2 * kn * dc * e, p.l0b_bytes, "2 x kv_tile x d_chunk x elem (K / V slices)"),
+            cap("L0C capacity", lambda kn, dc, vc, sb, qb: (heads * kn + 2 * heads * dc) * 4, p.l0c_bytes,
                 "(H x kv_tile + 2 x H x d_chunk) x fp32 (S, two P V slices)"),
-            cap("UB capacity", lambda kn, dc, vc, sb: (sb * mine * kn * 4 + 2 * mine * kn * e + 2 * mine * vc * (4 + e)
+            cap("UB capacity", lambda kn, dc, vc, sb, qb: (sb * mine * kn * 4 + 2 * mine * kn * e + 2 * mine * vc * (4 + e)
                                                        + mine * dim * 4 + TAIL_MASK + mine * kn // 8 + 7 * mine * 4 + 2 * mine * 32),
                 p.ub_usable, "per AIV (H/2 heads): s_buffers S tiles, P tiles, P V and y slices of o_chunk, O (fp32), the tail mask"),
         ]
+        # one q buffer: the next position's q is copied in only after this one's last L1 -> L0 load
+        exposed = cells.seconds(lambda kn, dc, vc, sb, qb: 0 if qb == 2 else per * (lat + heads * dim * e / hbm))
         forward = Phase("forward", cells.pipes(("HBM", "MTE2", "MTE1", "Cube", "FIX", "AIV MTE2", "Vector", "AIV MTE3")),
-                        [cells.tile_fill(), cells.launch()])
+                        [cells.tile_fill(), cells.launch(), exposed])
         return self.cube_choice_model(problem, hw, domains, forward, constraints)
 
     def backward_model(self, problem: Problem, hw: HardwareProfile, domains: dict) -> tuple[Phase, list[Constraint]]:
@@ -160,7 +167,7 @@ class SparseAttentionAscend(AscendKernel):
         mine = heads // 2
 
         @functools.cache
-        def per_core(kn, dc, vc, sb):
+        def per_core(kn, dc, vc, sb, qb):
             tiles, n, chunks, vchunks = per * -(-keys // kn), min(kn, keys), dim // dc, dim // vc
             s = cube_tile_cycles(heads, n, dc, e, hw, cores, a_loads=heads // 16, b_loads=dc // 16)
             dq = cube_tile_cycles(heads, dc, n, e, hw, cores, a_loads=0, b_loads=-(-n // 16))
@@ -183,24 +190,25 @@ class SparseAttentionAscend(AscendKernel):
                     "Vector": tiles * vec + wait + per * vchunks * (issue * 7 + mine * vc / 64 * 6),
                     "AIV MTE3": tiles * 2 * (lat + mine * kn * e / l2) + per * vchunks * (2 * lat + mine * vc * (e / hbm + 4 / l2)),
                     "tile": tiles}
-        cells = CubeCells(("kv_tile", "d_chunk", "o_chunk", "s_buffers"), domains, per_core, hw)
+        cells = CubeCells(KNOBS, domains, per_core, hw)
         cap = cells.cap
         constraints = [
-            cap("backward L1 capacity", lambda kn, dc, vc, sb: (2 * heads * dim + 2 * kn * dim + 2 * heads * kn) * e, p.l1_usable,
-                "(2 x H x D + 2 x kv_tile x D + 2 x H x kv_tile) x elem (q, dy, two key tiles, P, dS)"),
-            cap("backward L0A capacity", lambda kn, dc, vc, sb: (2 * heads * dc + 3 * heads * kn) * e, p.l0a_bytes,
+            cap("backward L1 capacity", lambda kn, dc, vc, sb, qb: (2 * qb * heads * dim + 2 * kn * dim + 2 * heads * kn) * e,
+                p.l1_usable, "(2 x q_buffers x H x D + 2 x kv_tile x D + 2 x H x kv_tile) x elem (q, dy, two key tiles, P, dS)"),
+            cap("backward L0A capacity", lambda kn, dc, vc, sb, qb: (2 * heads * dc + 3 * heads * kn) * e, p.l0a_bytes,
                 "(2 x H x d_chunk + 3 x H x kv_tile) x elem (q's / dy's slices, dS, dS^T, P^T)"),
-            cap("backward L0B capacity", lambda kn, dc, vc, sb: 2 * max(heads, kn) * dc * e, p.l0b_bytes,
+            cap("backward L0B capacity", lambda kn, dc, vc, sb, qb: 2 * max(heads, kn) * dc * e, p.l0b_bytes,
                 "2 x max(H, kv_tile) x d_chunk x elem (K, V, q^T, dy^T slices)"),
-            cap("backward L0C capacity", lambda kn, dc, vc, sb: (2 * heads * kn + 2 * max(heads, kn) * dc) * 4, p.l0c_bytes,
+            cap("backward L0C capacity", lambda kn, dc, vc, sb, qb: (2 * heads * kn + 2 * max(heads, kn) * dc) * 4, p.l0c_bytes,
                 "(2 x H x kv_tile + 2 x max(H, kv_tile) x d_chunk) x fp32 (S, dP, dQ / dKV slices)"),
-            cap("backward UB capacity", lambda kn, dc, vc, sb: (2 * mine * kn * 4 + 2 * mine * kn * e + 2 * mine * vc * (4 + 2 * e)
+            cap("backward UB capacity", lambda kn, dc, vc, sb, qb: (2 * mine * kn * 4 + 2 * mine * kn * e + 2 * mine * vc * (4 + 2 * e)
                                                                 + 3 * mine * vc * 4 + CVT * (4 + e) + TAIL_MASK + mine * kn // 8
                                                                 + 7 * mine * 4 + 2 * mine * 32),
                 p.ub_usable, "per AIV: S and dP tiles, P and dS out, dq / y slices of o_chunk, the conversion step, the tail mask"),
         ]
         pipes = cells.pipes(("HBM", "MTE2", "MTE1", "Cube", "FIX", "AIV MTE2", "Vector", "AIV MTE3"))
-        return Phase("backward", pipes, [cells.tile_fill(), cells.launch()]), constraints
+        exposed = cells.seconds(lambda kn, dc, vc, sb, qb: 0 if qb == 2 else per * (2 * lat + 2 * heads * dim * e / hbm))
+        return Phase("backward", pipes, [cells.tile_fill(), cells.launch(), exposed]), constraints
 
     def cube_floor(self, problem: Problem) -> dict[str, CubeWork]:
         batch, heads, seq, dim, _, _ = problem.shape
@@ -221,14 +229,16 @@ class SparseAttentionAscend(AscendKernel):
             raise PlanInfeasible("kv_tile", f"{kv_tile} keys: 64, 128 or 256")
         if d_chunk % 16 or dim % d_chunk:
             raise PlanInfeasible("d_chunk", f"{d_chunk} columns must be a multiple of 16 dividing head_dim {dim}")
-        o_chunk, s_buffers = int(knobs["o_chunk"]), int(knobs["s_buffers"])
+        o_chunk, s_buffers, q_buffers = int(knobs["o_chunk"]), int(knobs["s_buffers"]), int(knobs["q_buffers"])
         if o_chunk % 16 or dim % o_chunk:
             raise PlanInfeasible("o_chunk", f"{o_chunk} columns must be a multiple of 16 dividing head_dim {dim}")
         if s_buffers not in (1, 2):
             raise PlanInfeasible("s_buffers", f"{s_buffers} score tiles: 1 or 2")
+        if q_buffers not in (1, 2):
+            raise PlanInfeasible("q_buffers", f"{q_buffers} q (and dy) buffers in L1: 1 or 2")
         return {"dtype": problem.dtype, "csa": problem.variant == "csa", "hca": problem.variant == "hca", "heads": int(heads),
                 "dim": int(dim), "window": int(window), "kv_tile": kv_tile, "d_chunk": d_chunk, "o_chunk": o_chunk,
-                "s_buffers": s_buffers, "cube_blocks": int(knobs["cube_blocks"])}
+                "s_buffers": s_buffers, "q_buffers": q_buffers, "cube_blocks": int(knobs["cube_blocks"])}
 
     def verification_problems(self, problem: Problem, knobs: dict[str, int]) -> list[Problem]:
         """Short sequences at the plan's heads and width: one batch row of 40 positions at the problem's
