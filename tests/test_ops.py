@@ -75,6 +75,24 @@ def test_router_ties_go_exactly_as_torch_topk(dtype, host):
     torch.testing.assert_close(out["weights"], ref["weights"])
 
 
+def test_router_score_table_is_torch_bitwise():
+    """bf16 router kernels score logits by lookup (score_table): torch's sqrtsoftplus of every bf16
+    bit pattern. torch must give each value those bits wherever it sits in a tensor (vector loops,
+    odd-length tails, a lone element), or routing would differ from the reference's."""
+    import torch
+    from transformers.activations import ACT2FN
+
+    from aurakernel.targets.host.ops.router import score_table
+    table = score_table().view(torch.int16)
+    values = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    for seed, drop in ((0, 0), (1, 7), (2, 13)):
+        order = torch.randperm(65536, generator=torch.Generator().manual_seed(seed))[:65536 - drop]
+        got = ACT2FN["sqrtsoftplus"](values[order].reshape(-1, 1) if seed == 2 else values[order]).view(torch.int16)
+        assert torch.equal(got.flatten(), table[order])
+    lone = torch.arange(0, 65536, 997)
+    assert all(ACT2FN["sqrtsoftplus"](values[i:i + 1]).view(torch.int16)[0] == table[i] for i in lone.tolist())
+
+
 def test_indexer_relu_kink_allowance_is_narrow():
     """The indexer's gradient allowance covers only products that are zero to fp32 rounding (where
     the ReLU's side is decided by summation order): almost every element gets none, and an error

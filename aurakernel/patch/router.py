@@ -11,45 +11,37 @@ from ..dtypes import DType
 from ..ops.base import Problem
 from ..ops.router import RouterAfterLogits, SPEC
 from ..targets.host.library import built_kernel
-from ..targets.host.ops.router import _select_with
+from ..targets.host.ops.router import _select_with, route_weights
 from .base import Patch, bind
 from .install import require
 from .torch_op import torch_op
 
 
-def _select(scores: torch.Tensor, bias: torch.Tensor, top_k: int, kernel: str) -> torch.Tensor:
-    return _select_with(built_kernel(kernel), scores, bias, top_k)
+def _select(logits: torch.Tensor, bias: torch.Tensor, top_k: int, kernel: str) -> torch.Tensor:
+    return _select_with(built_kernel(kernel), logits, bias, top_k)
 
 
 SELECT_OP = torch_op("router_select", _select,
-                     fake_forward=lambda scores, bias, top_k, kernel: scores.new_empty(scores.shape[0], top_k,
-                                                                                       dtype=torch.long))
+                     fake_forward=lambda logits, bias, top_k, kernel: logits.new_empty(logits.shape[0], top_k,
+                                                                                        dtype=torch.long))
 
 
-def select(logits, bias, top_k: int, indices=None, kernel=None):
-    """Scores (bitwise torch's) and the experts in ascending order: the kernel's selection (a built
-    Kernel, or a source hash: through the custom op), with tied rows re-selected by torch.topk, or
-    torch.topk alone when no kernel is given."""
-    scores = ACT2FN["sqrtsoftplus"](logits)
-    if indices is None and kernel is not None:
+def select(logits, bias, top_k: int, kernel=None):
+    """The experts in ascending order: the kernel's selection (a built Kernel, or a source hash:
+    through the custom op; rows it cannot decide re-selected by torch, see _select_with), or
+    torch.topk of the scores (bitwise torch's) when no kernel is given."""
+    if kernel is not None:
         if isinstance(kernel, str):
-            return scores, SELECT_OP(scores, bias, top_k, kernel)
-        return scores, _select_with(kernel, scores, bias, top_k)
-    if indices is None:
-        indices = torch.topk(scores + bias, top_k, dim=-1, sorted=False).indices
-    return scores, indices.sort(dim=-1).values
+            return SELECT_OP(logits, bias, top_k, kernel)
+        return _select_with(kernel, logits, bias, top_k)
+    scores = ACT2FN["sqrtsoftplus"](logits)
+    return torch.topk(scores + bias, top_k, dim=-1, sorted=False).indices.sort(dim=-1).values
 
 
-def _route_forward(logits: torch.Tensor, scores: torch.Tensor | None, indices: torch.Tensor, scale: float,
-                   kernel: str) -> torch.Tensor:
-    """scores=None: hash routing, the kernel scores only the given experts."""
-    rows, top_k = indices.shape
-    idx = indices.contiguous()
-    weights = logits.new_empty(rows, top_k)
-    if scores is None:
-        built_kernel(kernel).call("fwd_given", logits.contiguous(), idx, weights, rows, scale)
-    else:
-        built_kernel(kernel).call("fwd", scores.contiguous(), idx, weights, rows, scale)
+def _route_forward(logits: torch.Tensor, indices: torch.Tensor, scale: float, kernel: str) -> torch.Tensor:
+    """The weights of the selected (or, hash routing, given) experts: the kernel scores only those."""
+    weights = logits.new_empty(indices.shape)
+    route_weights(built_kernel(kernel), logits.contiguous(), indices.contiguous(), weights, scale)
     return weights
 
 
@@ -63,17 +55,17 @@ def _route_backward(d_weights: torch.Tensor, logits: torch.Tensor, indices: torc
 
 
 ROUTE_OP = torch_op("router", _route_forward, _route_backward,
-                    fake_forward=lambda logits, scores, indices, scale, kernel: logits.new_empty(indices.shape),
+                    fake_forward=lambda logits, indices, scale, kernel: logits.new_empty(indices.shape),
                     saved=("logits", "indices"), consts=("scale", "kernel"), grads=("logits",))
 
 
 def route(logits, bias, top_k: int, scale: float, kernel: str, indices=None):
-    """(weights, indices) of the router for `logits` through the kernel."""
-    if indices is not None:   # hash routing: nothing to select, no full score matrix needed; the table's order
-        return ROUTE_OP(logits, None, indices, scale, kernel), indices
-    with torch.no_grad():
-        scores, indices = select(logits, bias, top_k, None, kernel)
-    return ROUTE_OP(logits, scores, indices, scale, kernel), indices
+    """(weights, indices) of the router for `logits` through the kernel (hash routing: the table's
+    `indices`, in its order; nothing to select)."""
+    if indices is None:
+        with torch.no_grad():
+            indices = select(logits, bias, top_k, kernel)
+    return ROUTE_OP(logits, indices, scale, kernel), indices
 
 
 def _kernel_for(module, logits):

@@ -37,6 +37,7 @@ class Entry:
     symbol: str
     args: tuple[str, ...]
     result: str | None = None
+    optional: bool = False   # rendered for some dtypes only: absent from the others' builds
 
 
 @dataclass
@@ -59,10 +60,16 @@ class Kernel:
 
     def bind(self, lib: ctypes.CDLL) -> None:
         for name, entry in self.entries.items():
+            if entry.optional and not hasattr(lib, entry.symbol):
+                continue
             fn = getattr(lib, entry.symbol)
             fn.restype = _CTYPES[entry.result] if entry.result else None
             fn.argtypes = [_CTYPES[a] for a in entry.args]
             self._functions[name] = (fn, entry)
+
+    def has(self, name: str) -> bool:
+        """Whether entry `name` is in this build (an optional entry may not be)."""
+        return name in self._functions
 
     def call(self, name: str, *args):
         """Call entry `name`; tensors are passed by data pointer (the caller guarantees layout)."""
