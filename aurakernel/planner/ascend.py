@@ -5,7 +5,8 @@ cores share the rows.
     knobs     tile_rows in {1, 2, 4, ..., 64} (<= rows per core), buffers in {1, 2},
               chunk in {64, 128, ...} fp32 elements (<= the row), block_dim = min(rows, AIV cores),
               col_tile: the whole row, or (kernels that stream a row in pieces, split_cols) a power
-              of two >= 1024 elements with one row per tile: rows wider than the UB (the vocabulary)
+              of two >= 1024 elements with one row per tile: rows wider than the UB (the vocabulary);
+              a phase with own_tile_rows takes `<phase>_tile_rows` instead (its launch its own tiling)
     UB        buffers * (streams * tile_rows * row_pitch + per-row outputs + per-tile inputs) + resident
               + work * chunk * 4 + fp32 tiles * tile_rows * row_pitch(fp32) + reduce scratch
               <= UB - reserved top        (the sum over every InitBuffer)
