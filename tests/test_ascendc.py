@@ -330,6 +330,28 @@ def test_each_hardware_rule_trips_on_a_broken_kernel(rule):
         assert rule.split(": ")[1] in report.errors[0], report.errors
 
 
+def test_a_copy_into_a_freed_buffer_waits_for_the_free_in_program_order():
+    """A queue's FreeTensor sets its event where the vector pipe reaches it: with one buffer, the next
+    tile's copy in waits for everything the vector unit was given before the FreeTensor, not only for
+    its last read of the buffer (the emulator once timed the latter: single buffering overlapped as
+    if double-buffered). Freeing right after the last read lets the copy run under the rest."""
+    def cycles(free_early: bool) -> float:
+        free = "q.FreeTensor(u);"
+        body = ("TQue<TPosition::VECIN, 1> q; pipe.InitBuffer(q, 1, 256);"
+                " TBuf<TPosition::VECCALC> w; pipe.InitBuffer(w, 4096); LocalTensor<float> big = w.Get<float>();"
+                " for (int i = 0; i < 4; ++i) { LocalTensor<float> t = q.AllocTensor<float>(); DataCopy(t, xg, 64);"
+                " q.EnQue(t); LocalTensor<float> u = q.DeQue<float>(); Muls(big, u, 2.0f, 64);"
+                + (free if free_early else "") + " for (int r = 0; r < 20; ++r) Adds(big, big, 1.0f, 1024);"
+                + ("" if free_early else free) + " }")
+        exe = emulator.build(KERNEL_HEAD + "    " + body + "\n}\n", entry="k", nargs=2, hw=HW)
+        report = emulator.run(exe, 1, [bytearray(256), bytearray(256)])
+        assert report.ok, report.errors
+        return report.cycles
+    early, late = cycles(True), cycles(False)
+    copy = HW.ascend_pipes(1).mte_latency
+    assert late >= early + 3 * copy   # three of the four copies in exposed
+
+
 def test_the_header_exposes_only_what_an_npu_build_has():
     """The real kernel_operator.h brings no <cmath> into an NPU build: INFINITY or expf there fails to
     compile, so it fails here too (the router's -inf is a builtin)."""
