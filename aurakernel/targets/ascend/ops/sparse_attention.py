@@ -42,8 +42,9 @@ from ..kernel import AscendKernel
 TILING = "<8If"   # AkSparseAttentionTiling
 # the Cube models' knobs (both directions): keys per tile, D columns per Mmad, O / dq columns per vector
 # step, score tiles per vector core, q (and dy) buffers in L1 (two: the next position's copy runs under
-# this one's tiles)
-KNOBS = ("kv_tile", "d_chunk", "o_chunk", "s_buffers", "q_buffers")
+# this one's tiles), the backward's dQ / dKV slices in L0C (three: the Cube's next slices do not wait
+# for the Fixpipes that scatter the one before)
+KNOBS = ("kv_tile", "d_chunk", "o_chunk", "s_buffers", "q_buffers", "g_buffers")
 TAIL_MASK = 256 * 4 + 32   # UB of the tail tiles' mask: 256 column numbers, and at least a block of bits
 CVT = 2048                 # floats per step of the backward's key-gradient conversion
 
@@ -118,10 +119,11 @@ class SparseAttentionAscend(AscendKernel):
                    "o_chunk": [c for c in (16, 32, 64, 128) if dim % c == 0],
                    "s_buffers": [1, 2],
                    "q_buffers": [1, 2],
+                   "g_buffers": [2, 3],
                    "cube_blocks": [cores]}
 
         @functools.cache
-        def per_core(kn, dc, vc, sb, qb):
+        def per_core(kn, dc, vc, sb, qb, gb):
             tiles, n, chunks, vchunks = per * -(-keys // kn), min(kn, keys), dim // dc, dim // vc
             s = cube_tile_cycles(heads, n, dc, e, hw, cores, a_loads=heads // 16, b_loads=dc // 16)
             pv = cube_tile_cycles(heads, dc, n, e, hw, cores, a_loads=heads // 16, b_loads=-(-n // 16))
@@ -140,19 +142,19 @@ class SparseAttentionAscend(AscendKernel):
         cells = CubeCells(KNOBS, domains, per_core, hw)
         cap = cells.cap
         constraints = [
-            cap("L1 capacity", lambda kn, dc, vc, sb, qb: (qb * heads * dim + 2 * kn * dim + heads * kn) * e, p.l1_usable,
+            cap("L1 capacity", lambda kn, dc, vc, sb, qb, gb: (qb * heads * dim + 2 * kn * dim + heads * kn) * e, p.l1_usable,
                 "(q_buffers x H x D + 2 x kv_tile x D + H x kv_tile) x elem (q, two key tiles, P)"),
-            cap("L0A capacity", lambda kn, dc, vc, sb, qb: (2 * heads * dc + heads * kn) * e, p.l0a_bytes,
+            cap("L0A capacity", lambda kn, dc, vc, sb, qb, gb: (2 * heads * dc + heads * kn) * e, p.l0a_bytes,
                 "(2 x H x d_chunk + H x kv_tile) x elem (q's slices, P)"),
-            cap("L0B capacity", lambda kn, dc, vc, sb, qb: 2 * kn * dc * e, p.l0b_bytes, "2 x kv_tile x d_chunk x elem (K / V slices)"),
-            cap("L0C capacity", lambda kn, dc, vc, sb, qb: (heads * kn + 2 * heads * dc) * 4, p.l0c_bytes,
+            cap("L0B capacity", lambda kn, dc, vc, sb, qb, gb: 2 * kn * dc * e, p.l0b_bytes, "2 x kv_tile x d_chunk x elem (K / V slices)"),
+            cap("L0C capacity", lambda kn, dc, vc, sb, qb, gb: (heads * kn + 2 * heads * dc) * 4, p.l0c_bytes,
                 "(H x kv_tile + 2 x H x d_chunk) x fp32 (S, two P V slices)"),
-            cap("UB capacity", lambda kn, dc, vc, sb, qb: (sb * mine * kn * 4 + 2 * mine * kn * e + 2 * mine * vc * (4 + e)
+            cap("UB capacity", lambda kn, dc, vc, sb, qb, gb: (sb * mine * kn * 4 + 2 * mine * kn * e + 2 * mine * vc * (4 + e)
                                                        + mine * dim * 4 + TAIL_MASK + mine * kn // 8 + 7 * mine * 4 + 2 * mine * 32),
                 p.ub_usable, "per AIV (H/2 heads): s_buffers S tiles, P tiles, P V and y slices of o_chunk, O (fp32), the tail mask"),
         ]
         # one q buffer: the next position's q is copied in only after this one's last L1 -> L0 load
-        exposed = cells.seconds(lambda kn, dc, vc, sb, qb: 0 if qb == 2 else per * (lat + heads * dim * e / hbm))
+        exposed = cells.seconds(lambda kn, dc, vc, sb, qb, gb: 0 if qb == 2 else per * (lat + heads * dim * e / hbm))
         forward = Phase("forward", cells.pipes(("HBM", "MTE2", "MTE1", "Cube", "FIX", "AIV MTE2", "Vector", "AIV MTE3")),
                         [cells.tile_fill(), cells.launch(), exposed])
         return self.cube_choice_model(problem, hw, domains, forward, constraints)
@@ -167,7 +169,7 @@ class SparseAttentionAscend(AscendKernel):
         mine = heads // 2
 
         @functools.cache
-        def per_core(kn, dc, vc, sb, qb):
+        def per_core(kn, dc, vc, sb, qb, gb):
             tiles, n, chunks, vchunks = per * -(-keys // kn), min(kn, keys), dim // dc, dim // vc
             s = cube_tile_cycles(heads, n, dc, e, hw, cores, a_loads=heads // 16, b_loads=dc // 16)
             dq = cube_tile_cycles(heads, dc, n, e, hw, cores, a_loads=0, b_loads=-(-n // 16))
@@ -193,21 +195,30 @@ class SparseAttentionAscend(AscendKernel):
         cells = CubeCells(KNOBS, domains, per_core, hw)
         cap = cells.cap
         constraints = [
-            cap("backward L1 capacity", lambda kn, dc, vc, sb, qb: (2 * qb * heads * dim + 2 * kn * dim + 2 * heads * kn) * e,
+            cap("backward L1 capacity", lambda kn, dc, vc, sb, qb, gb: (2 * qb * heads * dim + 2 * kn * dim + 2 * heads * kn) * e,
                 p.l1_usable, "(2 x q_buffers x H x D + 2 x kv_tile x D + 2 x H x kv_tile) x elem (q, dy, two key tiles, P, dS)"),
-            cap("backward L0A capacity", lambda kn, dc, vc, sb, qb: (2 * heads * dc + 3 * heads * kn) * e, p.l0a_bytes,
+            cap("backward L0A capacity", lambda kn, dc, vc, sb, qb, gb: (2 * heads * dc + 3 * heads * kn) * e, p.l0a_bytes,
                 "(2 x H x d_chunk + 3 x H x kv_tile) x elem (q's / dy's slices, dS, dS^T, P^T)"),
-            cap("backward L0B capacity", lambda kn, dc, vc, sb, qb: 2 * max(heads, kn) * dc * e, p.l0b_bytes,
+            cap("backward L0B capacity", lambda kn, dc, vc, sb, qb, gb: 2 * max(heads, kn) * dc * e, p.l0b_bytes,
                 "2 x max(H, kv_tile) x d_chunk x elem (K, V, q^T, dy^T slices)"),
-            cap("backward L0C capacity", lambda kn, dc, vc, sb, qb: (2 * heads * kn + 2 * max(heads, kn) * dc) * 4, p.l0c_bytes,
-                "(2 x H x kv_tile + 2 x max(H, kv_tile) x d_chunk) x fp32 (S, dP, dQ / dKV slices)"),
-            cap("backward UB capacity", lambda kn, dc, vc, sb, qb: (2 * mine * kn * 4 + 2 * mine * kn * e + 2 * mine * vc * (4 + 2 * e)
+            cap("backward L0C capacity", lambda kn, dc, vc, sb, qb, gb: (2 * heads * kn + gb * max(heads, kn) * dc) * 4,
+                p.l0c_bytes, "(2 x H x kv_tile + g_buffers x max(H, kv_tile) x d_chunk) x fp32 (S, dP, dQ / dKV slices)"),
+            cap("backward UB capacity", lambda kn, dc, vc, sb, qb, gb: (2 * mine * kn * 4 + 2 * mine * kn * e + 2 * mine * vc * (4 + 2 * e)
                                                                 + 3 * mine * vc * 4 + CVT * (4 + e) + TAIL_MASK + mine * kn // 8
                                                                 + 7 * mine * 4 + 2 * mine * 32),
                 p.ub_usable, "per AIV: S and dP tiles, P and dS out, dq / y slices of o_chunk, the conversion step, the tail mask"),
         ]
         pipes = cells.pipes(("HBM", "MTE2", "MTE1", "Cube", "FIX", "AIV MTE2", "Vector", "AIV MTE3"))
-        exposed = cells.seconds(lambda kn, dc, vc, sb, qb: 0 if qb == 2 else per * (2 * lat + 2 * heads * dim * e / hbm))
+        # one q / dy buffer: the next position's copies exposed; two dQ / dKV slices in L0C: the Cube waits
+        # for each slice's Fixpipes before the one after next. The dKV slices' atomic adds into GM run at
+        # the core's HBM share (FIX above counts them at the Fixpipe's own rate): their excess over the
+        # Cube's slice time is exposed
+        def exposed_cycles(kn, dc, vc, sb, qb, gb):
+            c = per_core(kn, dc, vc, sb, qb, gb)
+            scatter = c["tile"] * (dim // dc) * min(kn, keys) * dc * 4 / hbm
+            return ((0 if qb == 2 else per * (2 * lat + 2 * heads * dim * e / hbm))
+                    + (0 if gb == 3 else max(0.0, scatter - c["Cube"])))
+        exposed = cells.seconds(exposed_cycles)
         return Phase("backward", pipes, [cells.tile_fill(), cells.launch(), exposed]), constraints
 
     def cube_floor(self, problem: Problem) -> dict[str, CubeWork]:
@@ -230,15 +241,18 @@ class SparseAttentionAscend(AscendKernel):
         if d_chunk % 16 or dim % d_chunk:
             raise PlanInfeasible("d_chunk", f"{d_chunk} columns must be a multiple of 16 dividing head_dim {dim}")
         o_chunk, s_buffers, q_buffers = int(knobs["o_chunk"]), int(knobs["s_buffers"]), int(knobs["q_buffers"])
+        g_buffers = int(knobs["g_buffers"])
         if o_chunk % 16 or dim % o_chunk:
             raise PlanInfeasible("o_chunk", f"{o_chunk} columns must be a multiple of 16 dividing head_dim {dim}")
         if s_buffers not in (1, 2):
             raise PlanInfeasible("s_buffers", f"{s_buffers} score tiles: 1 or 2")
         if q_buffers not in (1, 2):
             raise PlanInfeasible("q_buffers", f"{q_buffers} q (and dy) buffers in L1: 1 or 2")
+        if g_buffers not in (2, 3):
+            raise PlanInfeasible("g_buffers", f"{g_buffers} dQ / dKV slices in L0C: 2 or 3")
         return {"dtype": problem.dtype, "csa": problem.variant == "csa", "hca": problem.variant == "hca", "heads": int(heads),
                 "dim": int(dim), "window": int(window), "kv_tile": kv_tile, "d_chunk": d_chunk, "o_chunk": o_chunk,
-                "s_buffers": s_buffers, "q_buffers": q_buffers, "cube_blocks": int(knobs["cube_blocks"])}
+                "s_buffers": s_buffers, "q_buffers": q_buffers, "g_buffers": g_buffers, "cube_blocks": int(knobs["cube_blocks"])}
 
     def verification_problems(self, problem: Problem, knobs: dict[str, int]) -> list[Problem]:
         """Short sequences at the plan's heads and width: one batch row of 40 positions at the problem's
