@@ -83,7 +83,7 @@ def naive_cube_knobs(model: ChoiceModel | None) -> dict[str, int]:
 def estimate(spec, problem, knobs, hw) -> dict[str, float]:
     """Emulated fwd and bwd time (us) and their roofline bound for one set of knobs."""
     with tempfile.TemporaryDirectory() as tmp:
-        emu = ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, Path(tmp)), hw)
+        emu = ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, Path(tmp), hw), hw)
         reports = ascend.emulate(spec, problem, knobs, emu)
     errors = [e for r in reports.values() for e in r.errors]
     if errors:

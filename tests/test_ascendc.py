@@ -104,7 +104,7 @@ def test_router_flags_exactly_the_rows_whose_kth_and_next_scores_tie(tmp_path):
     spec, kernel = OPS["router"], ascend.kernel_of(OPS["router"])
     problem = spec.problem("120x256x6", "bf16", "topk")
     knobs = ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs").knobs
-    emu = ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, tmp_path), HW)
+    emu = ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, tmp_path, HW), HW)
     logits = (torch.randn(120, 256, generator=torch.Generator().manual_seed(0)) * 3).to(torch.bfloat16)
     scores, bias = ACT2FN["sqrtsoftplus"](logits), torch.zeros(256)
     indices, weights, tie, report = kernel.select(problem, knobs, scores, bias, emu)
@@ -163,7 +163,7 @@ def test_mhc_forward_on_the_cube_reads_x_once_from_hbm(tmp_path):
              "cube_blocks": 3}
     inputs = spec.make_inputs(problem, 0)
     ref = spec.reference(problem, inputs)
-    emu = ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, tmp_path), HW)
+    emu = ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, tmp_path, HW), HW)
     x = inputs["x"]
     rows, hc, d = x.shape
     n, gt = spec.nout(hc), 16
@@ -201,7 +201,7 @@ def test_mhc_cube_kernels_over_several_super_tiles_per_ai_core(op, tmp_path):
     problem = spec.problem("75x4x4096", "bf16", "default")
     knobs = {**ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs").knobs,
              "cube_blocks": 3, "cube_groups": 1, "bwd_groups": 1}
-    emu = ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, tmp_path), HW)
+    emu = ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, tmp_path, HW), HW)
     result = ascend.verify(spec, [problem], knobs, emu, seeds=(0,))
     assert result.passed, result.summary
     assert {"grad_x", "grad_fn"} <= {c.tensor for c in result.checks}
@@ -681,7 +681,7 @@ def test_project_builds_with_cann(tmp_path):
     spec = OPS["rms_norm"]
     problem = spec.problem("64x4096", "bf16", "weighted")
     the_plan = ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs")
-    ascend.render_project(spec, problem, the_plan.knobs, tmp_path)
+    ascend.render_project(spec, problem, the_plan.knobs, tmp_path, HW)
     subprocess.run(["cmake", "-S", str(tmp_path), "-B", str(tmp_path / "build")], check=True)
     subprocess.run(["cmake", "--build", str(tmp_path / "build")], check=True)
 
@@ -739,7 +739,7 @@ def test_every_kernel_compiles_against_the_real_ascendc_headers(tmp_path):
         for variant in spec.variants or [None]:
             problem = spec.problem(None, None, variant)
             knobs = ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs").knobs
-            project = ascend.render_project(spec, problem, knobs, tmp_path / f"{name}-{variant}")
+            project = ascend.render_project(spec, problem, knobs, tmp_path / f"{name}-{variant}", HW)
             error = first_error(project["kernel.cpp.j2"])
             (failed.__setitem__(f"{name}[{variant}]", error) if error else compiled.append(name))
     assert not failed, failed
@@ -862,7 +862,7 @@ def test_indexer_backward_streams_keys_that_do_not_fit_l1():
     problem = spec.problem("2x27x64x128x261", "bf16")
     knobs = dict(ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs").knobs, bwd_stream=1)
     with tempfile.TemporaryDirectory() as tmp:
-        emu = ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, Path(tmp)), HW)
+        emu = ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, Path(tmp), HW), HW)
         result = ascend.verify(spec, [problem], knobs, emu, seeds=(0,))
     assert result.passed, result.summary
     assert {c.tensor for c in result.checks} >= {"y", "grad_q", "grad_k", "grad_hidden", "grad_proj"}

@@ -120,7 +120,7 @@ def test_solved_schedule_beats_the_plain_order_in_the_emulator():
     tail = spec.make_inputs(spec.problem("11x1000", "bf16", "default"), 1)   # a tail core, a short last tile
     cycles = {}
     with tempfile.TemporaryDirectory() as tmp:
-        emus = {name: ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, Path(tmp) / name), ASCEND)
+        emus = {name: ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, Path(tmp) / name, ASCEND), ASCEND)
                 for name, knobs in (("plain", plain), ("solved", solved))}
         assert "FWD_PREFETCH = 1;" in (Path(tmp) / "solved" / "cross_entropy_kernel.cpp").read_text()
         assert "FWD_PREFETCH = 0;" in (Path(tmp) / "plain" / "cross_entropy_kernel.cpp").read_text()

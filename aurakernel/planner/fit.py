@@ -465,7 +465,7 @@ def ascend_samples(target: str, n: int, seed: int = 0, progress=None) -> tuple[l
             progress(f"{i + 1}/{n} {problem.describe()} {knobs}")
         try:
             with tempfile.TemporaryDirectory(prefix=f"ak-fit-{spec.name}-") as tmp:
-                project = ascend.render_project(spec, problem, knobs, Path(tmp))
+                project = ascend.render_project(spec, problem, knobs, Path(tmp), hw)
                 reports = ascend.emulate(spec, problem, knobs, ascend.Emulated(spec, project, hw))
         except BuildError:
             failed["emulator build failed"] += 1

@@ -111,10 +111,15 @@ def plan(spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, so
     return the_plan
 
 
-def render_project(spec: OpSpec, problem: Problem, knobs: dict[str, int], out_dir: Path) -> dict[str, Path]:
-    """Write the op project (kernel, tiling, host, binding, CMake, README) into out_dir."""
+def render_project(spec: OpSpec, problem: Problem, knobs: dict[str, int], out_dir: Path,
+                   hw: HardwareProfile) -> dict[str, Path]:
+    """Write the op project (kernel, tiling, host, binding, CMake, README) for `hw` into out_dir. A
+    kernel that picks an instruction form at run time weighs the forms with `hw`'s vector costs
+    (vec_issue_cycles, vec_slow_factor: the planner's and the emulator's figures)."""
     kernel = kernel_of(spec)
-    params = {**kernel.params(problem, knobs), "batch_mode": kernel.syncs_cores}
+    figures = hw.ascend_pipes(hw.cores)
+    params = {**kernel.params(problem, knobs), "batch_mode": kernel.syncs_cores,
+              "vec_issue_cycles": max(1, round(figures.vec_issue)), "vec_slow_factor": max(1, round(figures.vec_slow_factor))}
     out_dir.mkdir(parents=True, exist_ok=True)
     written = {}
     for template, name in PROJECT_FILES.items():
@@ -202,7 +207,7 @@ def tune(spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, so
     the_plan = plan(spec, problem, hw, target=target, solver=solver)
     knobs = the_plan.knobs
     with tempfile.TemporaryDirectory(prefix=f"ak-{spec.name}-") as scratch:
-        project = render_project(spec, problem, knobs, Path(out_dir) if out_dir is not None else Path(scratch))
+        project = render_project(spec, problem, knobs, Path(out_dir) if out_dir is not None else Path(scratch), hw)
         source_hash = Source("ascendc/kernel.cpp", project["kernel.cpp.j2"].read_text()).hash
         emu = Emulated(spec, project, hw)
         verification = verify(spec, kernel.verification_problems(problem, knobs), knobs, emu)

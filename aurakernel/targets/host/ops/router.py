@@ -48,7 +48,7 @@ def _select_with(kernel, logits: torch.Tensor, bias: torch.Tensor, top_k: int) -
     if kernel.has("select_table"):
         kernel.call("select_table", logits.contiguous(), score_table(), bias, indices, tie, rows)
         flagged = tie.nonzero().flatten()
-        scores = ACT2FN["sqrtsoftplus"](logits[flagged]) if flagged.numel() else None
+        scores = score_table()[logits[flagged].view(torch.int16).long() & 0xFFFF] if flagged.numel() else None
     else:
         scores = ACT2FN["sqrtsoftplus"](logits).contiguous()
         kernel.call("select", scores, bias, indices, tie, rows)
