@@ -35,11 +35,16 @@ d_mix per tile, with what dx needs of each row (pre, and k = rstd^3 sum(dn x) / 
 sum_j d_mix_j mix_j times rstd^2 / W from the saved mixes, so dx needs no dn before it). Then, per
 chunk of D columns, for every tile and stream: dn as a GEMM tile, dx at once, and the weight
 gradient's chunk with the tile's rows as K. fn's and the gradient's chunks are copied into
-buffers with padded rows (each task owns its columns: no per-thread gradient to reduce). Backward
-26.5 -> 23 ms; mhc_head's backward (one sweep instead of two, by the same identity) 9.4 -> 7.8 ms.
-What is left is the math: the two backward GEMMs (1.6 GFLOP) and the forward's (0.8) at about 85
-GFLOP/s a core are 14 ms of the 32 ms forward + backward; the passes over memory (x twice in the
-backward, dx written) are the rest.
+buffers with padded rows (each task owns its columns: no per-thread gradient to reduce): 26.5 ->
+23 ms. The weight gradient's GEMM still ran at half the rate it runs alone: gcc's code for ak_gemm
+inlined at that call (A transposed: lda = 1, acs = 24 constant) was the cause; ak_gemm is no longer
+inlined (_gemm.h.j2): 23 -> 18 ms. mhc_head's backward (one sweep instead of two, by the same
+identity) 9.4 -> 7.6 ms. Forward + backward through the module, pre 42.8 -> 27.7 ms (torch.compile
+35), head 15.2. What is left is the math and the memory: the two backward GEMMs (1.6 GFLOP) and the
+forward's (0.8) at about 85 GFLOP/s a core are 14 ms; x read twice in the backward (d_pre needs
+whole rows before anything else) and dx written are 7 ms at the stream bandwidth. A transposed
+forward GEMM (fn x^T: 16-wide blocks, 97 GFLOP/s alone against 72) measured slower in place
+(9.9 against 9.2 ms): the transposes cost more than the blocks saved.
 """
 
 from __future__ import annotations
