@@ -75,6 +75,38 @@ def test_router_ties_go_exactly_as_torch_topk(dtype, host):
     torch.testing.assert_close(out["weights"], ref["weights"])
 
 
+def test_swiglu_bf16_lookup_follows_each_limit(host):
+    """bf16 swiglu looks the gate's silu and its derivative up in a table built per limit: calls with
+    two limits in turn (and back) each match transformers' gate at that limit, forward and backward,
+    clamp edges included."""
+    import torch
+
+    from aurakernel.ops.swiglu import SwigluReference
+    from aurakernel.targets.host.ops import swiglu as host_swiglu
+
+    spec = get_op("swiglu")
+    problem = spec.problem("67x96", "bf16", "default")
+    plan = solve_tiling(host_kernel(spec).tiling_problem(problem, host), op="swiglu", variant="default",
+                        shape=problem.shape, dtype="bf16", target="host")
+    kernel = build_kernel(spec, problem, plan.knobs)
+    assert kernel.has("fwd_table") and kernel.has("bwd_table")
+    gate_up = spec.make_inputs(problem, 0)["gate_up"]
+    gate_up.view(-1)[2::53] = 7.0                       # on the second limit's edge
+    dy = torch.randn(67, 96).to(torch.bfloat16)
+    tol = spec.tolerance(problem.dtype, "y")
+    for limit in (10.0, 7.0, 10.0):
+        x = gate_up.clone().requires_grad_()
+        ref = SwigluReference(96, limit)(x)
+        ref.backward(dy)
+        gate, up = gate_up[:, :96], gate_up[:, 96:]
+        y = torch.empty(67, 96, dtype=torch.bfloat16)
+        host_swiglu.forward(kernel, gate, up, gate_up.stride(0), y, 67, limit)
+        grad = torch.empty_like(gate_up)
+        host_swiglu.backward(kernel, gate, up, gate_up.stride(0), dy, grad[:, :96], grad[:, 96:], grad.stride(0), 67, limit)
+        torch.testing.assert_close(y.float(), ref.float(), atol=tol.atol, rtol=tol.rtol)
+        torch.testing.assert_close(grad.float(), x.grad.float(), atol=tol.atol, rtol=tol.rtol)
+
+
 def test_router_score_table_is_torch_bitwise():
     """bf16 router kernels score logits by lookup (score_table): torch's sqrtsoftplus of every bf16
     bit pattern. torch must give each value those bits wherever it sits in a tensor (vector loops,

@@ -11,6 +11,7 @@ from ..dtypes import DType
 from ..ops.base import Problem
 from ..ops.swiglu import SPEC, SwigluReference
 from ..targets.host.library import built_kernel
+from ..targets.host.ops import swiglu as host
 from ..targets.host.ops.swiglu import _halves
 from .base import Patch, bind
 from .install import install, require
@@ -34,7 +35,7 @@ def _forward(first: torch.Tensor, up: torch.Tensor | None, limit: float, kernel:
     g2, u2 = _rows(first, up)
     rows, inter = g2.shape
     y = g2.new_empty(rows, inter)
-    built_kernel(kernel).call("fwd", g2, u2, g2.stride(0), y, rows, limit)
+    host.forward(built_kernel(kernel), g2, u2, g2.stride(0), y, rows, limit)
     return y.view(*first.shape[:-1], inter)
 
 
@@ -47,10 +48,10 @@ def _backward(dy: torch.Tensor, first: torch.Tensor, up: torch.Tensor | None, li
     if up is None:
         out = g2.new_empty(rows, 2 * inter)
         dgate, dup = _halves(out)
-        built_kernel(kernel).call("bwd", g2, u2, g2.stride(0), dy, dgate, dup, out.stride(0), rows, limit)
+        host.backward(built_kernel(kernel), g2, u2, g2.stride(0), dy, dgate, dup, out.stride(0), rows, limit)
         return out.view(first.shape), first.new_empty(0)
     dgate, dup = g2.new_empty(rows, inter), g2.new_empty(rows, inter)
-    built_kernel(kernel).call("bwd", g2, u2, g2.stride(0), dy, dgate, dup, inter, rows, limit)
+    host.backward(built_kernel(kernel), g2, u2, g2.stride(0), dy, dgate, dup, inter, rows, limit)
     return dgate.view(first.shape), dup.view(up.shape)
 
 
