@@ -29,17 +29,27 @@ class Timing:
 
 
 def compare(candidates: dict[str, Callable[[], object]], *, warmup: int = 2, min_rounds: int = 5,
-            max_rounds: int = 30, budget_s: float = 3.0, threads: int | None = None) -> dict[str, Timing]:
-    """Median seconds per call of each candidate, measured in interleaved rounds."""
+            max_rounds: int = 30, budget_s: float = 3.0, max_s: float = 60.0,
+            threads: int | None = None) -> dict[str, Timing]:
+    """Median seconds per call of each candidate, measured in interleaved rounds: at least
+    `min_rounds`, more while within `budget_s`. Calls that take minutes (eager dense attention in
+    bf16 on a CPU without bf16 arithmetic) would make that hours: once a warm-up call takes longer
+    than a quarter of `max_s` (longer than a torch.compile of one operator), the other warm-ups and
+    the calibration are skipped, and no round starts after `max_s` (one always runs)."""
     if threads is not None:
         torch.set_num_threads(threads)
     names = list(candidates)
+    slow = False
     for _ in range(warmup):
         for name in names:
+            t0 = time.perf_counter()
             candidates[name]()
+            slow = slow or time.perf_counter() - t0 > max_s / 4
+        if slow:
+            break
     # calls shorter than ~2 ms are repeated inside one sample, so timer overhead stays negligible
-    inner = {}
-    for name in names:
+    inner = dict.fromkeys(names, 1)
+    for name in names if not slow else ():
         t0 = time.perf_counter()
         candidates[name]()
         one = time.perf_counter() - t0
@@ -47,7 +57,8 @@ def compare(candidates: dict[str, Callable[[], object]], *, warmup: int = 2, min
     samples: dict[str, list[float]] = {n: [] for n in names}
     start = time.perf_counter()
     rounds = 0
-    while rounds < min_rounds or (rounds < max_rounds and time.perf_counter() - start < budget_s):
+    while rounds < 1 or (rounds < min_rounds and time.perf_counter() - start < max_s) or (
+            rounds < max_rounds and time.perf_counter() - start < budget_s):
         order = names[rounds % len(names):] + names[:rounds % len(names)]
         for name in order:
             fn, n = candidates[name], inner[name]

@@ -154,3 +154,27 @@ def test_combined_runs_report_medians_and_a_baseline_keeps_the_lowest():
     assert med["kernels"][0]["speedup_vs_eager"] == 5.0 and low["kernels"][0]["speedup_vs_eager"] == 4.0
     assert low["train_step"]["speedup_vs_eager"] == 1.9 and med["train_step"]["speedup_vs_eager"] == 2.0
     assert med["kernels"][0]["verified"] is False and med["runs"] == 3
+
+
+def test_compare_caps_calls_that_take_minutes(monkeypatch):
+    """A candidate whose call takes minutes (eager dense bf16 attention on an AVX2 CPU) is called
+    twice, a warm-up and one round, not the eight calls of a normal measurement; candidates of
+    milliseconds still get every warm-up and their rounds. A fake clock stands in for the calls' time."""
+    from aurakernel import measure
+
+    clock = [0.0]
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: clock[0])
+    calls = {"slow": 0, "fast": 0}
+
+    def call(name, seconds):
+        def fn():
+            calls[name] += 1
+            clock[0] += seconds
+        return fn
+
+    timings = measure.compare({"slow": call("slow", 120.0), "fast": call("fast", 0.01)}, max_s=60.0)
+    assert calls == {"slow": 2, "fast": 2}
+    assert timings["slow"].median_s == pytest.approx(120.0) and len(timings["fast"].samples) == 1
+    calls.update(slow=0, fast=0)
+    timings = measure.compare({"fast": call("fast", 0.01)}, max_s=60.0)
+    assert calls["fast"] == 2 + 1 + len(timings["fast"].samples) and len(timings["fast"].samples) >= 5
