@@ -53,6 +53,12 @@ _ALIAS_TEXT = {DType.fp32: "fp32/float32", DType.bf16: "bf16/bfloat16", DType.fp
 _SHAPE_RE = re.compile(r"^[0-9]+(x[0-9]+)*$")
 
 
+def bf16_patterns() -> torch.Tensor:
+    """Every bf16 value, indexed by its 16-bit pattern: what a host kernel's lookup table is built
+    over (a bf16 input has only these 65536)."""
+    return torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+
+
 def parse_shape(text: str, rank: int | None = None, meaning: str = "") -> tuple[int, ...]:
     """Parse '4096x4096' into (4096, 4096): digits and 'x' only, every extent positive."""
     hint = f" (expected {meaning})" if meaning else ""

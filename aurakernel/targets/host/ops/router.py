@@ -22,6 +22,7 @@ import functools
 import torch
 from transformers.activations import ACT2FN
 
+from ....dtypes import bf16_patterns
 from ....ops.base import Problem, Tensors
 from ....ops.router import SCALE, SPEC
 from ....planner.costmodel import RowwisePhase, rowwise_model
@@ -33,8 +34,7 @@ from ..library import Entry
 def score_table() -> torch.Tensor:
     """torch's sqrtsoftplus of every bf16 bit pattern, indexed by the bits: what the reference scores a
     bf16 logit with (the same bits on torch's vector and scalar paths, checked by the tests)."""
-    bits = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-    return ACT2FN["sqrtsoftplus"](bits).contiguous()
+    return ACT2FN["sqrtsoftplus"](bf16_patterns()).contiguous()
 
 
 def _select_with(kernel, logits: torch.Tensor, bias: torch.Tensor, top_k: int) -> torch.Tensor:

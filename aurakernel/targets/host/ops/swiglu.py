@@ -31,6 +31,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from ....dtypes import bf16_patterns
 from ....ops.base import Problem, Tensors
 from ....ops.swiglu import LIMIT, SPEC
 from ....planner.costmodel import RowwisePhase, rowwise_model
@@ -47,7 +48,7 @@ def _halves(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def silu_table(limit: float) -> torch.Tensor:
     """[2, 65536] fp32: torch's silu of min(g, limit), then its derivative (s (1 + g (1 - s)), as
     torch's silu backward), for g every bf16 bit pattern: what the bf16 kernels look the gate up in."""
-    g = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float().clamp(max=limit)
+    g = bf16_patterns().float().clamp(max=limit)
     s = torch.sigmoid(g)
     return torch.stack([F.silu(g), s * (1 + g * (1 - s))]).contiguous()
 
