@@ -233,6 +233,35 @@ def test_the_bound_is_the_larger_of_hbm_traffic_and_the_vector_work():
         assert set(mhc.cube_floor(problem)) == ({"forward"} if dtype == "fp32" else {"forward", "backward"})
 
 
+def test_the_true_bound_counts_the_ops_minimum_traffic_not_what_the_kernels_move():
+    """Per pass, the op's minimum bytes at the whole chip's bandwidth (or what the kernels moved, where
+    that is less): partials a kernel writes per core, a second read of x or cores left idle make it
+    slower against the true bound, while each phase's own bound (its traffic) stays as it was."""
+    from aurakernel.emulator import BlockReport, RunReport
+    cycles_per_us = HW.clock_ghz * 1e3
+    chip = HW.memory["HBM"].bandwidth_gbps * 1e3                     # bytes per us, every core streaming
+
+    def report(bytes_per_core, cores, us):   # `cores` cores (of HW.cores) each moving bytes_per_core in `us`
+        return RunReport([BlockReport({}, us * cycles_per_us, int(bytes_per_core), 0, 0, [], None, block=b)
+                          for b in range(cores)])
+    fwd = report(chip / HW.cores * 2, HW.cores, 2.5)                 # 2 us of traffic, all cores
+    bwd = report(chip / HW.cores * 6, HW.cores // 2, 7.0)            # 3 us of traffic on half the cores
+    minimum = {"forward": 2 * chip, "backward": 2 * chip}            # the op needs 2 us each way
+    d = ascend.estimate_summary({"forward": fwd, "backward_tail": bwd}, HW, None, minimum=minimum)
+    assert d["roofline_us"] == pytest.approx(4.0, rel=1e-4) and d["bound"] == "HBM"
+    assert d["roofline_ratio"] == pytest.approx(9.5 / 4.0, rel=1e-4)
+    assert d["phases"]["backward_tail"]["roofline_us"] == pytest.approx(6.0, rel=1e-4)   # its busiest core's share
+    assert d["traffic_us"] == pytest.approx(8.0, rel=1e-4)
+    # an op whose `work` over-counts: what the kernels moved is the floor
+    d = ascend.estimate_summary({"forward": fwd}, HW, None, minimum={"forward": 10 * chip})
+    assert d["roofline_us"] == pytest.approx(2.0, rel=1e-4)
+    # the vector floor of a pass's phases, where it is larger than its traffic
+    from aurakernel.planner.ascend import VectorWork
+    one_us = HW.simd_bytes / 4 * HW.cores * cycles_per_us
+    d = ascend.estimate_summary({"forward": fwd}, HW, None, {"forward": VectorWork(5 * one_us)}, minimum=minimum)
+    assert (d["roofline_us"], d["bound"]) == (pytest.approx(5.0), "vector")
+
+
 def test_plan_that_cannot_fit_ub_names_the_constraint():
     from aurakernel.errors import PlanInfeasible
     spec = OPS["rms_norm"]

@@ -179,6 +179,10 @@ class RunReport:
             per_block[b.block] = per_block.get(b.block, 0) + b.gm_read + b.gm_written
         return max(per_block.values(), default=0)
 
+    def total_gm_bytes(self) -> int:
+        """Bytes every core together moved across GM (what the whole chip's HBM bandwidth must carry)."""
+        return sum(b.gm_read + b.gm_written for b in self.blocks)
+
     def ub_used(self) -> int:
         return max((b.ub_used for b in self.blocks), default=0)
 

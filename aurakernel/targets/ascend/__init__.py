@@ -41,7 +41,7 @@ PROJECT_FILES = {   # template -> file written into the op project
 }
 SEEDS = (0, 1, 2)
 
-__all__ = ["TARGET", "cube_plan", "estimate_summary", "kernel_of", "model", "plan", "render_project", "supported", "tune", "verify"]
+__all__ = ["TARGET", "cube_plan", "estimate_summary", "kernel_of", "minimum_traffic", "model", "plan", "render_project", "supported", "tune", "verify"]
 
 
 def model(spec: OpSpec, problem: Problem, hw: HardwareProfile) -> ChoiceModel:
@@ -169,10 +169,18 @@ def verify(spec: OpSpec, problems: list[Problem], knobs: dict[str, int], emu: Em
 
 
 def estimate_summary(estimate: dict[str, emulator.RunReport], hw: HardwareProfile, the_plan: Plan | None,
-                     floors: dict[str, VectorWork] | None = None, cube: dict[str, CubeWork] | None = None) -> dict:
+                     floors: dict[str, VectorWork] | None = None, cube: dict[str, CubeWork] | None = None,
+                     minimum: dict[str, int] | None = None) -> dict:
     """The emulator's run at the full shape as tune reports it: per phase its cycles, time, busiest
-    pipes, UB use and roofline bound (the largest of its HBM traffic, the vector work of `floors`
-    and the Cube MACs of `cube`, with which one it is), and their totals."""
+    pipes, UB use and its bound against the traffic it makes (its busiest block's share of HBM), the
+    vector work of `floors` and the Cube MACs of `cube`; and the totals against the op's true bound.
+
+    The true bound is per pass (forward, backward: phases named "forward..." are the forward) the
+    larger of the op's minimum traffic at the whole chip's HBM bandwidth (`minimum`: the pass's bytes
+    from the op's `work`, or what the kernels moved where that is less) and its phases' vector / Cube
+    floors. Traffic a kernel makes beyond the minimum (partial sums written per core, a second pass
+    over an input) therefore shows as distance from the bound; `traffic_us` is the sum of the phases'
+    own bounds, so the two tell excess traffic from pipes that do not overlap."""
     phases = {}
     for phase, rep in estimate.items():
         gm, on_cube = rep.busiest_gm_bytes(), rep.cube_blocks
@@ -183,11 +191,28 @@ def estimate_summary(estimate: dict[str, emulator.RunReport], hw: HardwareProfil
                          "roofline_ratio": est_us / bound if bound else None,
                          "ub_bytes": rep.ub_used(), "buffers": rep.buffers()}
     est_us = sum(ph["est_us"] for ph in phases.values())
-    bound = sum(ph["roofline_us"] for ph in phases.values())
-    kinds = sorted({ph["bound"] for ph in phases.values()})
+    bound, kinds = 0.0, set()
+    for pass_ in ("forward", "backward"):
+        mine = [ph for ph in estimate if ph.startswith("forward") == (pass_ == "forward")]
+        if not mine:
+            continue
+        moved = sum(estimate[ph].total_gm_bytes() for ph in mine)
+        least = min(moved, (minimum or {}).get(pass_, moved))
+        compute = {"vector": sum((floors or {})[ph].floor_us(hw) for ph in mine if ph in (floors or {})),
+                   "Cube": sum((cube or {})[ph].floor_us(hw) for ph in mine if ph in (cube or {}))}
+        floor = {"HBM": least / (hw.memory["HBM"].bandwidth_gbps * 1e9) * 1e6, **compute}
+        kind = max(floor, key=floor.get)
+        bound, kinds = bound + floor[kind], kinds | {kind}
+    traffic = sum(ph["roofline_us"] for ph in phases.values())
     return {"schedule": the_plan.schedule if the_plan else None, "ub_bytes": max((ph["ub_bytes"] for ph in phases.values()), default=0),
             "est_cycles": sum(ph["est_cycles"] for ph in phases.values()), "est_us": est_us, "roofline_us": bound,
-            "bound": "+".join(kinds), "roofline_ratio": est_us / bound if bound else None, "phases": phases}
+            "bound": "+".join(sorted(kinds)), "roofline_ratio": est_us / bound if bound else None,
+            "traffic_us": traffic, "traffic_ratio": est_us / traffic if traffic else None, "phases": phases}
+
+
+def minimum_traffic(spec: OpSpec, problem: Problem) -> dict[str, int]:
+    """The bytes the op's forward and backward must move at least (its `work`), for the true bound."""
+    return {p: spec.work(problem, backward=p == "backward").bytes_moved for p in ("forward", "backward")}
 
 
 def emulate(spec: OpSpec, problem: Problem, knobs: dict[str, int], emu: Emulated) -> dict[str, emulator.RunReport]:
@@ -218,7 +243,7 @@ def tune(spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, so
         verification.passed = False
     result = TuneResult(problem, target, the_plan, source_hash, verification,
                         estimate=estimate_summary(estimate, hw, the_plan, kernel.vector_floor(problem),
-                                                 kernel.cube_floor(problem)),
+                                                 kernel.cube_floor(problem), minimum_traffic(spec, problem)),
                         project_dir=str(Path(out_dir)) if out_dir is not None else None)
     if not verification.passed:
         result.status, result.reasons = "verify_failed", [verification.summary]
