@@ -195,8 +195,9 @@ def test_mhc_forward_on_the_cube_reads_x_once_from_hbm(tmp_path):
 def test_mhc_cube_kernels_over_several_super_tiles_per_ai_core(op, tmp_path):
     """The mixed mHC kernels with several super-tiles on each AI core (75 tokens on 3 AI cores, one
     16-token group per super-tile: 16 + 9 per core): the forward's workspace slots are reused, the
-    Cube backward's later super-tiles add into d_fn's partials (SetAtomicAdd), and the last group is
-    short; forward and backward (x, fn, base, scale) match the reference."""
+    Cube backward deals W's column tiles out to the 3 AI cores (some get one more) and each tile's
+    d_fn accumulates in L0C over 5 super-tiles of every token, the last one short; forward and
+    backward (x, fn, base, scale) match the reference."""
     spec = OPS[op]
     problem = spec.problem("75x4x4096", "bf16", "default")
     knobs = {**ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs").knobs,

@@ -7,11 +7,10 @@ Where the time goes (ascend910b2, 1024 x 4 x 4096 bf16, 43 tokens per AI core; e
   second pass (~31k, after the AIC: one super-tile per core leaves nothing to overlap).
 - bwd_head (vector): d_pre's pass over x and dy (~68k MTE2, latency-bound at small tiles before the
   2048-column tiles) and the head in reverse on 16-lane vectors (issue-bound: the 20-step Sinkhorn).
-- backward (mixed, 16-bit): its busiest pipes ~101k cycles (the AIC's MTE2: x once, fn's parts per
-  super-tile; the AIVs' copies of dn, x and dy per tile), but its HBM traffic sets it at ~157k: x, dy,
-  dx and the per-AI-core d_fn partials (NOUT x W fp32 each, 1.5 MB: a quarter of the traffic at 43
-  tokens per AI core; fewer AI cores writing partials would cut it). The vector products the old
-  kernel made (3 NOUT + 12 fp32 passes per element, 1.0M cycles) are the Cube's.
+- backward (mixed, 16-bit): the AI cores split D's columns (every stream's), so d_fn's columns are
+  whole sums written once and dy's columns are read once for the HC streams. It used to split the tokens, each AI core writing a d_fn partial (NOUT x W fp32, 1.5 MB: at 43
+  tokens per AI core as much HBM traffic as its x) for the binding to sum. The vector products the
+  old kernel made (3 NOUT + 12 fp32 passes per element, 1.0M cycles) are the Cube's.
 """
 
 from __future__ import annotations
@@ -195,48 +194,61 @@ class MhcAscend(AscendKernel):
         return self.cube_choice_model(problem, hw, domains, forward, constraints)
 
     def backward_model(self, problem: Problem, hw: HardwareProfile, domains: dict) -> tuple[Phase, list[Constraint]]:
-        """The Cube backward's tiling: super-tiles of bwd_groups x 16 tokens, column tiles of bwd_k (fn's
-        parts and x into L1 once per tile; Mmad steps of bwd_k0 columns, bwd_k0): per tile the AIC's loads,
-        the dn and d_fn Mmads and their Fixpipes; the AIVs' read of dn, x and dy (one copy each per tile)
-        and dx = rstd dn + pre dy - k x. Objective: the slowest pipe, plus one tile's fill and the launch."""
+        """The Cube backward's tiling: D's column tiles of bwd_k (every stream's) dealt out to the AI cores
+        (fn's parts into L1 once per tile, d_fn's columns accumulated in L0C over every token and written
+        once, dy's columns read once for the HC streams), every token through each tile in super-tiles
+        of bwd_groups x 16 (their coefficient parts from L2 and x rows into L1; Mmad steps of bwd_k0
+        columns): per super-tile the AIC's loads, the dn and d_fn Mmads, dn's Fixpipes; the AIVs' read
+        of dn, x, dy and the tokens' scalars (one copy each) and dx = rstd dn + pre dy - k x. Objective:
+        the slowest pipe of the AI core with the most tiles, plus one super-tile's fill and the launch."""
         f = self._cube_figures(problem, hw)
-        e, hc, d, w, n, n16, tr, tpc, p = f.e, f.hc, f.d, f.w, f.n, f.n16, f.tr, f.tpc, f.p
+        e, hc, d, n, n16, tr, p = f.e, f.hc, f.d, f.n, f.n16, f.tr, f.p
+        rows = problem.shape[0]
         lat, rate, l2, issue = p.mte_latency, p.mte_bytes_per_cycle, p.l2_bytes_per_cycle, p.vec_issue
         m1 = n16 // 16
-        domains["bwd_groups"] = [g for g in (1, 2, 3, 4) if g == 1 or (g - 1) * tr < tpc]
-        domains["bwd_k"] = [k for k in (128, 256, 512, 1024) if k == 128 or k // 2 < d]
+        domains["bwd_groups"] = [g for g in (1, 2, 3, 4) if g == 1 or (g - 1) * tr < rows]
+        domains["bwd_k"] = [k for k in (64, 128, 256) if k == 64 or k // 2 < d]
 
         @functools.cache
         def per_core(g, bk):
-            bgt, bk0 = g * tr, self.bwd_k0(n, g)
-            supers, tiles, steps = -(-tpc // bgt), hc * -(-d // bk), -(-bk // bk0)
-            nb, tok = min(g, -(-tpc // tr)), min(bgt, tpc)
+            bgt, bk0 = g * tr, min(self.bwd_k0(n, g), bk)
+            tiles = -(-(-(-d // bk)) // f.cores)              # the busiest AI core's column tiles
+            supers, steps = -(-rows // bgt), -(-bk // bk0)
+            units = tiles * supers
+            nb, tok = min(g, -(-rows // tr)), min(bgt, rows)
+            a_mte1 = (3 * nb + 2 * m1) * issue + (tok * 3 * n16 + 2 * n16 * tok) * e / p.mte1_bytes_per_cycle
             step_mte1 = (3 * m1 + nb) * issue + (3 * n16 * bk0 + tok * bk0) * e / p.mte1_bytes_per_cycle
             step_cube = 3 * issue + (nb * 16 * bk0 * 3 * n16 + 2 * n16 * bk0 * nb * 16) / p.cube_macs_16bit
-            # dn into L2 at the Fixpipe's rate; d_fn's partial into HBM, no faster than the core's share
-            step_fix = 2 * issue + tok * bk0 * 4 / p.fix_bytes_per_cycle + n * bk0 * 4 / min(p.fix_bytes_per_cycle, rate)
             mine = -(-tok // 2)
-            return {"MTE2": supers * (lat + 4 * n16 * tok * e / rate) + supers * tiles * (2 * lat + 2 * n16 * bk * e / l2)
-                            + tpc * w * e / rate,
-                    "MTE1": supers * tiles * steps * step_mte1, "Cube": supers * tiles * steps * step_cube,
-                    "FIX": supers * tiles * steps * step_fix,
-                    # per AIV and tile: dn (L2), x (L2) and dy in, dx out, one copy each; 8 fp32 passes
-                    "AIV MTE2": supers * tiles * (3 * lat + mine * bk * (4 / l2 + e / l2 + e / rate)),
-                    "AIV MTE3": supers * tiles * (lat + mine * bk * e / rate),
-                    "Vector": supers * tiles * (mine * bk * 8 / 64 + issue * (8 + 3 * bk / 64)), "tile": supers * tiles}
+            return {"MTE2": tiles * (lat + hc * 2 * n16 * bk * e / l2)
+                            + units * (2 * lat + 4 * n16 * tok * e / l2 + hc * tok * bk * e / rate),
+                    "MTE1": units * (a_mte1 + hc * steps * step_mte1), "Cube": units * hc * steps * step_cube,
+                    # dn into L2 at the Fixpipe's rate per step; the tile's d_fn once, at the core's HBM share
+                    "FIX": units * hc * steps * (issue + tok * bk0 * 4 / p.fix_bytes_per_cycle)
+                           + tiles * hc * (issue + n * bk * 4 / min(p.fix_bytes_per_cycle, rate)),
+                    # per AIV and super-tile: dn (L2), x (L2), dy and the scalars in, dx out, one copy each;
+                    # 8 fp32 passes per x element, 2 per dy element, the scalars' Brcb
+                    "AIV MTE2": units * (4 * lat + mine * hc * bk * (4 / l2 + e / l2) + mine * bk * e / rate
+                                         + (hc + 2) * mine * 4 / l2),
+                    "AIV MTE3": units * (lat + mine * hc * bk * e / rate),
+                    "Vector": units * (mine * (hc * bk * 8 + bk * 2) / 64 + issue * (hc + 12 + 5 * hc * bk / 64)),
+                    "tile": units}
         cells = CubeCells(("bwd_groups", "bwd_k"), domains, per_core, hw)
         cap = cells.cap
+        k0 = lambda g, bk: min(self.bwd_k0(n, g), bk)
         constraints = [
-            cap("backward L1 capacity", lambda g, bk: (4 * n16 * g * tr + 2 * (2 * n16 + g * tr) * bk) * e, p.l1_usable,
-                "(4 NOUT16 x 16 bwd_groups + 2 x (2 NOUT16 + 16 bwd_groups) x bwd_k) x elem"),
-            cap("backward L0A capacity", lambda g, bk: (g * tr * 3 * n16 + 2 * n16 * g * tr) * e, p.l0a_bytes,
-                "(16 bwd_groups x 3 NOUT16 + 2 NOUT16 x 16 bwd_groups) x elem (dn's and d_fn's A)"),
-            cap("backward L0B capacity", lambda g, bk: 2 * (3 * n16 + g * tr) * self.bwd_k0(n, g) * e, p.l0b_bytes,
+            cap("backward L1 capacity", lambda g, bk: 2 * (4 * n16 * g * tr + hc * (2 * n16 + g * tr) * bk) * e, p.l1_usable,
+                "2 x (4 NOUT16 x 16 bwd_groups + HC x (2 NOUT16 + 16 bwd_groups) x bwd_k) x elem"),
+            cap("backward L0A capacity", lambda g, bk: 2 * (g * tr * 3 * n16 + 2 * n16 * g * tr) * e, p.l0a_bytes,
+                "2 x (16 bwd_groups x 3 NOUT16 + 2 NOUT16 x 16 bwd_groups) x elem (dn's and d_fn's A)"),
+            cap("backward L0B capacity", lambda g, bk: 2 * (3 * n16 + g * tr) * k0(g, bk) * e, p.l0b_bytes,
                 "2 x (3 NOUT16 + 16 bwd_groups) x bwd_k0 x elem (dn's and d_fn's B, double buffered)"),
-            cap("backward L0C capacity", lambda g, bk: 2 * (g * tr + n16) * self.bwd_k0(n, g) * 4, p.l0c_bytes,
-                "2 x (16 bwd_groups + NOUT16) x bwd_k0 x fp32 (dn, d_fn)"),
-            cap("backward UB capacity", lambda g, bk: g * tr // 2 * bk * (2 * 4 + 6 * e + 4) + (hc + 2) * g * tr // 2 * 36,
-                p.ub_usable, "per AIV: 8 tokens x bwd_groups x bwd_k x (2 dn + x, dy, dx twice + a fp32 row) + its scalars"),
+            cap("backward L0C capacity", lambda g, bk: (hc * n16 * bk + 2 * g * tr * k0(g, bk)) * 4, p.l0c_bytes,
+                "(HC x NOUT16 x bwd_k + 2 x 16 bwd_groups x bwd_k0) x fp32 (the tile's d_fn per stream, dn twice)"),
+            cap("backward UB capacity", lambda g, bk: g * tr // 2 * (hc * bk * (2 * 4 + 4 * e + 4) + bk * (2 * e + 4)
+                                                                      + (hc + 2) * (2 * 4 + 32)),
+                p.ub_usable, "per AIV: 8 tokens x bwd_groups x (HC x bwd_k x (2 dn + x, dx twice + a fp32 row) "
+                             "+ bwd_k x (dy twice + a fp32 row) + their scalars twice and as Brcb blocks)"),
         ]
         pipes = cells.pipes(("MTE2", "MTE1", "Cube", "FIX", "AIV MTE2", "AIV MTE3", "Vector"))
         return Phase("backward", pipes, [cells.tile_fill(), cells.launch()]), constraints
@@ -300,7 +312,7 @@ class MhcAscend(AscendKernel):
                 "cube_groups": groups, "cube_k": k1, "cube_k0": k0, "cube_blocks": int(knobs["cube_blocks"]),
                 "cube_backward": self.cube_backward(problem), "bwd_groups": int(knobs.get("bwd_groups", 1)),
                 "bwd_k": int(knobs.get("bwd_k", 128)),
-                "bwd_k0": self.bwd_k0(self.spec.nout(hc), int(knobs.get("bwd_groups", 1))),
+                "bwd_k0": min(self.bwd_k0(self.spec.nout(hc), int(knobs.get("bwd_groups", 1))), int(knobs.get("bwd_k", 128))),
                 "head_col_tile": self.head_col_tile(problem, col_tile),
                 "bwd_prefetch": bwd["prefetch"], "bwd_in_buffers": bwd["in_buffers"],
                 "bwd_out_buffers": bwd["out_buffers"]}
@@ -314,8 +326,8 @@ class MhcAscend(AscendKernel):
 
     def run(self, problem: Problem, knobs: dict[str, int], inputs: Tensors, grad_out: Tensors, emu):
         """Forward and the two backward kernels in the emulator: (outputs, grads, {phase: RunReport}).
-        d_fn, d_base and d_scale come back as per-core partials in the workspace, summed here (the
-        binding does the same on the NPU)."""
+        d_base and d_scale (and the vector backward's d_fn) come back as per-core partials in the
+        workspace, summed here (the binding does the same on the NPU); the Cube backward writes d_fn whole."""
 
         x = inputs["x"]
         rows, hc, d = x.shape
@@ -324,7 +336,7 @@ class MhcAscend(AscendKernel):
         block_rows, block_dim = row_split(rows, knobs["block_dim"])
         cube_rows, cube_blocks = row_split(rows, knobs["cube_blocks"])
         on_cube = self.cube_backward(problem)
-        dfn_blocks = cube_blocks if on_cube else block_dim   # the d_fn partials: per AI core, or per vector core
+        dfn_blocks = 0 if on_cube else block_dim   # the vector backward's d_fn partials, per core (the Cube's writes d_fn whole)
         kcoef, n16 = 2 * n + hc + 2, -(-n // 16) * 16
         ws_dfn = -(-kcoef * rows // 8) * 8
         ws_par = ws_dfn + dfn_blocks * n * w
@@ -358,18 +370,22 @@ class MhcAscend(AscendKernel):
                      to_bytes(d_post), to_bytes(d_comb), workspace, bytearray(tiling)]
         bwd_head = emulator.run(emu.exe(f"ak_{op}_bwd_head", 10), block_dim, head_bufs)
         dx = torch.full_like(x, nan)
-        if on_cube:   # a mixed kernel: dn's two slots per AI core in L2, x's second read (the AIVs') from L2 too
-            dn_slots = torch.full((cube_blocks * 2 * knobs["bwd_groups"] * self.ROW_BLOCK * knobs["bwd_k"],), nan)
-            bwd_bufs = [to_bytes(x), to_bytes(dy), fwd_bufs[1], to_bytes(dx), head_bufs[8], to_bytes(dn_slots), bytearray(tiling)]
-            exe = emu.exe(f"ak_{op}_bwd", 7, cores="mix_1_2", l2_args=(2, 5), l2_vector_reads=(0,))
+        if on_cube:   # a mixed kernel: fn's parts (read by every AI core), the workspace (bwd_head's coefficients
+            # and parts, read per column tile) and dn's two slots per AI core in L2, x's second read (the AIVs') too
+            dn_slots = torch.full((cube_blocks * 2 * knobs["bwd_groups"] * self.ROW_BLOCK * hc * knobs["bwd_k"],), nan)
+            d_fn = torch.full((n, w), nan)
+            bwd_bufs = [to_bytes(x), to_bytes(dy), fwd_bufs[1], to_bytes(dx), to_bytes(d_fn), head_bufs[8], to_bytes(dn_slots),
+                        bytearray(tiling)]
+            exe = emu.exe(f"ak_{op}_bwd", 8, cores="mix_1_2", l2_args=(2, 5, 6), l2_vector_reads=(0,))
             bwd = emulator.run(exe, cube_blocks, bwd_bufs)
+            d_fn, ws = from_bytes(bwd_bufs[4], d_fn), torch.frombuffer(bwd_bufs[5], dtype=torch.float32)
         else:
             bwd_bufs = [to_bytes(x), to_bytes(dy), to_bytes(fn), to_bytes(dx), head_bufs[8], bytearray(tiling)]
             bwd = emulator.run(emu.exe(f"ak_{op}_bwd", 6), block_dim, bwd_bufs)
-        ws = torch.frombuffer(bwd_bufs[4], dtype=torch.float32)
+            ws = torch.frombuffer(bwd_bufs[4], dtype=torch.float32)
+            d_fn = ws[ws_dfn:ws_par].view(dfn_blocks, n, w).sum(0).clone()
         par = ws[ws_par:ws_parts].view(block_dim, 32).sum(0)
-        grads = {"x": from_bytes(bwd_bufs[3], dx),
-                 "fn": ws[ws_dfn:ws_par].view(dfn_blocks, n, w).sum(0).clone(),
+        grads = {"x": from_bytes(bwd_bufs[3], dx), "fn": d_fn,
                  "base": par[:n].clone(), "scale": par[n:n + (1 if self.spec.head else 3)].clone()}
         return outputs, grads, {"forward": fwd, "backward_head": bwd_head, "backward": bwd}
 
