@@ -8,9 +8,11 @@ Where the time goes (ascend910b2, 1024 x 4 x 4096 bf16, 43 tokens per AI core; e
 - bwd_head (vector): d_pre's pass over x and dy (~68k MTE2, latency-bound at small tiles before the
   2048-column tiles) and the head in reverse on 16-lane vectors (issue-bound: the 20-step Sinkhorn).
 - backward (mixed, 16-bit): the AI cores split D's columns (every stream's), so d_fn's columns are
-  whole sums written once and dy's columns are read once for the HC streams. It used to split the tokens, each AI core writing a d_fn partial (NOUT x W fp32, 1.5 MB: at 43
-  tokens per AI core as much HBM traffic as its x) for the binding to sum. The vector products the
-  old kernel made (3 NOUT + 12 fp32 passes per element, 1.0M cycles) are the Cube's.
+  whole sums written once and dy's columns are read once for the HC streams: ~98k cycles, at the
+  busiest AI core's HBM share (3 column tiles of 64 where the even share is 2.67). Splitting the
+  tokens instead, each AI core wrote a d_fn partial (NOUT x W fp32, 1.5 MB: at 43 tokens per AI core
+  as much HBM traffic as its x) for the binding to sum (157k). The vector products of the vector
+  backward (3 NOUT + 12 fp32 passes per element, 1.0M cycles) are the Cube's.
 """
 
 from __future__ import annotations
