@@ -175,7 +175,7 @@ def estimate_summary(estimate: dict[str, emulator.RunReport], hw: HardwareProfil
     pipes, UB use and its bound against the traffic it makes (its busiest block's share of HBM), the
     vector work of `floors` and the Cube MACs of `cube`; and the totals against the op's true bound.
 
-    The true bound is per pass (forward, backward: phases named "forward..." are the forward) the
+    The true bound is per pass (backward: the phases named "backward..."; forward: the others) the
     larger of the op's minimum traffic at the whole chip's HBM bandwidth (`minimum`: the pass's bytes
     from the op's `work`, or what the kernels moved where that is less) and its phases' vector / Cube
     floors. Traffic a kernel makes beyond the minimum (partial sums written per core, a second pass
@@ -193,7 +193,7 @@ def estimate_summary(estimate: dict[str, emulator.RunReport], hw: HardwareProfil
     est_us = sum(ph["est_us"] for ph in phases.values())
     bound, kinds = 0.0, set()
     for pass_ in ("forward", "backward"):
-        mine = [ph for ph in estimate if ph.startswith("forward") == (pass_ == "forward")]
+        mine = [ph for ph in estimate if ph.startswith("backward") == (pass_ == "backward")]
         if not mine:
             continue
         moved = sum(estimate[ph].total_gm_bytes() for ph in mine)
