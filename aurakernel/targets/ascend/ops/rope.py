@@ -37,12 +37,10 @@ def ascend_tiling(shape, x_strides, cs_strides, rope_dim: int, itemsize: int,
 
 class RopeAscend(AscendKernel):
     # --- AscendC (templates/ascendc/rope/): (token, head) rows over the vector cores ------------
-    # The interleaved pair swap needs each element's partner x[j ^ 1], which no documented vector op
-    # gathers on A2/A3 (shared/reference/ascendc.md documents no Gather). The kernel gets it from the
-    # copy engine instead: DataCopyPad takes a GM address at any element, so the rope slice is read
-    # three times, at offsets 0, +1 and -1 (x[j], x[j+1], x[j-1] land on the same UB lane j), and a
-    # Select with an even-lane bit mask picks x[j+1] (even j) or x[j-1] (odd j). cos/sin (one per
-    # pair) are widened to both lanes of their pair with Brcb and block-strided level-0 copies.
+    # The interleaved pair swap needs each element's partner x[j ^ 1]: a vector Gather by a byte-offset
+    # table made once (lane j reads lane j ^ 1), and rotate_half's sign a Mul by a +-1 table, so the
+    # rope slice is read once. cos/sin (one per pair) are widened to both lanes of their pair with
+    # Brcb and block-strided level-0 copies.
     def rows_cols(self, problem: Problem) -> tuple[int, int]:
         tokens, heads, head_dim, _ = problem.shape
         return tokens * heads, head_dim
@@ -50,17 +48,17 @@ class RopeAscend(AscendKernel):
     def phases(self, problem: Problem):
         _, _, head_dim, rope_dim = problem.shape
         e = problem.dtype.itemsize
-        # per row: the row in (nope + rope slice), out; the two shifted rope reads and cos/sin queued
-        # with the tile. Vector work only on the rope slice: ~25 instructions per group of rows (3
-        # casts in, negate, Select, 2 Mul, Add, cast out; per cos and sin: Brcb, 4 strided copies,
-        # 3 Selects), each pass over rope_dim fp32 lanes; Brcb writes 8 lanes per cos element.
-        # Work buffers (fp32 chunks): x, x[j+1], x[j-1], 4 widened copies, cos and sin, the Brcb
-        # blocks (4 chunks) and the lane masks (1).
+        # per row: the row in (nope + rope slice), out; cos/sin queued with the tile. Vector work only
+        # on the rope slice: ~22 instructions per group of rows (cast in, Gather (a slow op), 3 Mul,
+        # Add, cast out; per cos and sin: Brcb, 4 strided copies, 3 Selects), each pass over rope_dim
+        # fp32 lanes; Brcb writes 8 lanes per cos element. Work buffers (fp32 chunks): x, its swap,
+        # the offset and sign tables, 4 widened copies, cos and sin, the Brcb blocks (4 chunks) and
+        # the lane masks (1).
         frac = rope_dim / head_dim
-        ops = 25 * frac + 2 * 8 * frac / 2
-        instrs = max(1, round(25 * (-(-rope_dim // 16) * 16) / head_dim))
-        phase = dict(streams_in=1, streams_out=1, small_in_bytes=2 * rope_dim * e + rope_dim * 4, small_out_bytes=0,
-                     resident_bytes=0, work_buffers=14, fast_ops_per_elem=ops, slow_ops_per_elem=0,
+        ops = 21 * frac + 2 * 8 * frac / 2
+        instrs = max(1, round(22 * (-(-rope_dim // 16) * 16) / head_dim))
+        phase = dict(streams_in=1, streams_out=1, small_in_bytes=rope_dim * 4, small_out_bytes=0,
+                     resident_bytes=0, work_buffers=15, fast_ops_per_elem=ops, slow_ops_per_elem=frac,
                      instrs_per_chunk=instrs)
         return [AscendRowPhase("forward", **phase), AscendRowPhase("backward", **phase)]
 
@@ -68,7 +66,7 @@ class RopeAscend(AscendKernel):
         _, heads, head_dim, rope_dim = problem.shape
         if rope_dim >= head_dim or rope_dim < 2:
             raise UserError(f"rope shape {problem.shape_text}: the AscendC kernel needs 2 <= ROPE_DIM < HEAD_DIM "
-                            "(it reads x[j-1] from the nope part)")
+                            "(a nope part to copy through)")
         return {"dtype": problem.dtype, "heads": int(heads), "head_dim": int(head_dim), "rope_dim": int(rope_dim),
                 "tile_rows": int(knobs["tile_rows"]), "buffers": int(knobs["buffers"]), "chunk": int(knobs["chunk"]),
                 "block_dim": int(knobs["block_dim"])}
