@@ -1,4 +1,12 @@
-"""The AscendC kernel of indexer_score (templates/ascendc/): its planner phases, template values and emulator run."""
+"""The AscendC kernel of indexer_score (templates/ascendc/): its planner phases, template values and emulator run.
+
+Where the backward's time goes (ascend910b2, 1x96x64x128x1024 bf16, two query rows per tile, 64-key
+tiles; emulator cycles per AI core): each key tile is a round trip, P_j from the Cube to the AIVs
+and coef_j back. With two slots (P one tile ahead) the AI core idled on it: ~64.7k cycles against its
+busiest pipe's ~27k (the AIC's MTE2; the Cube ~26k). With BWD_SLOTS = 4 (P three tiles ahead) it is
+~46k (3 slots: ~51k). The rest is the AIC's own chain per tile: single-buffered L0 operands (L0A is
+full at two rows: q, coef and coef^T) serialise MTE1 -> Cube -> FIX.
+"""
 
 from __future__ import annotations
 
@@ -42,6 +50,7 @@ class IndexerScoreAscend(AscendKernel):
     #   fp32: on the vector cores, the row-wise UB model: rows = B x S query rows of T keys, `chunk`
     #   the key tile, `tile_rows` the query rows sharing it, `buffers` the row queues' depth.
     split_cols = False
+    BWD_SLOTS = 4   # the Cube backward's P and coef slots per AI core: P runs three key tiles ahead of its use
 
     def rows_cols(self, problem: Problem) -> tuple[int, int]:
         batch, seq, _, _, entries = problem.shape
@@ -178,9 +187,9 @@ class IndexerScoreAscend(AscendKernel):
                 "(2 x bwd_keys x D + M x D) x elem (k^T, k, q)"),
             cap("backward L0C capacity", lambda r, kn, st: (r * heads * kn + r * heads * dim + kn * dim) * 4, p.l0c_bytes,
                 "(M x bwd_keys + M x D + bwd_keys x D) x fp32 (P, dq, dk)"),
-            cap("backward L1 capacity", lambda r, kn, st: (r * heads * dim + (2 * kn if st else -(-keys // 16) * 16) * dim
+            cap("backward L1 capacity", lambda r, kn, st: (r * heads * dim + (self.BWD_SLOTS * kn if st else -(-keys // 16) * 16) * dim
                                                            + 2 * r * heads * kn) * e,
-                p.l1_usable, "(M x D + (every key, or 2 streamed key tiles) x D + 2 x M x bwd_keys) x elem"),
+                p.l1_usable, "(M x D + (every key, or BWD_SLOTS streamed key tiles) x D + 2 x M x bwd_keys) x elem"),
             cap("backward UB capacity", ub, p.ub_usable, "per AIV: 2 P and g tiles, 2 coef tiles, w, work tiles, the dk conversion"),
         ]
         pipes = cells.pipes(("MTE2", "MTE1", "Cube", "FIX", "AIV MTE2", "Vector", "AIV MTE3"))
@@ -215,7 +224,7 @@ class IndexerScoreAscend(AscendKernel):
                 "key_chunk": int(knobs["key_chunk"]), "cube_blocks": int(knobs["cube_blocks"]),
                 "cube_buffers": int(knobs["cube_buffers"]), "cube_backward": self.cube_backward(problem),
                 "bwd_rows": int(knobs.get("bwd_rows", 1)), "bwd_keys": int(knobs.get("bwd_keys", 64)),
-                "bwd_stream": int(knobs.get("bwd_stream", 0))}
+                "bwd_stream": int(knobs.get("bwd_stream", 0)), "bwd_slots": self.BWD_SLOTS}
 
     def verification_problems(self, problem: Problem, knobs: dict[str, int]) -> list[Problem]:
         """One batch row of (at most 64) queries over the cores, leaving a tail core; and two batch rows
@@ -257,8 +266,8 @@ class IndexerScoreAscend(AscendKernel):
                            cube_blocks, fwd_bufs)
         dq, dk, dw = (torch.full_like(t, float("nan")) for t in (q, k, w))
         g = grad_out["y"].float().contiguous()
-        if self.cube_backward(problem):   # per AI core 2 P slots (fp32) and 2 coef slots, then the fp32 dk (in L2)
-            ws = bytearray(bwd_blocks * 2 * bwd_rows * heads * bwd_keys * (4 + q.element_size()) + batch * entries * dim * 4)
+        if self.cube_backward(problem):   # per AI core BWD_SLOTS P slots (fp32) and coef slots, then the fp32 dk (in L2)
+            ws = bytearray(bwd_blocks * self.BWD_SLOTS * bwd_rows * heads * bwd_keys * (4 + q.element_size()) + batch * entries * dim * 4)
             exe, blocks = emu.exe("ak_indexer_score_bwd", 9, cores="mix_1_2", l2_args=(7,)), bwd_blocks
         else:
             ws, exe, blocks = bytearray(block_dim * batch * entries * dim * 4), emu.exe("ak_indexer_score_bwd", 9), block_dim
