@@ -46,9 +46,10 @@ class RopeAscend(AscendKernel):
         return tokens * heads, head_dim
 
     def phases(self, problem: Problem):
-        _, _, head_dim, rope_dim = problem.shape
+        _, heads, head_dim, rope_dim = problem.shape
         e = problem.dtype.itemsize
-        # per row: the row in (nope + rope slice), out; cos/sin queued with the tile. Vector work only
+        # per row: the row in (nope + rope slice), out; cos/sin once per position for all heads (rows
+        # run (b, s-tile, h, s)), a share of it per row. Vector work only
         # on the rope slice: ~22 instructions per group of rows (cast in, Gather (a slow op), 3 Mul,
         # Add, cast out; per cos and sin: Brcb, 4 strided copies, 3 Selects), each pass over rope_dim
         # fp32 lanes; Brcb writes 8 lanes per cos element. Work buffers (fp32 chunks): x, its swap,
@@ -57,7 +58,7 @@ class RopeAscend(AscendKernel):
         frac = rope_dim / head_dim
         ops = 21 * frac + 2 * 8 * frac / 2
         instrs = max(1, round(22 * (-(-rope_dim // 16) * 16) / head_dim))
-        phase = dict(streams_in=1, streams_out=1, small_in_bytes=rope_dim * 4, small_out_bytes=0,
+        phase = dict(streams_in=1, streams_out=1, small_in_bytes=-(-rope_dim * 4 // heads), small_out_bytes=0,
                      resident_bytes=0, work_buffers=15, fast_ops_per_elem=ops, slow_ops_per_elem=frac,
                      instrs_per_chunk=instrs)
         return [AscendRowPhase("forward", **phase), AscendRowPhase("backward", **phase)]
