@@ -157,6 +157,8 @@ def _print_estimate(d: dict) -> None:
     t.add_row("predicted fwd+bwd", _fmt(d["predicted_us"], suffix=" us"))
     t.add_row("emulator estimate", _fmt(d["est_us"], suffix=" us") + f" ({d['est_cycles']:,.0f} cycles)")
     t.add_row("roofline bound", _fmt(d["roofline_us"], suffix=" us") + f" ({d['bound']}; ratio {_fmt(d['roofline_ratio'], 2, 'x')})")
+    if d.get("traffic_us") is not None:   # the same time against the traffic the kernels make themselves
+        t.add_row("bound at its own traffic", _fmt(d["traffic_us"], suffix=" us") + f" (ratio {_fmt(d['traffic_ratio'], 2, 'x')})")
     t.add_row("verified", ("[green]yes[/] " if d["verified"] else "[red]no[/] ") + (d["verification"] or ""))
     if d["project_dir"]:
         t.add_row("op project", d["project_dir"])

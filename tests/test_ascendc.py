@@ -700,10 +700,15 @@ def test_cli_tune_ascend_json(tmp_path):
     assert out.returncode == 0, out.stderr
     d = json.loads(out.stdout)
     for key in ("op", "shape", "dtype", "target", "plan", "binding_constraint", "predicted_us", "verified",
-                "ub_bytes", "est_cycles", "est_us", "roofline_ratio"):
+                "ub_bytes", "est_cycles", "est_us", "roofline_ratio", "traffic_us", "traffic_ratio"):
         assert key in d
     assert d["verified"] is True and d["target"] == "ascend910b2"
     assert (tmp_path / "proj" / "rms_norm_host.cpp").is_file()
+    # the table: the true bound and the bound at the kernels' own traffic, side by side
+    out = subprocess.run([*aurakernel, "tune", "rms_norm", "--target", "ascend910b2", "--shape", "50x4096",
+                          "--dtype", "bf16"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "roofline bound" in out.stdout and "bound at its own traffic" in out.stdout
 
 
 @pytest.mark.skipif(not os.environ.get("ASCEND_HOME_PATH"), reason="ASCEND_HOME_PATH is not set: no CANN toolkit to build with")
