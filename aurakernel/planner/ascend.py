@@ -186,13 +186,22 @@ def cube_cores(hw: HardwareProfile) -> int:
     return int(hw.extra.get("cube_cores", hw.cores))
 
 
+def hbm_us(total_bytes: float, hw: HardwareProfile) -> float:
+    """`total_bytes` at the whole chip's HBM bandwidth."""
+    return total_bytes / (hw.memory["HBM"].bandwidth_gbps * 1e9) * 1e6
+
+
 def roofline_us(gm_bytes_busiest_block: float, hw: HardwareProfile, cube: bool = False) -> float:
     """The bound for a block that moves `gm_bytes_busiest_block`: its share of HBM bandwidth (every
     block of the chip streaming: a vector kernel's blocks are its AIV cores, a Cube or mixed
     kernel's its AI cores), so a balanced kernel's bound is total bytes / HBM bandwidth."""
-    blocks = cube_cores(hw) if cube else hw.cores
-    share = hw.memory["HBM"].bandwidth_gbps * 1e9 / blocks
-    return gm_bytes_busiest_block / share * 1e6
+    return hbm_us(gm_bytes_busiest_block * (cube_cores(hw) if cube else hw.cores), hw)
+
+
+def largest_floor(floors: dict[str, float]) -> tuple[float, str]:
+    """The bound among `floors` (time per resource: "HBM", "vector", "Cube") and which one it is."""
+    kind = max(floors, key=floors.get)
+    return floors[kind], kind
 
 
 @dataclass(frozen=True)
@@ -233,11 +242,9 @@ def bound_us(gm_bytes_busiest_block: float, work: VectorWork | None, hw: Hardwar
     """A kernel's roofline bound and what sets it: the largest of its HBM traffic (roofline_us; its
     blocks AI cores where `cube_blocks`), the vector work its math cannot avoid and its Cube MACs at
     peak ("HBM", "vector" or "Cube")."""
-    floors = {"HBM": roofline_us(gm_bytes_busiest_block, hw, cube_blocks),
-              "vector": work.floor_us(hw) if work is not None else 0.0,
-              "Cube": cube.floor_us(hw) if cube is not None else 0.0}
-    kind = max(floors, key=floors.get)
-    return floors[kind], kind
+    return largest_floor({"HBM": roofline_us(gm_bytes_busiest_block, hw, cube_blocks),
+                          "vector": work.floor_us(hw) if work is not None else 0.0,
+                          "Cube": cube.floor_us(hw) if cube is not None else 0.0})
 
 
 # ---- the Cube side: what one Mmad tile costs on each of the AI core's pipes ---------------------

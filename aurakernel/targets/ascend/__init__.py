@@ -24,7 +24,7 @@ from ...hardware import HardwareProfile, load_profile
 from ...ops.base import OpSpec, Problem
 from ...paths import write_text_atomic
 from ...planner import Plan, solve_tiling
-from ...planner.ascend import CubeWork, VectorWork, ascend_rowwise_model, bound_us, roofline_us
+from ...planner.ascend import CubeWork, VectorWork, ascend_rowwise_model, bound_us, hbm_us, largest_floor, roofline_us
 from ...planner.model import ChoiceModel
 from ...planner.schedule import Pipeline, Schedule, ascend_row_pipeline, schedule_knobs, simulate, solve_schedule
 from ...verify import Check, Verification, check_case
@@ -181,10 +181,11 @@ def estimate_summary(estimate: dict[str, emulator.RunReport], hw: HardwareProfil
     floors. Traffic a kernel makes beyond the minimum (partial sums written per core, a second pass
     over an input) therefore shows as distance from the bound; `traffic_us` is the sum of the phases'
     own bounds, so the two tell excess traffic from pipes that do not overlap."""
+    floors, cube, minimum = floors or {}, cube or {}, minimum or {}
     phases = {}
     for phase, rep in estimate.items():
         gm, on_cube = rep.busiest_gm_bytes(), rep.cube_blocks
-        bound, kind = bound_us(gm, (floors or {}).get(phase), hw, cube=(cube or {}).get(phase), cube_blocks=on_cube)
+        bound, kind = bound_us(gm, floors.get(phase), hw, cube=cube.get(phase), cube_blocks=on_cube)
         est_us = rep.cycles / (hw.clock_ghz * 1e3)
         phases[phase] = {"est_cycles": rep.cycles, "est_us": est_us, "pipes_cycles": rep.pipe_cycles(),
                          "hbm_us": roofline_us(gm, hw, on_cube), "roofline_us": bound, "bound": kind,
@@ -197,12 +198,10 @@ def estimate_summary(estimate: dict[str, emulator.RunReport], hw: HardwareProfil
         if not mine:
             continue
         moved = sum(estimate[ph].total_gm_bytes() for ph in mine)
-        least = min(moved, (minimum or {}).get(pass_, moved))
-        compute = {"vector": sum((floors or {})[ph].floor_us(hw) for ph in mine if ph in (floors or {})),
-                   "Cube": sum((cube or {})[ph].floor_us(hw) for ph in mine if ph in (cube or {}))}
-        floor = {"HBM": least / (hw.memory["HBM"].bandwidth_gbps * 1e9) * 1e6, **compute}
-        kind = max(floor, key=floor.get)
-        bound, kinds = bound + floor[kind], kinds | {kind}
+        least, kind = largest_floor({"HBM": hbm_us(min(moved, minimum.get(pass_, moved)), hw),
+                                     "vector": sum(floors[ph].floor_us(hw) for ph in mine if ph in floors),
+                                     "Cube": sum(cube[ph].floor_us(hw) for ph in mine if ph in cube)})
+        bound, kinds = bound + least, kinds | {kind}
     traffic = sum(ph["roofline_us"] for ph in phases.values())
     return {"schedule": the_plan.schedule if the_plan else None, "ub_bytes": max((ph["ub_bytes"] for ph in phases.values()), default=0),
             "est_cycles": sum(ph["est_cycles"] for ph in phases.values()), "est_us": est_us, "roofline_us": bound,

@@ -213,8 +213,9 @@ class MhcAscend(AscendKernel):
 
         @functools.cache
         def per_core(g, bk):
-            bgt, bk0 = g * tr, min(self.bwd_k0(n, g), bk)
-            tiles = -(-(-(-d // bk)) // f.cores)              # the busiest AI core's column tiles
+            bgt, bk0 = g * tr, self.bwd_k0(n, g, bk)
+            col_tiles = -(-d // bk)
+            tiles = -(-col_tiles // f.cores)                  # the busiest AI core's column tiles
             supers, steps = -(-rows // bgt), -(-bk // bk0)
             units = tiles * supers
             nb, tok = min(g, -(-rows // tr)), min(bgt, rows)
@@ -237,15 +238,14 @@ class MhcAscend(AscendKernel):
                     "tile": units}
         cells = CubeCells(("bwd_groups", "bwd_k"), domains, per_core, hw)
         cap = cells.cap
-        k0 = lambda g, bk: min(self.bwd_k0(n, g), bk)
         constraints = [
             cap("backward L1 capacity", lambda g, bk: 2 * (4 * n16 * g * tr + hc * (2 * n16 + g * tr) * bk) * e, p.l1_usable,
                 "2 x (4 NOUT16 x 16 bwd_groups + HC x (2 NOUT16 + 16 bwd_groups) x bwd_k) x elem"),
             cap("backward L0A capacity", lambda g, bk: 2 * (g * tr * 3 * n16 + 2 * n16 * g * tr) * e, p.l0a_bytes,
                 "2 x (16 bwd_groups x 3 NOUT16 + 2 NOUT16 x 16 bwd_groups) x elem (dn's and d_fn's A)"),
-            cap("backward L0B capacity", lambda g, bk: 2 * (3 * n16 + g * tr) * k0(g, bk) * e, p.l0b_bytes,
+            cap("backward L0B capacity", lambda g, bk: 2 * (3 * n16 + g * tr) * self.bwd_k0(n, g, bk) * e, p.l0b_bytes,
                 "2 x (3 NOUT16 + 16 bwd_groups) x bwd_k0 x elem (dn's and d_fn's B, double buffered)"),
-            cap("backward L0C capacity", lambda g, bk: (hc * n16 * bk + 2 * g * tr * k0(g, bk)) * 4, p.l0c_bytes,
+            cap("backward L0C capacity", lambda g, bk: (hc * n16 * bk + 2 * g * tr * self.bwd_k0(n, g, bk)) * 4, p.l0c_bytes,
                 "(HC x NOUT16 x bwd_k + 2 x 16 bwd_groups x bwd_k0) x fp32 (the tile's d_fn per stream, dn twice)"),
             cap("backward UB capacity", lambda g, bk: g * tr // 2 * (hc * bk * (2 * 4 + 4 * e + 4) + bk * (2 * e + 4)
                                                                       + (hc + 2) * (2 * 4 + 32)),
@@ -265,10 +265,10 @@ class MhcAscend(AscendKernel):
         return min(2048, -(-d // 512) * 512, 255 // hc * 64 // 512 * 512)
 
     @staticmethod
-    def bwd_k0(nout: int, groups: int) -> int:
+    def bwd_k0(nout: int, groups: int, bwd_k: int) -> int:
         """Columns per Mmad step of the Cube backward: 128 where dn's and d_fn's B (3 NOUT16 + 16 groups
-        rows of 16-bit) fit L0B's 64 KB twice, else 64."""
-        return 128 if 2 * (3 * -(-nout // 16) * 16 + 16 * groups) * 128 * 2 <= 65536 else 64
+        rows of 16-bit) fit L0B's 64 KB twice, else 64; never more than the tile's bwd_k."""
+        return min(bwd_k, 128 if 2 * (3 * -(-nout // 16) * 16 + 16 * groups) * 128 * 2 <= 65536 else 64)
 
     def cube_floor(self, problem: Problem) -> dict[str, CubeWork]:
         """The forward's mix projection: NOUT products per x element (rows x W x NOUT MACs)."""
@@ -314,7 +314,7 @@ class MhcAscend(AscendKernel):
                 "cube_groups": groups, "cube_k": k1, "cube_k0": k0, "cube_blocks": int(knobs["cube_blocks"]),
                 "cube_backward": self.cube_backward(problem), "bwd_groups": int(knobs.get("bwd_groups", 1)),
                 "bwd_k": int(knobs.get("bwd_k", 128)),
-                "bwd_k0": min(self.bwd_k0(self.spec.nout(hc), int(knobs.get("bwd_groups", 1))), int(knobs.get("bwd_k", 128))),
+                "bwd_k0": self.bwd_k0(self.spec.nout(hc), int(knobs.get("bwd_groups", 1)), int(knobs.get("bwd_k", 128))),
                 "head_col_tile": self.head_col_tile(problem, col_tile),
                 "bwd_prefetch": bwd["prefetch"], "bwd_in_buffers": bwd["in_buffers"],
                 "bwd_out_buffers": bwd["out_buffers"]}
