@@ -29,7 +29,7 @@ from .hardware import HardwareProfile
 from .measure import cpu_profile
 from .ops import OPS
 from .ops.base import Problem
-from .patch.deepseek_v4 import group_of, op_of, patch_of
+from .patch.deepseek_v4 import group_of, ops_of, patch_of
 from .targets.host.ops import kernel_of as host_kernel
 
 MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm", "aten::matmul",
@@ -111,27 +111,28 @@ class _Hooks:
         self.groups: list[str] = []   # the open ranges' group names, innermost last
         for name, module in model.named_modules():
             group = "cross_entropy" if name == "lm_head" else group_of(module)
-            op = op_of(module)
-            if group is not None or op is not None:   # op alone: part of its parent's group (the indexer's scorer)
-                self.handles.append(module.register_forward_pre_hook(self._pre(group, op)))
-                self.handles.append(module.register_forward_hook(self._post(group, op)))
+            ops = ops_of(module)
+            if group is not None or ops:   # ops alone: part of its parent's group (the indexer's scorer)
+                self.handles.append(module.register_forward_pre_hook(self._pre(group, ops)))
+                self.handles.append(module.register_forward_hook(self._post(group, ops)))
 
-    def _pre(self, group, op):
+    def _pre(self, group, ops):
         def hook(module, args):
             if group is not None:
                 self.stack.append(torch.ops.profiler._record_function_enter_new(PREFIX + group, None))
                 self.groups.append(group)
                 self.calls[group] += 1
-            problem = patch_of(OPS[op]).call_problem(module, args) if op is not None else None
-            if problem is not None:
-                self.record(problem)
-            if op is not None:
-                self.enter_scope(module, problem)
+            problems = [patch_of(OPS[op]).call_problem(module, args) for op in ops]
+            for problem in problems:
+                if problem is not None:
+                    self.record(problem)
+            if ops:   # the scope follows the module's own operator (the first)
+                self.enter_scope(module, problems[0])
         return hook
 
-    def _post(self, group, op):
+    def _post(self, group, ops):
         def hook(module, args, output):
-            if op is not None:
+            if ops:
                 self.exit_scope(module)
             if group is None:
                 return
@@ -296,8 +297,8 @@ def _report(times: dict[str, float], counts: dict[str, int], total: float, steps
             for problem, n in problems:
                 shapes.append({"op": problem.op, "variant": problem.variant, "shape": list(problem.shape),
                                "dtype": problem.dtype.value, "calls": n / steps})
-                if whole and (problem, n) not in whole:   # another way to compute the group: not added
-                    continue
+                if whole and (problem, n) not in whole or OPS[problem.op].fuses:   # another way to compute
+                    continue                                                        # the group: not added
                 p = _planned_us(problem, hw)
                 planned += (p if p is not None else 0.0) * n / steps
             saving, basis = max(0.0, per_step - planned), "planned"

@@ -32,6 +32,7 @@ def _cfg():
     ({"hidden_act": "gelu"}, "swiglu", "hidden_act is GELUActivation"),
     ({"scoring_func": "sigmoid"}, "router", "scoring_func is Sigmoid"),
     ({"hc_sinkhorn_iters": 7}, "mhc_pre", "hc_sinkhorn_iters 7"),
+    ({"hc_sinkhorn_iters": 7}, "mhc_post_pre", "hc_sinkhorn_iters 7"),   # the layer's fused update + FFN mhc_pre
 ])
 def test_a_config_the_kernel_does_not_compute_stays_on_the_reference(override, op, fragment):
     cfg = _cfg()
@@ -283,3 +284,40 @@ def test_tune_missing_tunes_the_widths_a_plan_lacks_and_the_model_still_computes
         on_meta = DeepseekV4ForCausalLM(model_config(wider))
     with pytest.raises(UserError, match="meta device"):
         apply(on_meta, plan, tune_missing=True)
+
+
+def test_a_layers_stream_update_and_ffn_hyperconnection_run_as_one_fused_kernel(monkeypatch):
+    """With mhc_post_pre in the plan, each decoder layer's first stream update and its FFN's
+    HyperConnection run as one kernel call forward and one backward; the loss and every gradient are
+    the unpatched model's, and the state dict keeps its keys (the fused module holds the layer's
+    ffn_hc outside the module tree, so checkpoints load either way)."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4DecoderLayer
+
+    cfg = _cfg()
+    model = build_model(cfg.model, 0).train()
+    reference = copy.deepcopy(model)
+    report = apply(model, plan_for(model, ops=("mhc_post_pre",)))
+    layers = sorted(n for n, m in model.named_modules() if isinstance(m, DeepseekV4DecoderLayer))
+    assert sorted(s["module"] for s in report.swapped if s["op"] == "mhc_post_pre") == layers
+    assert not report.rejected
+    assert model.state_dict().keys() == reference.state_dict().keys()
+
+    calls = collections.Counter()
+    call = Kernel.call
+
+    def counting(kernel, name, *args):
+        calls[(kernel.meta.get("fused_post", False), name)] += 1
+        return call(kernel, name, *args)
+
+    monkeypatch.setattr(Kernel, "call", counting)
+    ids = torch.randint(0, cfg.model["vocab_size"], (2, 160), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for m in (model, reference):
+        loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss)
+    assert calls[(True, "fwd")] == calls[(True, "bwd")] == len(layers)
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+    grads = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-4, atol=1e-5, msg=name)

@@ -61,3 +61,23 @@ def test_every_operator_of_the_library_is_found(report):
 
     _, rep = report
     assert {p.op for p in problems_from_profile(rep)} == set(OPS)
+
+
+def test_a_fused_kernel_is_listed_beside_the_ops_it_fuses_and_not_counted_twice(report):
+    """mhc_post_pre computes a layer's first stream update with the FFN's mhc_pre: the profile lists its
+    problem in the mhc_post group (so autotune tunes it), once per layer call, but the group's planned
+    time is mhc_post's alone (mhc_pre's part is planned in its own group)."""
+    from aurakernel.dtypes import DType
+    from aurakernel.hardware import load_profile
+    from aurakernel.ops.base import Problem
+    from aurakernel.profiler import _planned_us
+
+    cfg, rep = report
+    group = next(g for g in rep.groups if g.name == "mhc_post")
+    calls = {s["op"]: s["calls"] for s in group.shapes}
+    assert calls == {"mhc_post": cfg.model["num_hidden_layers"], "mhc_post_pre": cfg.model["num_hidden_layers"]}
+    post = next(s for s in group.shapes if s["op"] == "mhc_post")
+    planned = _planned_us(Problem("mhc_post", "default", tuple(post["shape"]), DType.parse(post["dtype"])),
+                          load_profile("host")) * post["calls"]
+    assert group.saving_basis == "planned"
+    assert group.saving_us == pytest.approx(max(0.0, group.time_us - planned))

@@ -95,7 +95,7 @@ def test_compiled_fullgraph_model_runs_every_kernel_and_trains_like_eager(applie
     compiled_losses = _train(compiled, ids)
 
     # every op of the plan is in the one compiled graph, as often as the eager forward calls it
-    expected = {"rms_norm", "mhc_pre", "mhc_head", "mhc_post", "router_select", "router", "swiglu", "rope",
+    expected = {"rms_norm", "mhc_pre", "mhc_head", "mhc_post", "mhc_post_pre", "router_select", "router", "swiglu", "rope",
                 "sparse_attention", "compressor", "indexer_score"}
     assert set(eager_ops) == expected
     assert dict(graph_ops) == {name: n // STEPS for name, n in eager_ops.items()}

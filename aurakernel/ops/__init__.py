@@ -26,13 +26,14 @@ from .linear_cross_entropy import SPEC as LINEAR_CROSS_ENTROPY
 from .mhc import HEAD as MHC_HEAD
 from .mhc import PRE as MHC_PRE
 from .mhc_post import SPEC as MHC_POST
+from .mhc_post_pre import SPEC as MHC_POST_PRE
 from .rms_norm import SPEC as RMS_NORM
 from .rope import SPEC as ROPE
 from .sparse_attention import SPEC as SPARSE_ATTENTION
 from .router import SPEC as ROUTER
 from .swiglu import SPEC as SWIGLU
 
-OPS: dict[str, OpSpec] = {spec.name: spec for spec in (RMS_NORM, MHC_PRE, MHC_POST, MHC_HEAD, ROUTER, SWIGLU, ROPE, ATTN_SOFTMAX,
+OPS: dict[str, OpSpec] = {spec.name: spec for spec in (RMS_NORM, MHC_PRE, MHC_POST, MHC_POST_PRE, MHC_HEAD, ROUTER, SWIGLU, ROPE, ATTN_SOFTMAX,
                                                         COMPRESSOR, INDEXER_SCORE, SPARSE_ATTENTION, CROSS_ENTROPY,
                                                         LINEAR_CROSS_ENTROPY, ADAMW)}
 

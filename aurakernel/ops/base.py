@@ -138,6 +138,10 @@ class OpSpec(ABC):
     # the kernel computes its whole profiler group (linear_cross_entropy: the LM head and the loss),
     # so the group's planned time is its alone, not added to the other kernels of the group
     covers_group: ClassVar[bool] = False
+    # the operators one call of this kernel computes together, across profiler groups (mhc_post_pre:
+    # an mhc_post and the mhc_pre after it): its problems are listed beside theirs, which already
+    # count for their groups' planned time, so its own is not added
+    fuses: ClassVar[tuple[str, ...]] = ()
 
     # --- the reference as a module: timing uses the same nn.Module path the trainer runs ---------
     @abstractmethod

@@ -18,11 +18,11 @@ from torch import nn
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
 
 from . import (adamw, attn_softmax, compressor, cross_entropy, indexer_score, linear_cross_entropy, mhc, mhc_post,
-               rms_norm, rope, router, sparse_attention, swiglu)
+               mhc_post_pre, rms_norm, rope, router, sparse_attention, swiglu)
 from ..ops import OPS
 from .base import PATCHES
 
-PATCHES.load(rms_norm, mhc, mhc_post, router, swiglu, rope, attn_softmax, compressor, indexer_score,
+PATCHES.load(rms_norm, mhc, mhc_post, mhc_post_pre, router, swiglu, rope, attn_softmax, compressor, indexer_score,
              sparse_attention, cross_entropy, linear_cross_entropy, adamw)
 
 
@@ -80,6 +80,8 @@ TABLE: tuple[Row, ...] = (
         lambda n, m, c: sparse_attention.kernel_key(m) if m.layer_type in sparse_attention.VARIANT_OF_LAYER else None),
     # what a layer runs outside its children: the stream mixing
     Row(v4.DeepseekV4DecoderLayer, "mhc_post", "mhc_post", key=_streams),
+    # or its first update and the FFN's HyperConnection after it in one kernel
+    Row(v4.DeepseekV4DecoderLayer, "mhc_post", "mhc_post_pre", key=_streams),
     Row(nn.Embedding, "embedding"),
     Row(v4.DeepseekV4Model, None, "rope", function=True),
     Row(v4.DeepseekV4Model, None, "attn_softmax", key=lambda n, m, c: (), function=True),
@@ -98,9 +100,10 @@ def group_of(module: nn.Module) -> str | None:
     return rows[0].group if rows else None
 
 
-def op_of(module: nn.Module) -> str | None:
-    """The operator whose problem a call of `module` poses (not the functions its code calls)."""
-    return next((row.op for row in rows_of(module) if row.op is not None and not row.function), None)
+def ops_of(module: nn.Module) -> list[str]:
+    """The operators whose problems a call of `module` poses (not the functions its code calls): a
+    decoder layer's mhc_post, and mhc_post_pre, which computes one of its calls with the FFN's mhc_pre."""
+    return [row.op for row in rows_of(module) if row.op is not None and not row.function]
 
 
 @dataclass

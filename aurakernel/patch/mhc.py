@@ -117,6 +117,15 @@ HEAD_OP = torch_op("mhc_head", _head_forward, _head_backward, fake_forward=_fake
                    saved=_SAVED, consts=("kernel",), grads=_GRADS)
 
 
+def require_kernel_math(module: torch.nn.Module) -> None:
+    """Refused unless the HyperConnection / HyperHead computes what the mhc kernels do."""
+    hc_eps = module.eps if isinstance(module, DeepseekV4HyperHead) else module.hc_eps
+    iters = getattr(module, "hc_sinkhorn_iters", ITERS)
+    require(iters == ITERS and hc_eps == EPS and module.input_norm.eps == EPS,
+            f"hc_sinkhorn_iters {iters}, hc_eps {hc_eps}, rms_norm_eps {module.input_norm.eps}: the mhc kernel "
+            f"computes {ITERS} Sinkhorn iterations with both epsilons {EPS}")
+
+
 class MhcPatch(Patch):
     def call_problem(self, module: torch.nn.Module, args: tuple) -> Problem | None:
         x = args[0] if args and isinstance(args[0], torch.Tensor) else None
@@ -126,11 +135,7 @@ class MhcPatch(Patch):
         return Problem(self.spec.name, "default", (x.numel() // (hc * d), hc, d), DType.from_torch(x.dtype))
 
     def patch(self, module: torch.nn.Module, lookup) -> None:
-        hc_eps = module.eps if isinstance(module, DeepseekV4HyperHead) else module.hc_eps
-        iters = getattr(module, "hc_sinkhorn_iters", ITERS)
-        require(iters == ITERS and hc_eps == EPS and module.input_norm.eps == EPS,
-                f"hc_sinkhorn_iters {iters}, hc_eps {hc_eps}, rms_norm_eps {module.input_norm.eps}: the mhc kernel "
-                f"computes {ITERS} Sinkhorn iterations with both epsilons {EPS}")
+        require_kernel_math(module)
         if "_ak_reference_forward" not in module.__dict__:
             module._ak_reference_forward = module.forward
         module._ak_lookup = lookup

@@ -9,6 +9,7 @@ from ..dtypes import DType
 from ..ops.base import Problem, Tensors
 from ..ops.layout import like_layout
 from ..ops.mhc_post import MhcPost, SPEC
+from ..ops.mhc_post_pre import MhcPostPre
 from ..targets.host.library import built_kernel
 from .base import Patch
 from .install import copied_from, install
@@ -50,13 +51,26 @@ def _post_forward(module: MhcPost, post, comb, block_output, hidden_states):
 
 @copied_from(DeepseekV4DecoderLayer, "forward", "a46984c70748a453")
 def _layer_forward(self: DeepseekV4DecoderLayer, hidden_states, input_ids=None, **kwargs):
-    """DeepseekV4DecoderLayer.forward (transformers 5.24) with both stream updates through _ak_post."""
+    """DeepseekV4DecoderLayer.forward (transformers 5.24) with both stream updates through _ak_post,
+    the first together with the FFN's HyperConnection after it (_ak_post_pre: fused where the plan
+    has an mhc_post_pre kernel, else the two one after the other)."""
     post, comb, collapsed = self.attn_hc(hidden_states)
     attn_output, _ = self.self_attn(self.input_layernorm(collapsed), **kwargs)
-    hidden_states = self._ak_post(post, comb, attn_output, hidden_states)
-    post, comb, collapsed = self.ffn_hc(hidden_states)
+    hidden_states, post, comb, collapsed = self._ak_post_pre(post, comb, attn_output, hidden_states)
     mlp_output = self.mlp(self.post_attention_layernorm(collapsed), input_ids=input_ids)
     return self._ak_post(post, comb, mlp_output, hidden_states)
+
+
+def patch_layer(layer: DeepseekV4DecoderLayer) -> None:
+    """Route `layer`'s stream updates through its own modules (on the reference until the mhc_post /
+    mhc_post_pre patches give them a lookup): `_ak_post`, and `_ak_post_pre`, which runs `_ak_post`
+    then the layer's `ffn_hc`. `_ak_post_pre` is kept outside the module tree (it holds ffn_hc,
+    whose parameters must keep their one name in the state dict)."""
+    if "_ak_post_pre" in layer.__dict__:
+        return
+    install(layer, "forward", _layer_forward)   # first: Refused (a changed transformers) leaves the layer as it was
+    layer._ak_post = MhcPost()
+    object.__setattr__(layer, "_ak_post_pre", MhcPostPre(layer.ffn_hc, layer._ak_post))
 
 
 class MhcPostPatch(Patch):
@@ -69,9 +83,8 @@ class MhcPostPatch(Patch):
 
     def patch(self, module: torch.nn.Module, lookup) -> None:
         if isinstance(module, DeepseekV4DecoderLayer):
-            module._ak_post = MhcPost()
+            patch_layer(module)
             self.patch(module._ak_post, lookup)
-            install(module, "forward", _layer_forward)
             return
         module._ak_lookup = lookup
         install(module, "forward", _post_forward)

@@ -67,10 +67,10 @@ class MhcHost(HostKernel):
                "fwd_scratch": Entry("ak_mhc_fwd_scratch", (), "i64"),
                "bwd_scratch": Entry("ak_mhc_bwd_scratch", ("i64",), "i64")}
 
-    def tiling_problem(self, problem: Problem, hw):
+    def phases(self, problem: Problem) -> list[RowwisePhase]:
         rows, hc, d = problem.shape
         e, w, n = problem.dtype.itemsize, hc * d, self.spec.nout(hc)
-        phases = [
+        return [
             RowwisePhase("forward", dram_bytes_per_row=(w + d) * e + (n + 1 + hc * (hc + 1)) * 4,
                          vector_elems_per_row=w * (n + 2) + d * hc, chunked_passes=1,
                          resident_bytes_per_row=w * e, l1_bytes_per_col=n * 4 + 4 + e,
@@ -89,10 +89,13 @@ class MhcHost(HostKernel):
                          resident_bytes_per_row=w * e, l1_bytes_per_col=2 * n * 4 + 4 + e,
                          l2_bytes_per_tile=2 * n * w * 4),
         ]
+
+    def tiling_problem(self, problem: Problem, hw):
+        rows, hc, d = problem.shape
         # the mix projection runs as GEMM tiles of 8 rows; the x tile spills from L2 to the (large,
         # shared) L3 without harm, so residency is planned against the L3 share, and a chunk of fn
         # (the backward's: of fn and d_fn) is streamed by the micro-kernel from L2
-        return rowwise_model(rows, w, phases, hw, fixed={"vec": max(hw.simd_bytes // 4, 4)}, row_block=8,
+        return rowwise_model(rows, hc * d, self.phases(problem), hw, fixed={"vec": max(hw.simd_bytes // 4, 4)}, row_block=8,
                              resident_level="L3", chunk_level="L2")
 
     def template(self) -> str:   # mhc_head's kernel is mhc_pre's with the head's epilogue
@@ -101,7 +104,7 @@ class MhcHost(HostKernel):
     def render_params(self, problem: Problem, knobs: dict[str, int]) -> dict:
         _, hc, d = problem.shape
         return {"dtype": problem.dtype, "hc": int(hc), "d": int(d), "nout": self.spec.nout(hc), "iters": ITERS,
-                "head": self.spec.head, "vec": int(knobs["vec"]), "tile_rows": int(knobs["tile_rows"]), "col_chunk": int(knobs["col_chunk"]),
+                "head": self.spec.head, "fused_post": False, "vec": int(knobs["vec"]), "tile_rows": int(knobs["tile_rows"]), "col_chunk": int(knobs["col_chunk"]),
                 "threads": int(knobs["threads"])}
 
     def empty_outputs(self, problem: Problem, inputs: Tensors) -> Tensors:

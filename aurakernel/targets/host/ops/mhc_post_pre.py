@@ -1,0 +1,73 @@
+"""The host C kernel of mhc_post_pre: mhc_pre's template rendered with fused_post (each tile's
+streams made by mhc_post's row update, then mhc_pre's passes over them from cache; the backward's
+mhc_post rows load the streams' two gradients and add them), planned with mhc_pre's knobs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ....ops.base import Problem, Tensors
+from ....ops.mhc import EPS, PRE
+from ....ops.mhc_post_pre import SPEC
+from ....planner.costmodel import RowwisePhase
+from ..library import Entry
+from .mhc import MhcHost
+
+
+class MhcPostPreHost(MhcHost):
+    entries = {"fwd": Entry("ak_mhc_post_pre_fwd", ("ptr",) * 14 + ("i64", "f32", "f32")),
+               "bwd": Entry("ak_mhc_post_pre_bwd", ("ptr",) * 23 + ("i64", "f32")),
+               "fwd_scratch": Entry("ak_mhc_fwd_scratch", (), "i64"),
+               "bwd_scratch": Entry("ak_mhc_bwd_scratch", ("i64",), "i64")}
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.pre = MhcHost(PRE)   # the planning and rendering of the mhc_pre part
+
+    def phases(self, problem: Problem) -> list[RowwisePhase]:
+        """mhc_pre's phases plus mhc_post's rows: forward, h and the block output read and the
+        streams written (mhc_pre then reads them from cache); backward, h, the block output, dx_pre
+        and the streams' gradient read, d_h and d_out written."""
+        _, hc, d = problem.shape
+        e, w, small = problem.dtype.itemsize, hc * d, (hc + hc * hc) * 4
+        fwd, bwd = self.pre.phases(problem)
+        return [dataclasses.replace(fwd, dram_bytes_per_row=fwd.dram_bytes_per_row + (w + d) * e + small,
+                                    vector_elems_per_row=fwd.vector_elems_per_row + w * (hc + 1)),
+                dataclasses.replace(bwd, dram_bytes_per_row=bwd.dram_bytes_per_row + (4 * w + 2 * d) * e + 2 * small,
+                                    vector_elems_per_row=bwd.vector_elems_per_row + w * (2 * hc + 3))]
+
+    def template(self) -> str:
+        return self.pre.template()
+
+    def render_params(self, problem: Problem, knobs: dict[str, int]) -> dict:
+        return {**self.pre.render_params(problem, knobs), "fused_post": True}
+
+    def empty_outputs(self, problem: Problem, inputs: Tensors) -> Tensors:
+        h = inputs["h"]
+        out = self.pre.empty_outputs(problem, {"x": h})
+        return {"streams": torch.empty_like(h), "next_post": out["post"], "next_comb": out["comb"], "y": out["y"],
+                "mix": out["mix"], "rstd": out["rstd"]}
+
+    def run_forward(self, kernel, inputs: Tensors, outputs: Tensors) -> None:
+        kernel.call("fwd", inputs["post"], inputs["comb"], inputs["out"], inputs["h"], outputs["streams"],
+                    inputs["fn"], inputs["base"], inputs["scale"], outputs["y"], outputs["next_post"],
+                    outputs["next_comb"], outputs["mix"], outputs["rstd"], kernel.workspace("fwd_scratch"),
+                    outputs["rstd"].numel(), EPS, EPS)
+
+    def run_backward(self, kernel, inputs: Tensors, outputs: Tensors, grad_outputs: Tensors, grads: Tensors) -> None:
+        rows, hc = outputs["rstd"].numel(), kernel.meta["hc"]
+        scratch = kernel.workspace_of(kernel.call("bwd_scratch", rows))
+        d_scale = torch.empty(3, dtype=torch.float32)
+        dx_pre = torch.empty_like(outputs["streams"])
+        kernel.call("bwd", inputs["post"], inputs["comb"], inputs["out"], inputs["h"], outputs["streams"],
+                    inputs["fn"], inputs["base"], inputs["scale"], outputs["mix"], outputs["rstd"],
+                    grad_outputs["streams"], grad_outputs["y"], grad_outputs["next_post"], grad_outputs["next_comb"],
+                    dx_pre, grads["post"], grads["comb"], grads["out"], grads["h"], grads["fn"], grads["base"],
+                    d_scale, scratch, rows, EPS)
+        grads["scale"].copy_(d_scale[: grads["scale"].numel()])
+
+
+PARTS = (MhcPostPreHost(SPEC),)
