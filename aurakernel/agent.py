@@ -150,12 +150,30 @@ def autotune(workload: Workload, *, target: str = "host", solver: str = "highs",
             skipped.append(where | {"reason": "; ".join(r.reasons) or r.status})
         elif tgt.swappable:
             plan.kernels.append(plan_entry(r))
+    _drop_fusions_not_faster_than_apart(plan, tuned, skipped)
     plan.skipped.extend(skipped)
     result = AutotuneResult(plan, report, tuned, skipped)
     if tgt.writes_projects:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         write_text_atomic(Path(out_dir) / "summary.json", json.dumps(result.to_json(), indent=2, default=str))
     return result
+
+
+def _drop_fusions_not_faster_than_apart(plan: KernelPlan, tuned: list[TuneResult], skipped: list[dict]) -> None:
+    """A fused kernel (OpSpec.fuses) stays in the plan only where it beats the kernels of the ops it
+    fuses, tuned for the same shape and dtype, run one after the other (their measured times summed:
+    what apart would cost, less the glue between them)."""
+    measured = {(r.problem.op, r.problem.shape, r.problem.dtype): r.measured_us for r in tuned if r.usable}
+    for r in tuned:
+        parts = OPS[r.problem.op].fuses
+        apart = [measured.get((op, r.problem.shape, r.problem.dtype)) for op in parts]
+        if not parts or not r.usable or r.measured_us is None or None in apart or r.measured_us < sum(apart):
+            continue
+        plan.kernels = [e for e in plan.kernels if e.source_hash != r.source_hash]
+        skipped.append({"op": r.problem.op, "variant": r.problem.variant, "shape": r.problem.shape_text,
+                        "dtype": r.problem.dtype.value,
+                        "reason": f"not faster than {' + '.join(parts)} apart ({r.measured_us:.1f} us vs "
+                                  f"{sum(apart):.1f} us)"})
 
 
 def _record(db: TuningDB, r: TuneResult, hw: HardwareProfile) -> None:

@@ -81,3 +81,30 @@ def test_a_fused_kernel_is_listed_beside_the_ops_it_fuses_and_not_counted_twice(
                           load_profile("host")) * post["calls"]
     assert group.saving_basis == "planned"
     assert group.saving_us == pytest.approx(max(0.0, group.time_us - planned))
+
+
+@pytest.mark.parametrize("fused_us,kept", [(3000.0, True), (3200.0, False)])
+def test_autotune_keeps_a_fused_kernel_only_where_it_beats_its_parts_apart(fused_us, kept):
+    """mhc_post_pre against mhc_post + mhc_pre tuned at the same shape (1000 + 2100 us apart): slower or
+    no faster, it leaves the plan with the reason; the parts' entries stay either way."""
+    from aurakernel.agent import _drop_fusions_not_faster_than_apart, plan_entry
+    from aurakernel.dtypes import DType
+    from aurakernel.ops.base import Problem
+    from aurakernel.planfile import KernelPlan
+    from aurakernel.planner.tiling import Plan
+    from aurakernel.targets.result import TuneResult
+
+    def result(op, us):
+        problem = Problem(op, "default", (1024, 4, 256), DType.fp32)
+        plan = Plan(op, "default", problem.shape, "fp32", "host", {"threads": 2}, us, {}, "-", "highs", 0.0, "ok")
+        return TuneResult(problem, "host", plan, f"hash-{op}", None, measured_us=us, eager_us=10 * us)
+
+    tuned = [result("mhc_post", 1000.0), result("mhc_pre", 2100.0), result("mhc_post_pre", fused_us)]
+    plan, skipped = KernelPlan(target="host", kernels=[plan_entry(r) for r in tuned]), []
+    _drop_fusions_not_faster_than_apart(plan, tuned, skipped)
+    assert {e.op for e in plan.kernels} == ({"mhc_post", "mhc_pre"} | ({"mhc_post_pre"} if kept else set()))
+    if kept:
+        assert skipped == []
+    else:
+        assert [s["op"] for s in skipped] == ["mhc_post_pre"]
+        assert "not faster than mhc_post + mhc_pre apart (3200.0 us vs 3100.0 us)" in skipped[0]["reason"]
