@@ -1,6 +1,21 @@
 """The host C kernel of mhc_post_pre: mhc_pre's template rendered with fused_post (each tile's
 streams made by mhc_post's row update, then mhc_pre's passes over them from cache; the backward's
 mhc_post rows load the streams' two gradients and add them), planned with mhc_pre's knobs.
+
+Where the time goes (AVX2 EPYC, 2 cores, bf16, the C kernels alone, fused against mhc_post + mhc_pre
+with the add autograd makes between them): at 1024x4x4096, forward 13.0 against 13.7 ms, backward
+28.8 against 20.5 + 4.4 (the add) + 7.6 = 32.5; at 4096x4x4096, forward 60.2 against 58.2, backward
+142.6 against 96.2 + 18.3 + 33.6 = 148.1. Through the modules (benchmarks/mhc_post_pre.py) that is
+1.06x apart at 1024 rows and 0.98-1.02x at 4096 (runs differ by a few percent). The saved passes
+over the streams hardly show on this machine: mhc_pre's forward is bound by the mix projection's
+multiply-adds, not by its read of the streams, and the rounding the layer's code does (post and
+comb cast, each term rounded: what makes the streams bit-exact, see _mhc_post_rows.h.j2) costs the
+fused forward what the saved read gives back. Autotune keeps the kernel only where it measures
+faster than the two apart (agent._drop_fusions_not_faster_than_apart).
+Tried and dropped: mhc_post's backward inside mhc_pre's column-chunk loop, on each chunk's dx while
+it is in cache (dx never written). At 4096 rows it ran 125-290 ms against 142.6 depending on the
+chunk (best with 512-2048 columns, where mhc_pre's own part prefers 128): a chunk of a row is four
+short segments of h, g_x, d_h and x per row, and the per-chunk partial row sums add a reduction.
 """
 
 from __future__ import annotations
