@@ -5,8 +5,12 @@ Where the time goes (ascend910b2, 1024 x 4 x 4096 bf16, 43 tokens per AI core; e
   hi + lo parts from L2 (1.5 MB per AI core, ~25k: every AI core needs all of fn, so at few tokens per
   core fn costs as much as x; super-tiles amortise it at training sizes), then the AIVs' head and
   second pass (~31k, after the AIC: one super-tile per core leaves nothing to overlap).
-- bwd_head (vector): d_pre's pass over x and dy (~68k MTE2, latency-bound at small tiles before the
-  2048-column tiles) and the head in reverse on 16-lane vectors (issue-bound: the 20-step Sinkhorn).
+- bwd_head (vector): d_pre's pass over x and dy (~67k MTE2, latency-bound at small tiles before the
+  2048-column tiles; ~26k vector) and the head in reverse on 16-lane vectors (~41k vector, issue-bound:
+  the 20-step Sinkhorn). They ran one after the other per block of 16 tokens (63.3 us); now block b's
+  d_pre streams while the vector unit runs block b - 1's head in reverse, dealt out in 80 steps between
+  its copies (58.1 us). At 43 tokens per core (3 blocks) the first block's d_pre and the last one's
+  reverse still run alone; more tokens per core overlap more.
 - backward (mixed, 16-bit): the AI cores split D's columns (every stream's), so d_fn's columns are
   whole sums written once and dy's columns are read once for the HC streams: ~98k cycles, at the
   busiest AI core's HBM share (3 column tiles of 64 where the even share is 2.67). Splitting the
