@@ -28,11 +28,11 @@ def _params(module):
 def _run_forward(spec: MhcSpec, x, fn, base, scale, kernel: str) -> Tensors:
     x = rows_layout(x)
     outputs = built_kernel(kernel).empty_outputs(None, {"x": x.view(-1, x.shape[-2], x.shape[-1])})
-    built_kernel(kernel).run_forward({"x": x, **_fp32_params(fn, base, scale)}, outputs)
+    built_kernel(kernel).run_forward({"x": x, **fp32_params(fn, base, scale)}, outputs)
     return outputs
 
 
-def _fp32_params(fn, base, scale) -> Tensors:
+def fp32_params(fn, base, scale) -> Tensors:
     return {name: t.detach().float().contiguous() for name, t in (("fn", fn), ("base", base), ("scale", scale))}
 
 
@@ -44,7 +44,7 @@ def _run_backward(spec: MhcSpec, grads_out: dict, x, fn, base, scale, mix, rstd,
     gout = {name: g.float().contiguous().view(rows, *([hc] * (1 if name == "post" else 2)))
             for name, g in grads_out.items() if name != "y"}
     gout["y"] = grads_out["y"].to(x.dtype).contiguous().view(rows, d)
-    p32 = _fp32_params(fn, base, scale)
+    p32 = fp32_params(fn, base, scale)
     grads = {"x": torch.empty_like(x), **{name: torch.empty_like(t) for name, t in p32.items()}}
     built_kernel(kernel).run_backward({"x": x, **p32}, {"mix": mix, "rstd": rstd}, gout, grads)
     return grads["x"], grads["fn"].to(fn.dtype), grads["base"].to(base.dtype), grads["scale"].to(scale.dtype)

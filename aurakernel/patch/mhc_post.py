@@ -40,10 +40,23 @@ OP = torch_op("mhc_post", _forward, _backward, fake_forward=lambda post, comb, o
               saved=("post", "comb", "out", "h"), consts=("kernel",), grads=("post", "comb", "out", "h"))
 
 
+def update_kernel(module, block_output: torch.Tensor, hidden_states: torch.Tensor) -> str | None:
+    """The kernel a stream update (of `module`: its lookup) runs with for this call, or None: the reference."""
+    if hidden_states.device.type != "cpu" or block_output.dtype != hidden_states.dtype:
+        return None
+    return module._ak_lookup(tuple(hidden_states.shape[-2:]), hidden_states.dtype)
+
+
+def streams_problem(spec, h) -> Problem | None:
+    """The problem a call over the streams `h` [..., hc, d] poses for `spec`, or None."""
+    if not isinstance(h, torch.Tensor) or h.dim() < 3 or h.dtype not in (d.torch for d in spec.dtypes):
+        return None
+    hc, d = h.shape[-2], h.shape[-1]
+    return Problem(spec.name, "default", (h.numel() // (hc * d), hc, d), DType.from_torch(h.dtype))
+
+
 def _post_forward(module: MhcPost, post, comb, block_output, hidden_states):
-    key = tuple(hidden_states.shape[-2:])
-    kernel = (module._ak_lookup(key, hidden_states.dtype)
-              if hidden_states.device.type == "cpu" and block_output.dtype == hidden_states.dtype else None)
+    kernel = update_kernel(module, block_output, hidden_states)
     if kernel is None:
         return MhcPost.forward(module, post, comb, block_output, hidden_states)
     return OP(post, comb, block_output, hidden_states, kernel)
@@ -75,11 +88,7 @@ def patch_layer(layer: DeepseekV4DecoderLayer) -> None:
 
 class MhcPostPatch(Patch):
     def call_problem(self, module: torch.nn.Module, args: tuple) -> Problem | None:
-        h = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        if h is None or h.dim() < 3 or h.dtype not in (d.torch for d in self.spec.dtypes):
-            return None
-        hc, d = h.shape[-2], h.shape[-1]
-        return Problem(self.spec.name, "default", (h.numel() // (hc * d), hc, d), DType.from_torch(h.dtype))
+        return streams_problem(self.spec, args[0] if args else None)
 
     def patch(self, module: torch.nn.Module, lookup) -> None:
         if isinstance(module, DeepseekV4DecoderLayer):

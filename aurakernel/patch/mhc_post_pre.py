@@ -7,22 +7,21 @@ from __future__ import annotations
 import torch
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4DecoderLayer
 
-from ..dtypes import DType
 from ..ops.base import Problem, Tensors
 from ..ops.mhc import PRE
 from ..ops.mhc_post_pre import SPEC, MhcPostPre
 from ..targets.host.library import built_kernel
 from .base import Patch
 from .install import install
-from .mhc import _fp32_params, require_kernel_math
-from .mhc_post import patch_layer
+from .mhc import fp32_params, require_kernel_math
+from .mhc_post import patch_layer, streams_problem, update_kernel
 from .torch_op import torch_op
 
 
 def _inputs(post, comb, out, h, fn, base, scale) -> Tensors:
     hc, d = h.shape[-2], h.shape[-1]
     return {"post": post.float().contiguous().view(-1, hc), "comb": comb.float().contiguous().view(-1, hc, hc),
-            "out": out.contiguous().view(-1, d), "h": h.contiguous().view(-1, hc, d), **_fp32_params(fn, base, scale)}
+            "out": out.contiguous().view(-1, d), "h": h.contiguous().view(-1, hc, d), **fp32_params(fn, base, scale)}
 
 
 def _forward(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, h: torch.Tensor, fn: torch.Tensor,
@@ -76,9 +75,7 @@ OP = torch_op("mhc_post_pre", _forward, _backward, fake_forward=_fake_forward, o
 
 
 def _fused_forward(module: MhcPostPre, post, comb, block_output, hidden_states):
-    key = tuple(hidden_states.shape[-2:])
-    kernel = (module._ak_lookup(key, hidden_states.dtype)
-              if hidden_states.device.type == "cpu" and block_output.dtype == hidden_states.dtype else None)
+    kernel = update_kernel(module, block_output, hidden_states)
     if kernel is None:
         return MhcPostPre.forward(module, post, comb, block_output, hidden_states)
     hc = module.hc
@@ -87,11 +84,9 @@ def _fused_forward(module: MhcPostPre, post, comb, block_output, hidden_states):
 
 class MhcPostPrePatch(Patch):
     def call_problem(self, module: torch.nn.Module, args: tuple) -> Problem | None:
-        h = args[0] if isinstance(module, DeepseekV4DecoderLayer) else args[3] if len(args) > 3 else None
-        if not isinstance(h, torch.Tensor) or h.dim() < 3 or h.dtype not in (d.torch for d in self.spec.dtypes):
-            return None
-        hc, d = h.shape[-2], h.shape[-1]
-        return Problem(self.spec.name, "default", (h.numel() // (hc * d), hc, d), DType.from_torch(h.dtype))
+        # a layer's call: its streams in; the fused module's: (post, comb, block output, streams)
+        at = 0 if isinstance(module, DeepseekV4DecoderLayer) else 3
+        return streams_problem(self.spec, args[at] if len(args) > at else None)
 
     def patch(self, module: torch.nn.Module, lookup) -> None:
         if isinstance(module, DeepseekV4DecoderLayer):
