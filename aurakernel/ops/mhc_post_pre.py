@@ -64,7 +64,7 @@ class MhcPostPreSpec(OpSpec):
         return ("post", "comb", "out", "h", "fn", "base", "scale")
 
     def module_call(self, problem: Problem, inputs: Tensors):
-        hc, args = PRE.module_call(self._parts(problem)[1], {**inputs, "x": inputs["h"]})
+        hc, _ = PRE.module_call(self._parts(problem)[1], {**inputs, "x": inputs["h"]})
         return MhcPostPre(hc), tuple(inputs[k] for k in ("post", "comb", "out", "h"))
 
     def reference(self, problem: Problem, inputs: Tensors) -> Tensors:
