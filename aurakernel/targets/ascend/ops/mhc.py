@@ -9,8 +9,9 @@ Where the time goes (ascend910b2, 1024 x 4 x 4096 bf16, 43 tokens per AI core; e
   2048-column tiles; ~26k vector) and the head in reverse on 16-lane vectors (~41k vector, issue-bound:
   the 20-step Sinkhorn). They ran one after the other per block of 16 tokens (63.3 us); now block b's
   d_pre streams while the vector unit runs block b - 1's head in reverse, dealt out in 80 steps between
-  its copies (58.1 us). At 43 tokens per core (3 blocks) the first block's d_pre and the last one's
-  reverse still run alone; more tokens per core overlap more.
+  its copies (58.1 us), the short block first, where its d_pre runs alone (54.3 us: a reverse costs
+  the same at any block size, its vectors being 16 lanes). At 43 tokens per core (3 blocks) the first
+  block's d_pre and the last one's reverse still run alone; more tokens per core overlap more.
 - backward (mixed, 16-bit): the AI cores split D's columns (every stream's), so d_fn's columns are
   whole sums written once and dy's columns are read once for the HC streams: ~98k cycles, at the
   busiest AI core's HBM share (3 column tiles of 64 where the even share is 2.67). Splitting the
