@@ -21,10 +21,10 @@ class MhcPostHost(HostKernel):
     entries = {"fwd": Entry("ak_mhc_post_fwd", ("ptr",) * 5 + ("i64",)),
                "bwd": Entry("ak_mhc_post_bwd", ("ptr",) * 9 + ("i64",))}
 
-    def tiling_problem(self, problem: Problem, hw):
-        rows, hc, d = problem.shape
+    def phases(self, problem: Problem) -> list[RowwisePhase]:
+        _, hc, d = problem.shape
         e = problem.dtype.itemsize
-        phases = [
+        return [
             RowwisePhase("forward", dram_bytes_per_row=(2 * hc + 1) * d * e + (hc + hc * hc) * 4,
                          vector_elems_per_row=d * hc * (hc + 1), chunked_passes=0,
                          resident_bytes_per_row=0, l1_bytes_per_col=0, l2_bytes_per_tile=0),
@@ -32,6 +32,10 @@ class MhcPostHost(HostKernel):
                          vector_elems_per_row=d * hc * (2 * hc + 2), chunked_passes=0,
                          resident_bytes_per_row=0, l1_bytes_per_col=0, l2_bytes_per_tile=0),
         ]
+
+    def tiling_problem(self, problem: Problem, hw):
+        rows, _, d = problem.shape
+        phases = self.phases(problem)
         # one pass per row: no column chunking, so col_chunk is the whole row
         return rowwise_model(rows, d, phases, hw, fixed={"col_chunk": d})
 

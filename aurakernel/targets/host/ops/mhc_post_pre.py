@@ -26,10 +26,12 @@ import torch
 
 from ....ops.base import Problem, Tensors
 from ....ops.mhc import EPS, PRE
+from ....ops.mhc_post import SPEC as POST
 from ....ops.mhc_post_pre import SPEC
 from ....planner.costmodel import RowwisePhase
 from ..library import Entry
 from .mhc import MhcHost
+from .mhc_post import MhcPostHost
 
 
 class MhcPostPreHost(MhcHost):
@@ -41,18 +43,21 @@ class MhcPostPreHost(MhcHost):
     def __init__(self, spec):
         super().__init__(spec)
         self.pre = MhcHost(PRE)   # the planning and rendering of the mhc_pre part
+        self.post = MhcPostHost(POST)   # the cost of the mhc_post part
 
     def phases(self, problem: Problem) -> list[RowwisePhase]:
-        """mhc_pre's phases plus mhc_post's rows: forward, h and the block output read and the
-        streams written (mhc_pre then reads them from cache); backward, h, the block output, dx_pre
-        and the streams' gradient read, d_h and d_out written."""
-        _, hc, d = problem.shape
-        e, w, small = problem.dtype.itemsize, hc * d, (hc + hc * hc) * 4
-        fwd, bwd = self.pre.phases(problem)
-        return [dataclasses.replace(fwd, dram_bytes_per_row=fwd.dram_bytes_per_row + (w + d) * e + small,
-                                    vector_elems_per_row=fwd.vector_elems_per_row + w * (hc + 1)),
-                dataclasses.replace(bwd, dram_bytes_per_row=bwd.dram_bytes_per_row + (4 * w + 2 * d) * e + 2 * small,
-                                    vector_elems_per_row=bwd.vector_elems_per_row + w * (2 * hc + 3))]
+        """mhc_pre's phases with mhc_post's rows added, less the pass the fusion saves: forward, the
+        streams mhc_post writes are read back by mhc_pre from cache; backward, mhc_post's rows read
+        the streams' second gradient too and add it."""
+        stream_elems = problem.shape[1] * problem.shape[2]
+        stream_bytes = stream_elems * problem.dtype.itemsize
+        (pre_fwd, pre_bwd), (post_fwd, post_bwd) = self.pre.phases(problem), self.post.phases(problem)
+        def plus(phase, part, dram_bytes, vector_elems):
+            return dataclasses.replace(
+                phase, dram_bytes_per_row=phase.dram_bytes_per_row + part.dram_bytes_per_row + dram_bytes,
+                vector_elems_per_row=phase.vector_elems_per_row + part.vector_elems_per_row + vector_elems)
+
+        return [plus(pre_fwd, post_fwd, -stream_bytes, 0), plus(pre_bwd, post_bwd, stream_bytes, stream_elems)]
 
     def template(self) -> str:
         return self.pre.template()
@@ -74,9 +79,12 @@ class MhcPostPreHost(MhcHost):
 
     def run_backward(self, kernel, inputs: Tensors, outputs: Tensors, grad_outputs: Tensors, grads: Tensors) -> None:
         rows, hc = outputs["rstd"].numel(), kernel.meta["hc"]
-        scratch = kernel.workspace_of(kernel.call("bwd_scratch", rows))
+        # mhc_pre's dx lives after the kernel's own scratch: reused, so no page faults per call
+        streams = outputs["streams"]
+        own = kernel.call("bwd_scratch", rows)
+        scratch = kernel.workspace_of(own + -(-streams.numel() * streams.element_size() // 4))
+        dx_pre = scratch[own:].view(streams.dtype)[: streams.numel()].view(streams.shape)
         d_scale = torch.empty(3, dtype=torch.float32)
-        dx_pre = torch.empty_like(outputs["streams"])
         kernel.call("bwd", inputs["post"], inputs["comb"], inputs["out"], inputs["h"], outputs["streams"],
                     inputs["fn"], inputs["base"], inputs["scale"], outputs["mix"], outputs["rstd"],
                     grad_outputs["streams"], grad_outputs["y"], grad_outputs["next_post"], grad_outputs["next_comb"],
