@@ -12,6 +12,15 @@ same (the 32 MB operands partly stay in the 32 MB L3, hence under it). Nothing i
 read of each input and one write of each output is the minimum, and torch.compile's generated loop
 makes the same passes, so the unweighted norm stays ~1.0-1.1x torch.compile (module 9.25 ms against
 9.36 in one bench run); the weighted one is 2.1x (compile does not fuse dw's reduction).
+Later runs on the same EPYC, busier, found the bf16 kernel issue-bound, not traffic-bound: in cache
+(256x4096, one thread) it made ~1 element a cycle, forward and backward alike, as fp32 did; the
+loops spent their shuffle port on widening (two per 16 loads) and narrowing (a pack and a permute
+per 16 stores). bf16 unweighted now loops over pairs of elements (_common.h.j2, ak_pair_t), which
+widen and narrow with shifts and masks: 1.55x faster in cache (fwd 236 -> 154 us, bwd 327 -> 213 at
+256x4096, interleaved A/B), at 4096x4096 fwd 1.04-1.18x and bwd 1.23-1.26x (6.6 -> 6.4 / 11.0 ->
+8.7 ms median alone). Not the weighted norm: its weight read at stride 2 costs the shuffles back
+(backward 0.88x). Non-temporal stores of y and dx (no read for ownership: a plain copy 16 -> 21 GB/s
+here) were tried and gave nothing measurable beside this run-to-run noise.
 """
 
 from __future__ import annotations
