@@ -12,6 +12,7 @@ from ..ops.mhc import EPS, HEAD, ITERS, MhcSpec, PRE
 from ..targets.host.library import built_kernel
 from .base import Patch
 from .install import install, require
+from .rms_norm import norm_eps
 from .torch_op import torch_op
 
 
@@ -121,8 +122,9 @@ def require_kernel_math(module: torch.nn.Module) -> None:
     """Refused unless the HyperConnection / HyperHead computes what the mhc kernels do."""
     hc_eps = module.eps if isinstance(module, DeepseekV4HyperHead) else module.hc_eps
     iters = getattr(module, "hc_sinkhorn_iters", ITERS)
-    require(iters == ITERS and hc_eps == EPS and module.input_norm.eps == EPS,
-            f"hc_sinkhorn_iters {iters}, hc_eps {hc_eps}, rms_norm_eps {module.input_norm.eps}: the mhc kernel "
+    rms_eps = norm_eps(module.input_norm)
+    require(iters == ITERS and hc_eps == EPS and rms_eps == EPS,
+            f"hc_sinkhorn_iters {iters}, hc_eps {hc_eps}, rms_norm_eps {rms_eps}: the mhc kernel "
             f"computes {ITERS} Sinkhorn iterations with both epsilons {EPS}")
 
 

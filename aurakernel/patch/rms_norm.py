@@ -56,9 +56,14 @@ def _module_forward(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     kernel = module._ak_lookup((x.shape[-1],), x.dtype) if x.device.type == "cpu" else None
     if kernel is None:
         return module._ak_reference_forward(x)
-    if isinstance(module, DeepseekV4RMSNorm):
-        return rms_norm(x, module.weight, float(module.variance_epsilon), kernel)
-    return rms_norm(x, None, float(module.eps), kernel)
+    weight = module.weight if isinstance(module, DeepseekV4RMSNorm) else None
+    return rms_norm(x, weight, norm_eps(module), kernel)
+
+
+def norm_eps(module: torch.nn.Module) -> float:
+    """A V4 norm's epsilon: `variance_epsilon`, which transformers 5.24's unweighted norm called `eps`."""
+    eps = getattr(module, "variance_epsilon", None)
+    return float(module.eps if eps is None else eps)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, kernel: str) -> torch.Tensor:

@@ -78,7 +78,7 @@ class MhcPostPreHost(MhcHost):
                     outputs["rstd"].numel(), EPS, EPS)
 
     def run_backward(self, kernel, inputs: Tensors, outputs: Tensors, grad_outputs: Tensors, grads: Tensors) -> None:
-        rows, hc = outputs["rstd"].numel(), kernel.meta["hc"]
+        rows = outputs["rstd"].numel()
         # mhc_pre's dx lives after the kernel's own scratch: reused, so no page faults per call
         streams = outputs["streams"]
         own = kernel.call("bwd_scratch", rows)
