@@ -33,6 +33,10 @@ def _cfg():
     ({"scoring_func": "sigmoid"}, "router", "scoring_func is Sigmoid"),
     ({"hc_sinkhorn_iters": 7}, "mhc_pre", "hc_sinkhorn_iters 7"),
     ({"hc_sinkhorn_iters": 7}, "mhc_post_pre", "hc_sinkhorn_iters 7"),   # the layer's fused update + FFN mhc_pre
+    # the norms' epsilon, under either of its transformers names (the unweighted norm's `eps` became
+    # `variance_epsilon` in 5.25): large enough that the rms_norm kernels computing with another would
+    # miss the reference's logits
+    ({"rms_norm_eps": 0.5}, "mhc_pre", "rms_norm_eps 0.5"),
 ])
 def test_a_config_the_kernel_does_not_compute_stays_on_the_reference(override, op, fragment):
     cfg = _cfg()
@@ -45,6 +49,17 @@ def test_a_config_the_kernel_does_not_compute_stays_on_the_reference(override, o
     assert {s["op"] for s in report.swapped} >= {"rms_norm", "rope", "attn_softmax"}   # the rest still swapped
     ids = torch.randint(0, cfg.model["vocab_size"], (2, 160), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_a_norms_epsilon_is_read_under_the_name_of_the_installed_transformers():
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4UnweightedRMSNorm
+
+    from aurakernel.patch.rms_norm import norm_eps
+
+    assert norm_eps(DeepseekV4UnweightedRMSNorm(eps=0.25)) == 0.25
+    legacy = torch.nn.Module()   # transformers 5.24's unweighted norm: the epsilon is `eps`
+    legacy.eps = 0.125
+    assert norm_eps(legacy) == 0.125
 
 
 def test_a_changed_transformers_forward_is_not_replaced_by_a_stale_copy(monkeypatch):

@@ -12,6 +12,7 @@ from ..ops.compressor import CompressorPool, SPEC, pool_reference
 from ..targets.host.library import built_kernel
 from .base import Patch, bind
 from .install import copied_from
+from .rms_norm import norm_eps
 from .torch_op import torch_op
 
 
@@ -23,16 +24,16 @@ def _inputs(kv, gate, position_bias, weight) -> Tensors:
             "weight": weight.float().contiguous()}
 
 
-def _forward(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Tensor, weight: torch.Tensor,
+def _forward(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Tensor, weight: torch.Tensor, eps: float,
              kernel: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, rstd, p, pooled, exact): all but y are residuals for the backward."""
-    inputs = _inputs(kv, gate, position_bias, weight)
+    """(y, rstd, p, pooled, exact): all but y are residuals for the backward; eps is kv_norm's."""
+    inputs = {**_inputs(kv, gate, position_bias, weight), "eps": eps}
     outputs = built_kernel(kernel).empty_outputs(None, inputs)
     built_kernel(kernel).run_forward(inputs, outputs)
     return outputs["y"], *(outputs[n] for n in _SAVED)
 
 
-def _fake_forward(kv, gate, position_bias, weight, kernel):
+def _fake_forward(kv, gate, position_bias, weight, eps, kernel):
     outputs = built_kernel(kernel).empty_outputs(None, {"kv": kv, "position_bias": position_bias, "weight": weight})
     return outputs["y"], *(outputs[n] for n in _SAVED)
 
@@ -66,12 +67,12 @@ def _pooled(module, kv, gate, ratio: int, head_dim: int, overlap: bool):
         kernel = lookup((ratio, head_dim), kv.dtype) if lookup is not None else None
     if kernel is None:
         return module.kv_norm(pool_reference(kv, gate, module.position_bias, ratio, head_dim, overlap))
-    return POOL_OP(kv, gate, module.position_bias, module.kv_norm.weight, kernel)
+    return POOL_OP(kv, gate, module.position_bias, module.kv_norm.weight, norm_eps(module.kv_norm), kernel)
 
 
 def _pool_forward(self: CompressorPool, kv, gate, position_bias):
     kernel = self._ak_lookup((self.ratio, self.head_dim), kv.dtype)
-    return POOL_OP(kv, gate, position_bias, self.kv_norm.weight, kernel)
+    return POOL_OP(kv, gate, position_bias, self.kv_norm.weight, norm_eps(self.kv_norm), kernel)
 
 
 def _rope_at_windows(module, compressed, n_windows: int, batch: int, rope):

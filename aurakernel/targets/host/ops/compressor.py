@@ -52,7 +52,7 @@ class CompressorHost(HostKernel):
         scratch = kernel.workspace_of(kernel.meta["threads"] * _p_size(ratio, d, kernel.meta["overlap"]))
         kernel.call("fwd", kv, inputs["gate"], inputs["position_bias"], inputs["weight"], outputs["y"],
                     outputs["rstd"], outputs["p"], outputs["pooled"], outputs["exact"], scratch,
-                    kv.shape[0], kv.shape[1], kv.shape[1] // ratio, EPS)
+                    kv.shape[0], kv.shape[1], kv.shape[1] // ratio, float(inputs.get("eps", EPS)))
 
     def run_backward(self, kernel, inputs: Tensors, outputs: Tensors, grad_outputs: Tensors, grads: Tensors) -> None:
         kv = inputs["kv"]
