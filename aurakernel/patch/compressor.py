@@ -59,6 +59,11 @@ POOL_OP = torch_op("compressor", _forward, _backward, fake_forward=_fake_forward
                    grads=("kv", "gate", "position_bias", "weight"))
 
 
+def _pool_op(kv, gate, position_bias, kv_norm: torch.nn.Module, kernel: str) -> torch.Tensor:
+    """kv_norm(pooling) through the kernel, with that norm's weight and epsilon."""
+    return POOL_OP(kv, gate, position_bias, kv_norm.weight, norm_eps(kv_norm), kernel)
+
+
 def _pooled(module, kv, gate, ratio: int, head_dim: int, overlap: bool):
     """kv_norm(pooling) through the kernel when one fits, else the reference lines."""
     kernel = None
@@ -67,12 +72,12 @@ def _pooled(module, kv, gate, ratio: int, head_dim: int, overlap: bool):
         kernel = lookup((ratio, head_dim), kv.dtype) if lookup is not None else None
     if kernel is None:
         return module.kv_norm(pool_reference(kv, gate, module.position_bias, ratio, head_dim, overlap))
-    return POOL_OP(kv, gate, module.position_bias, module.kv_norm.weight, norm_eps(module.kv_norm), kernel)
+    return _pool_op(kv, gate, module.position_bias, module.kv_norm, kernel)
 
 
 def _pool_forward(self: CompressorPool, kv, gate, position_bias):
     kernel = self._ak_lookup((self.ratio, self.head_dim), kv.dtype)
-    return POOL_OP(kv, gate, position_bias, self.kv_norm.weight, norm_eps(self.kv_norm), kernel)
+    return _pool_op(kv, gate, position_bias, self.kv_norm, kernel)
 
 
 def _rope_at_windows(module, compressed, n_windows: int, batch: int, rope):

@@ -47,8 +47,8 @@ forward GEMM (fn x^T: 16-wide blocks, 97 GFLOP/s alone against 72) measured slow
 (9.9 against 9.2 ms): the transposes cost more than the blocks saved.
 At the tiny config's widths (1024 x 4 x 256 fp32, AVX2 EPYC) inside a training step: forward 0.7 ms,
 backward 1.6 ms a call (alone in cache 0.57 / 1.25). perf of the backward alone: the three GEMMs 36%,
-the per-tile body (Sinkhorn's backward, d_pre, the dx row loop) the rest but ~7% OpenMP barrier
-waits. The Sinkhorn backward divided once per element; it divides once per row and normalisation.
+OpenMP barrier waits ~7%, the per-tile body (Sinkhorn's backward, d_pre, the dx row loop) the rest.
+Sinkhorn's backward divided once per element; it divides once per row and normalisation.
 """
 
 from __future__ import annotations
