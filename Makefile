@@ -22,7 +22,7 @@ test: install
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=15 tests
 
 bench: install
-	$(BIN)/aurakernel bench --out docs/bench --readme README.md --baseline benchmarks/baseline.json
+	$(BIN)/aurakernel bench --out docs/bench --readme README.md --baseline benchmarks/baselines
 	$(BIN)/python -m benchmarks.rms_norm
 	$(BIN)/python -m benchmarks.ascend
 

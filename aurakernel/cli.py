@@ -564,9 +564,11 @@ def bench(
     quick: Annotated[bool, typer.Option("--quick", help="a subset that fits in a few minutes on 2 cores")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print the result JSON to stdout")] = False,
     out_dir: Annotated[str | None, typer.Option("--out", help="write bench.json, bench.md and PNG plots here")] = None,
-    baseline: Annotated[str | None, typer.Option(help="a stored bench JSON to compare speedup ratios against")] = None,
+    baseline: Annotated[str | None, typer.Option(help="a stored bench JSON to compare speedup ratios against, or a "
+                                                      "directory of them, one per machine (this machine's is used)")] = None,
     max_regression: Annotated[float, typer.Option(help="allowed fall of a speedup ratio, as a fraction")] = 0.15,
-    update_baseline: Annotated[bool, typer.Option("--update-baseline", help="rewrite --baseline with this run")] = False,
+    update_baseline: Annotated[bool, typer.Option("--update-baseline", help="rewrite --baseline with this run (a "
+                                                                          "directory: this machine's file in it)")] = False,
     compiled: Annotated[bool, typer.Option("--compiled/--no-compiled", help="also time torch.compile")] = True,
     readme: Annotated[str | None, typer.Option(help="with --out: rewrite this README's results block")] = None,
     repeat: Annotated[int, typer.Option(help="run the suite N times: medians (a baseline keeps the lowest)")] = 1,
@@ -618,15 +620,19 @@ def bench(
         raise UserError(f"--repeat {repeat}: accepted is 1 to 10")
     if update_baseline and baseline is None:
         raise UserError("--update-baseline needs --baseline FILE: the file to rewrite")
-    if update_baseline:
+    if update_baseline and not Path(baseline).is_dir():
         check_writable(baseline, "--baseline")
     if readme is not None:
         if out_dir is None or not Path(readme).is_file():
             raise UserError(f"--readme {readme}: needs an existing README file and --out DIR for the plots")
         if suite.README_START not in Path(readme).read_text():
             raise UserError(f"--readme {readme}: no {suite.README_START} ... {suite.README_END} block to write into")
-    base = suite.load_result(Path(baseline)) if baseline is not None and not update_baseline else None
     _ensure_calibrated("host")
+    machine = suite.machine_info()
+    if update_baseline and Path(baseline).is_dir():
+        check_writable(str(suite.baseline_path(Path(baseline), machine)), "--baseline")
+    base, no_base = (suite.load_baseline(Path(baseline), machine) if baseline is not None and not update_baseline
+                     else (None, None))
     progress = Progress(TextColumn("[bold]bench"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         TextColumn("{task.description}"), console=err, transient=True)
     with progress:
@@ -636,6 +642,8 @@ def bench(
                 for _ in range(repeat)]
     result = suite.combine(runs)
     failures: list[str] = []
+    if no_base:
+        err.print(f"[yellow]speedups not compared:[/] {escape(no_base)}; verification is still enforced")
     if base is not None:
         why = suite.comparable(result, base)
         if why:
@@ -653,8 +661,9 @@ def bench(
         suite.update_readme(Path(readme), result, Path(out_dir))
         err.print(f"results written into {readme}")
     if update_baseline:
-        write_text_atomic(Path(baseline), json.dumps(suite.combine(runs, envelope=True), indent=2))
-        err.print(f"baseline {baseline} updated")
+        target = suite.baseline_path(Path(baseline), result["machine"])
+        write_text_atomic(target, json.dumps(suite.combine(runs, envelope=True), indent=2))
+        err.print(f"baseline {target} updated")
     if as_json:
         print(json.dumps(result, indent=2))
     else:

@@ -101,6 +101,24 @@ def test_roofline_points_are_attained_gflops_under_the_slope_or_the_matmul_peak(
     assert bench.roofline_points(result([streaming], machine={"cpu": "old", "cores": 2}), [streaming]) == []
 
 
+def test_a_directory_of_baselines_gives_each_machine_its_own(tmp_path):
+    other = dict(MACHINE, cpu="Other CPU", path_flags=["avx2"])
+    assert bench.machine_slug(MACHINE) == "test-cpu-2c-avx2-avx512f"
+    assert bench.machine_slug(other) != bench.machine_slug(MACHINE)
+    (tmp_path / f"{bench.machine_slug(other)}.json").write_text(json.dumps(result([kernel("swiglu", 9.0, 9.0)], machine=other)))
+    base, why = bench.load_baseline(tmp_path, MACHINE)           # none recorded for this machine: no error
+    assert base is None and "no baseline for this machine (test-cpu-2c-avx2-avx512f.json" in why
+    assert bench.machine_slug(other) in why and "--update-baseline" in why
+    assert bench.baseline_path(tmp_path, MACHINE) == tmp_path / "test-cpu-2c-avx2-avx512f.json"   # where an update writes
+    bench.baseline_path(tmp_path, MACHINE).write_text(json.dumps(BASE))
+    base, why = bench.load_baseline(tmp_path, MACHINE)
+    assert why is None and base["kernels"] == BASE["kernels"] and bench.comparable(result([]), base) is None
+    base, why = bench.load_baseline(tmp_path, other)
+    assert why is None and base["kernels"][0]["speedup_vs_eager"] == 9.0
+    single = tmp_path / f"{bench.machine_slug(other)}.json"       # a file is used as given, whatever its machine
+    assert bench.baseline_path(single, MACHINE) == single and bench.load_baseline(single, MACHINE)[0]["machine"] == other
+
+
 def test_bad_baseline_is_one_line_exit_2(tmp_path):
     cmd = [sys.executable, "-m", "aurakernel.cli", "bench", "--quick"]
     missing = subprocess.run([*cmd, "--baseline", str(tmp_path / "none.json")], capture_output=True, text=True)
@@ -124,10 +142,13 @@ def quick_run(tmp_path_factory):
     baseline = copy.deepcopy(BASE)
     baseline["machine"] = bench.machine_info()
     baseline["kernels"], baseline["train_step"] = [], None   # nothing to regress against but verification
-    (out / "baseline.json").write_text(json.dumps(baseline))
+    baselines = out / "baselines"                             # this machine's baseline beside another's
+    baselines.mkdir()
+    (baselines / f"{bench.machine_slug(baseline['machine'])}.json").write_text(json.dumps(baseline))
+    (baselines / "other-cpu-2c-avx2.json").write_text(json.dumps(BASE))
     proc = subprocess.run([sys.executable, "-m", "aurakernel.cli", "bench", "--quick", "--no-compiled", "--json",
                            "--ops", ",".join(QUICK_RUN_OPS), "--no-train", "--out", str(out / "report"),
-                           "--baseline", str(out / "baseline.json")],
+                           "--baseline", str(baselines)],
                           capture_output=True, text=True, timeout=900)
     return proc, out
 
@@ -144,6 +165,7 @@ def test_quick_suite_json_schema(quick_run):
         assert k["verified"] is True and k["speedup_vs_eager"] > 0 and k["roofline_pct"] > 0   # >100: cache-resident
         assert set(k["peak_mib"]) == {"eager", "aurakernel"} and min(k["peak_mib"].values()) > 0
     assert d["train_step"] is None                    # --no-train
+    assert "not compared" not in proc.stderr          # this machine's baseline was the one compared with
     assert (out / "report" / "speedup.png").stat().st_size > 0
 
 

@@ -30,14 +30,15 @@ compiled_speedup_vs_compiled = compiled_us / aurakernel_compiled_us. The gate co
 speedup_vs_eager and speedup_vs_compiled.
 """
 
-from .gate import TRAIN_STEP, comparable, kernel_name, regressions, remeasure_regressed, slower, unverified
+from .gate import (TRAIN_STEP, baseline_path, comparable, kernel_name, load_baseline, machine_slug, regressions,
+                   remeasure_regressed, slower, unverified)
 from .kernels import (KERNEL_KEYS, QUICK_OPS, SCHEMA, TrainStepResult, bench_problems, combine, geomean, kernel_key,
                       kernel_row, machine_info, run_suite, summarize, total_steps, train_step_compare, versions)
 from .report import (README_END, README_START, load_result, markdown, plots, roofline_points, update_readme,
                      write_outputs)
 
 __all__ = ["KERNEL_KEYS", "QUICK_OPS", "README_END", "README_START", "SCHEMA", "TRAIN_STEP", "TrainStepResult",
-           "bench_problems", "combine", "comparable", "geomean", "kernel_key", "kernel_name", "kernel_row",
-           "load_result", "machine_info", "markdown", "plots", "regressions", "roofline_points", "remeasure_regressed", "run_suite",
+           "baseline_path", "bench_problems", "combine", "comparable", "geomean", "kernel_key", "kernel_name", "kernel_row",
+           "load_baseline", "load_result", "machine_info", "machine_slug", "markdown", "plots", "regressions", "roofline_points", "remeasure_regressed", "run_suite",
            "slower", "summarize", "total_steps", "train_step_compare", "unverified", "update_readme", "versions",
            "write_outputs"]

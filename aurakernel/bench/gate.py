@@ -1,9 +1,11 @@
 """The regression gate: a run's speedup ratios against a stored baseline (same CPU, cores and
 kernel paths only), unverified kernels always a failure, and one re-measurement of anything over
-the threshold before it is reported."""
+the threshold before it is reported. A baseline is one bench JSON, or a directory of them, one per
+machine (named by `machine_slug`), so one CI gate compares on each kind of machine it runs on."""
 
 from __future__ import annotations
 
+import re
 import tempfile
 from pathlib import Path
 
@@ -20,6 +22,33 @@ def comparable(current: dict, baseline: dict) -> str | None:
         return (f"the baseline was recorded on {b.get('cpu')} ({b.get('cores')} cores, {', '.join(b.get('path_flags', []))}), "
                 f"this is {a.get('cpu')} ({a.get('cores')} cores, {', '.join(a.get('path_flags', []))})")
     return None
+
+
+def machine_slug(machine: dict) -> str:
+    """A baseline's file name in a directory of baselines: the CPU model, cores and kernel paths,
+    exactly what `comparable` matches on."""
+    cpu = re.sub(r"[^a-z0-9]+", "-", str(machine.get("cpu", "cpu")).lower()).strip("-") or "cpu"
+    flags = "-".join(f.replace("_", "") for f in machine.get("path_flags", [])) or "scalar"
+    return f"{cpu}-{machine.get('cores')}c-{flags}"
+
+
+def baseline_path(path: Path, machine: dict) -> Path:
+    """The baseline to compare with or to rewrite: `path` itself, or in a directory of baselines the
+    file of this machine (which may not exist yet)."""
+    return path / f"{machine_slug(machine)}.json" if path.is_dir() else path
+
+
+def load_baseline(path: Path, machine: dict) -> tuple[dict | None, str | None]:
+    """(baseline, None), or (None, why there is none to compare with): a directory that has no file
+    for this machine is not an error (a new kind of CI machine still runs its gate on verification);
+    a named file that is missing or broken is (load_result's one-line UserError)."""
+    from .report import load_result
+    chosen = baseline_path(path, machine)
+    if path.is_dir() and not chosen.is_file():
+        recorded = sorted(p.stem for p in path.glob("*.json")) or ["none"]
+        return None, (f"{path} has no baseline for this machine ({chosen.name}; recorded: {', '.join(recorded)}); "
+                      f"record one with --update-baseline")
+    return load_result(chosen), None
 
 
 def kernel_name(row: dict) -> str:
