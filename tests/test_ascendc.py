@@ -119,6 +119,24 @@ def test_router_flags_exactly_the_rows_whose_kth_and_next_scores_tie(tmp_path):
     assert torch.equal(weights[clear], ref["weights"][clear])
 
 
+def test_router_tiles_take_any_multiple_of_8_rows(tmp_path):
+    """The router's compact tiles round rows up to 8, so its planner also weighs 24, 40, ... rows a
+    tile (24 fits the UB where 32 does not: V4-Flash's 8192 tokens plan to it); a row-wise kernel
+    without that step keeps powers of two. Verified at 24 rows: two tiles a core, the tail core's
+    second one short."""
+    spec, kernel = OPS["router"], ascend.kernel_of(OPS["router"])
+    flash = spec.problem("8192x256x6", "bf16", "topk")
+    assert {24, 40, 48} <= set(ascend.model(spec, flash, HW).domains["tile_rows"])
+    assert ascend.plan(spec, flash, HW, target="ascend910b2", solver="highs").knobs["tile_rows"] == 24
+    norm = OPS["rms_norm"].problem("8192x4096", "bf16", "weighted")
+    assert ascend.model(OPS["rms_norm"], norm, HW).domains["tile_rows"] == [1, 2, 4, 8, 16, 32, 64]
+    problem = spec.problem("2300x256x6", "bf16", "topk")
+    knobs = {**ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs").knobs, "tile_rows": 24, "buffers": 2}
+    emu = ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, tmp_path, HW), HW)
+    result = ascend.verify(spec, [problem], knobs, emu, seeds=(0,))
+    assert result.passed, result.summary
+
+
 def test_router_topk_refuses_more_candidates_than_one_merge_sorts():
     """The top-k kernel sorts the members of each row's top k + 1 groups (experts / 32 each) in one
     merge of four 32-structure lists: V4's top-6 of 256 and 384 (and top-7 of 512) fit; top-8 of 512

@@ -2,7 +2,8 @@
 tile holds, how deep the queues are, how long the fp32 compute chunk is, and how many vector
 cores share the rows.
 
-    knobs     tile_rows in {1, 2, 4, ..., 64} (<= rows per core), buffers in {1, 2},
+    knobs     tile_rows in {1, 2, 4, ..., 64} (<= rows per core; a kernel may add the multiples of
+              its tile_rows_step), buffers in {1, 2},
               chunk in {64, 128, ...} fp32 elements (<= the row), block_dim = min(rows, AIV cores),
               col_tile: the whole row, or (kernels that stream a row in pieces, split_cols) a power
               of two >= 1024 elements with one row per tile: rows wider than the UB (the vocabulary);
@@ -94,7 +95,7 @@ def align32(b: float) -> int:
 
 def ascend_rowwise_model(rows: int, cols: int, elem_bytes: int, phases: list[AscendRowPhase],
                          hw: HardwareProfile, split_cols: bool = False,
-                         col_tiles: list[int] | None = None) -> ChoiceModel:
+                         col_tiles: list[int] | None = None, tile_rows_step: int | None = None) -> ChoiceModel:
     clock = hw.clock_ghz * 1e9
     block_dim = max(1, min(rows, hw.cores))
     figures = hw.ascend_pipes(block_dim)
@@ -103,7 +104,10 @@ def ascend_rowwise_model(rows: int, cols: int, elem_bytes: int, phases: list[Asc
     rb = math.ceil(rows / block_dim)
     if col_tiles is None:   # else the kernel's own column tiles (a split row: one row per tile)
         col_tiles = sorted({c for c in _pow2_upto(cols, 1024) if c < cols} | {cols}) if split_cols else [cols]
-    domains = {"tile_rows": [1] if split_cols else _pow2_upto(min(rb, 64)),   # column-streaming kernels: a row at a time
+    tile_rows = _pow2_upto(min(rb, 64))   # and, for a kernel that takes them, every multiple of its step
+    if tile_rows_step:
+        tile_rows = sorted(set(tile_rows) | set(range(tile_rows_step, min(rb, 64) + 1, tile_rows_step)))
+    domains = {"tile_rows": [1] if split_cols else tile_rows,   # column-streaming kernels: a row at a time
                "buffers": [1, 2],
                "chunk": _pow2_upto(max(64, math.ceil(cols / 64) * 64), 64)[:12],
                "block_dim": [block_dim],

@@ -49,7 +49,8 @@ def model(spec: OpSpec, problem: Problem, hw: HardwareProfile) -> ChoiceModel:
     kernel = kernel_of(spec)
     rows, cols = kernel.rows_cols(problem)
     return ascend_rowwise_model(rows, cols, problem.dtype.itemsize, kernel.phases(problem), hw,
-                                split_cols=kernel.split_cols, col_tiles=kernel.col_tiles(problem))
+                                split_cols=kernel.split_cols, col_tiles=kernel.col_tiles(problem),
+                                tile_rows_step=kernel.tile_rows_step)
 
 
 def pipelines(spec: OpSpec, problem: Problem, hw: HardwareProfile, knobs: dict[str, int]) -> dict[str, Pipeline]:

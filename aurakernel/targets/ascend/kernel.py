@@ -27,6 +27,8 @@ KERNELS: Registry[AscendKernel] = Registry("an AscendC kernel", "has no AscendC 
 class AscendKernel(Part, ABC):
     registry = KERNELS
     split_cols: ClassVar[bool] = False   # the kernel streams a row in column tiles (rows wider than the UB)
+    # the kernel takes any multiple of this many tile rows, not only powers of two (None: powers of two)
+    tile_rows_step: ClassVar[int | None] = None
     # {phase: whether its compute step ends in scalar waits} for a template that renders the solved
     # pipeline schedule; None: the plain CopyIn / Compute / CopyOut order
     compute_waits_scalar: ClassVar[dict[str, bool] | None] = None

@@ -37,6 +37,7 @@ def _tiling(knobs: dict[str, int], x: torch.Tensor, from_logits: bool) -> bytear
 
 
 class RouterAscend(AscendKernel):
+    tile_rows_step = 8   # the compact tiles round a tile's rows up to 8 (Brcb) anyway: 24 rows fit where 32 do not
     # --- AscendC (templates/ascendc/router/): token rows split over the vector cores --------------
     def rows_cols(self, problem: Problem) -> tuple[int, int]:
         return problem.shape[0], problem.shape[1]
