@@ -11,7 +11,11 @@ Where the time goes (ascend910b2, 1024 x 4 x 4096 bf16, 43 tokens per AI core; e
   d_pre streams while the vector unit runs block b - 1's head in reverse, dealt out in 80 steps between
   its copies (58.1 us), the short block first, where its d_pre runs alone (54.3 us: a reverse costs
   the same at any block size, its vectors being 16 lanes). At 43 tokens per core (3 blocks) the first
-  block's d_pre and the last one's reverse still run alone; more tokens per core overlap more.
+  block's d_pre and the last one's reverse still run alone; more tokens per core overlap more. The
+  reverse keeps each recomputed normalisation's 1 / (sum + eps) (10 KB of UB), so undoing one needs
+  no group sum or Div, and a by-column group op is one instruction repeated over the rows (~41k ->
+  ~31k vector cycles; 51.4 us). What is left above the bound: the copies' fixed cost (two per token
+  and column tile, ~18k of the 67k MTE2 cycles) and the last block's reverse (~15k).
 - backward (mixed, 16-bit): the AI cores split D's columns (every stream's), so d_fn's columns are
   whole sums written once and dy's columns are read once for the HC streams: ~98k cycles, at the
   busiest AI core's HBM share (3 column tiles of 64 where the even share is 2.67). Splitting the
