@@ -40,9 +40,22 @@ def check_fits_in_memory(spec: OpSpec, problem: Problem) -> None:
                         f"this machine has {free / 2**30:,.1f} GiB free: choose a smaller --shape")
 
 
+MAX_CANDIDATES = 16
+
+
+def check_candidates(candidates: int, target: str, kind: str) -> None:
+    """--candidates: 1 to MAX_CANDIDATES, and more than 1 only where kernels run to be timed (host)."""
+    if not 1 <= candidates <= MAX_CANDIDATES:
+        raise UserError(f"--candidates {candidates}: accepted is 1 (the planner's pick) to {MAX_CANDIDATES} "
+                        f"(its that many best tilings, timed against each other)")
+    if candidates > 1 and kind != "host":
+        raise UserError(f"--candidates {candidates}: tilings are timed against each other on the host target; "
+                        f"on {target} the planner's one pick is estimated in the emulator (accepted: 1)")
+
+
 def tune(op: str, shape: str | None, dtype: str | None = None, *, variant: str | None = None, target: str = "host",
          solver: str = "highs", db_path=None, with_compiled: bool = True,
-         hw: HardwareProfile | None = None, out_dir=None) -> TuneResult:
+         hw: HardwareProfile | None = None, out_dir=None, candidates: int = 1) -> TuneResult:
     """Tune one operator from CLI-style arguments (validated here)."""
     spec = get_op(op)
     problem = spec.problem(shape, dtype, variant)
@@ -50,15 +63,18 @@ def tune(op: str, shape: str | None, dtype: str | None = None, *, variant: str |
     hw = hw or load_profile(target)
     return tune_problem(spec, problem, hw, target=target, solver=solver,
                         db=TuningDB(db_path or default_db_path()), with_compiled=with_compiled,
-                        out_dir=Path(out_dir) if out_dir is not None else None)
+                        out_dir=Path(out_dir) if out_dir is not None else None, candidates=candidates)
 
 
 def tune_problem(spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, solver: str,
                  db: TuningDB, with_compiled: bool, with_compiled_kernel: bool = False,
-                 out_dir: Path | None = None, with_memory: bool = False) -> TuneResult:
-    """One problem through its target's pipeline, recorded in the DB."""
+                 out_dir: Path | None = None, with_memory: bool = False, candidates: int = 1) -> TuneResult:
+    """One problem through its target's pipeline, recorded in the DB; candidates > 1: the planner's
+    that many best tilings timed against each other, the fastest verified one kept (host)."""
+    check_candidates(candidates, target, target_for(hw).kind)
     result = target_for(hw).tune(spec, problem, hw, target=target, solver=solver, with_compiled=with_compiled,
-                                 with_compiled_kernel=with_compiled_kernel, out_dir=out_dir, with_memory=with_memory)
+                                 with_compiled_kernel=with_compiled_kernel, out_dir=out_dir, with_memory=with_memory,
+                                 candidates=candidates)
     _record(db, result, hw)
     return result
 
@@ -109,12 +125,14 @@ def plan_entry(result: TuneResult) -> PlanEntry:
 
 
 def autotune(workload: Workload, *, target: str = "host", solver: str = "highs", db: TuningDB | None = None,
-             with_compiled: bool = False, profile_steps: int = 3, out_dir=None, progress=None) -> AutotuneResult:
+             with_compiled: bool = False, profile_steps: int = 3, out_dir=None, progress=None,
+             candidates: int = 1) -> AutotuneResult:
     """Profile the workload's training step, tune every problem it poses that the target has a kernel
     for, and collect the usable kernels in a plan. A target that writes op projects (AscendC) puts
     one per problem under out_dir/<op>_<variant>_<shape>_<dtype>/ and a summary.json beside them."""
     hw = load_profile(target)
     tgt = target_for(hw)
+    check_candidates(candidates, target, tgt.kind)
     if tgt.writes_projects and out_dir is None:
         raise UserError(f"target {target!r} writes an op project per problem: give the folder for them (--out)")
     db = db if db is not None else TuningDB(default_db_path())
@@ -141,7 +159,7 @@ def autotune(workload: Workload, *, target: str = "host", solver: str = "highs",
                    if tgt.writes_projects else None)
         try:
             r = tune_problem(spec, problem, hw, target=target, solver=solver, db=db, with_compiled=with_compiled,
-                             out_dir=project)
+                             out_dir=project, candidates=candidates)
         except (PlanInfeasible, BuildError) as exc:   # one problem that cannot be planned or built must not cost the others
             skipped.append(where | {"reason": str(exc).splitlines()[0]})
             continue

@@ -91,10 +91,12 @@ def tune(
     compiled: Annotated[bool, typer.Option("--compiled/--no-compiled", help="also time torch.compile")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
     out_dir: Annotated[str | None, typer.Option("--out", help="AscendC targets: write the op project here")] = None,
+    candidates: Annotated[int, typer.Option(help="time the planner's N best tilings against each other and keep "
+                                                 "the fastest verified one (host; 1: its pick)")] = 1,
 ):
     """Solve the tiling model, build, verify, measure and record one kernel (AscendC targets:
     render the op project, verify it in the emulator and estimate its cycles)."""
-    from .agent import check_fits_in_memory, tune_problem
+    from .agent import check_candidates, check_fits_in_memory, tune_problem
     from .db import TuningDB
     from .hardware import load_profile
     from .ops import get_op
@@ -106,6 +108,7 @@ def tune(
     check_fits_in_memory(spec, problem)
     _check_solver(solver)
     hw = load_profile(target)
+    check_candidates(candidates, target, target_for(hw).kind)
     if out_dir is not None and not target_for(hw).writes_projects:
         raise UserError(f"--out writes an AscendC op project: target {target!r} has none to write "
                         "(host kernels are built into the cache; `aurakernel show` lists them)")
@@ -116,7 +119,8 @@ def tune(
     hw = load_profile(target)   # with the calibration just taken, if this was the first run
     with err.status(f"tuning {op}..."):
         result = tune_problem(spec, problem, hw, target=target, solver=solver, db=tuning_db,
-                              with_compiled=compiled, out_dir=Path(out_dir) if out_dir is not None else None)
+                              with_compiled=compiled, out_dir=Path(out_dir) if out_dir is not None else None,
+                              candidates=candidates)
     if as_json:
         print(json.dumps(result.to_json(), default=str))
     else:
@@ -192,6 +196,8 @@ def autotune(
                                                         "(its config.json replaces the model section)")] = None,
     seq_len: Annotated[int | None, typer.Option("--seq-len", min=1, help="tokens per sequence of the profiled "
                                                                           "steps (default: data.seq_len)")] = None,
+    candidates: Annotated[int, typer.Option(help="time the planner's N best tilings against each other and keep "
+                                                 "the fastest verified one (host; 1: its pick)")] = 1,
 ):
     """Profile a few training steps, rank op groups, tune what can be tuned, write a kernel plan.
     For an Ascend target (--target ascend910b2 ...): --out is a directory that receives one
@@ -200,6 +206,7 @@ def autotune(
     from trainer.train import workload
 
     from .agent import autotune as run_autotune
+    from .agent import check_candidates
     from .db import TuningDB
     from .hardware import load_profile
     from .paths import check_writable, default_db_path
@@ -211,6 +218,7 @@ def autotune(
     if seq_len is not None:
         cfg.data.seq_len = seq_len
     tgt = target_for(load_profile(target))   # unknown targets: one line naming the accepted ones
+    check_candidates(candidates, target, tgt.kind)
     if tgt.writes_projects:   # a folder of op projects (AscendC), not a plan file
         out_path = "ascend_projects" if out_path == "plan.json" else out_path
     _check_solver(solver)   # every option and output path before the profile and the tuning, not after
@@ -221,7 +229,7 @@ def autotune(
     _ensure_calibrated("host")   # the profile runs on this machine
     with err.status("autotune...") as status:
         result = run_autotune(workload(cfg), target=target, solver=solver, db=tuning_db, with_compiled=compiled,
-                              out_dir=out_path if tgt.writes_projects else None,
+                              out_dir=out_path if tgt.writes_projects else None, candidates=candidates,
                               progress=lambda msg: status.update(f"autotune: {escape(msg)}"))
     if chart:
         result.profile.save_chart(chart)

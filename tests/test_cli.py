@@ -216,6 +216,10 @@ def _read_only(monkeypatch, path):
     (["tune", "rms_norm", "--db", "{tmp}/afile/t.sqlite"], "--db {tmp}/afile/t.sqlite: cannot be written "
                                                             "({tmp}/afile is not a writable directory)"),
     (["tune", "rms_norm", "--db", "{tmp}/ro.sqlite"], "--db {tmp}/ro.sqlite: is read-only"),
+    (["tune", "rms_norm", "--candidates", "0"], "--candidates 0: accepted is 1 (the planner's pick) to 16"),
+    (["tune", "rms_norm", "--target", "ascend910b2", "--candidates", "3"],
+     "--candidates 3: tilings are timed against each other on the host target"),
+    (["autotune", "--candidates", "17"], "--candidates 17: accepted is 1"),
     (["autotune", "--solver", "gurobi"], "unknown solver 'gurobi'"),
     (["autotune", "--out", "{tmp}/afile/plan.json"], "--out {tmp}/afile/plan.json: cannot be written"),
     (["autotune", "--out", "{tmp}"], "--out {tmp}: is a directory (expected a file path)"),

@@ -32,28 +32,22 @@ as it is): `aurakernel calibrate --fit` then fits the cost model to a space, not
 
 from __future__ import annotations
 
-import copy
 import math
 import random
 import sqlite3
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from .. import __version__
 from ..db import Record, TuningDB
 from ..dtypes import shape_text
-from ..errors import BuildError, UserError
+from ..errors import UserError
 from ..hardware import HardwareProfile, host_profile
-from ..measure import compare
 from ..ops import OPS, OpSpec, Problem
 from ..planner import solve_tiling
 from ..planner.fit import feasible_choices
-from ..patch.base import Patch
-from ..patch.deepseek_v4 import patch_of
-from ..targets.host.build import build_kernel
+from ..targets.host.candidates import Candidate, build_and_verify, time_side_by_side
 from ..targets.host.ops import kernel_of as host_kernel
-from ..targets.host.target import verify
 from .kernels import machine_info
 
 SCHEMA = 1
@@ -93,54 +87,6 @@ def problems(ops: list[str] | None = None, shapes_per_op: int = SHAPES_PER_OP) -
     return out
 
 
-@dataclass
-class Candidate:
-    knobs: dict[str, int]
-    predicted_us: float
-    source_hash: str | None = None
-    build_s: float = 0.0
-    verify_s: float = 0.0
-    verification: str = ""
-    failed: str | None = None          # why it does not count (build or verification failure)
-    us: float | None = None
-
-
-def _timing_steps(spec: OpSpec, problem: Problem, hashes: dict[str, str]) -> dict[str, Callable[[], object]]:
-    """Fwd + bwd through the operator's module patched with each kernel: the path Patch.timing_candidates
-    times for `tune`, with one set of inputs shared by every candidate (the space can be large).
-    An operator that is not a module (adamw: an optimizer step) times through its own
-    timing_candidates, one kernel at a time."""
-    patch = patch_of(spec)
-    if type(patch).timing_candidates is not Patch.timing_candidates:
-        return {name: patch.timing_candidates(problem, h, with_compiled=False)[0]["aurakernel"]
-                for name, h in hashes.items()}
-    module, step_of = spec.module_steps(problem)
-    steps = {}
-    for name, h in hashes.items():
-        ours = copy.deepcopy(module)
-        patch.patch(ours, lambda key, dtype, h=h: h)
-        steps[name] = step_of(ours)
-    return steps
-
-
-def _build_and_verify(spec: OpSpec, problem: Problem, cand: Candidate, hw: HardwareProfile) -> None:
-    t0 = time.perf_counter()
-    try:
-        kernel = build_kernel(spec, problem, cand.knobs)
-        cases = [(p, build_kernel(spec, p, cand.knobs))
-                 for p in host_kernel(spec).verification_problems(problem, cand.knobs, max(hw.simd_bytes // 4, 1))]
-    except BuildError as exc:
-        cand.build_s, cand.failed = time.perf_counter() - t0, f"build failed: {str(exc).splitlines()[0]}"
-        return
-    cand.source_hash = kernel.source_hash
-    t1 = time.perf_counter()
-    result = verify(spec, cases)
-    cand.build_s, cand.verify_s = t1 - t0, time.perf_counter() - t1
-    cand.verification = result.summary
-    if not result.passed:
-        cand.failed = result.summary
-
-
 def _sample(space: list[dict[str, int]], pick: dict[str, int], k: int, seed: str) -> list[dict[str, int]]:
     """The pick first, then up to k - 1 others drawn uniformly without replacement."""
     others = [c for c in space if c != pick]
@@ -166,7 +112,7 @@ def _record(db: TuningDB, problem: Problem, hw: HardwareProfile, cand: Candidate
                   target="host", source_hash=cand.source_hash, hardware=hw.fingerprint(),
                   plan={"knobs": cand.knobs, "predicted_us": cand.predicted_us}, predicted_us=cand.predicted_us,
                   measured_us=cand.us, eager_us=None, compiled_us=None, verified=True, status="measured",
-                  detail={"source": "bench search-quality", "verification": cand.verification}))
+                  detail={"source": "bench search-quality", "verification": cand.summary}))
 
 
 def problem_row(problem: Problem, hw: HardwareProfile, max_candidates: int = MAX_CANDIDATES, seed: int = 0,
@@ -185,7 +131,7 @@ def problem_row(problem: Problem, hw: HardwareProfile, max_candidates: int = MAX
     for i, cand in enumerate(cands):
         if progress:
             progress(f"{problem.describe()}: build + verify {i + 1}/{len(cands)}")
-        _build_and_verify(spec, problem, cand, hw)
+        build_and_verify(spec, problem, cand, hw)
     good = [c for c in cands if c.failed is None]
     measure_s = 0.0
     noise = None
@@ -197,13 +143,12 @@ def problem_row(problem: Problem, hw: HardwareProfile, max_candidates: int = MAX
         if pick_ok:   # the pick again under a second name: the run's own spread for one kernel
             hashes["pick-again"] = cands[0].source_hash
         t1 = time.perf_counter()
-        timings = compare(_timing_steps(spec, problem, hashes), threads=hw.cores,
-                          budget_s=max(3.0, 0.3 * len(hashes)))
+        timings = time_side_by_side(spec, problem, hashes, hw.cores)
         measure_s = time.perf_counter() - t1
         for i, c in enumerate(good):
-            c.us = timings[str(i)].us
+            c.us = timings[str(i)]
         if pick_ok:
-            a, b = timings["0"].us, timings["pick-again"].us
+            a, b = timings["0"], timings["pick-again"]
             noise = max(a, b) / min(a, b)
         if db is not None:
             for c in good:

@@ -32,9 +32,11 @@ class Target(Protocol):
 
     def tune(self, spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, solver: str,
              with_compiled: bool, with_compiled_kernel: bool = False, out_dir: Path | None = None,
-             with_memory: bool = False) -> TuneResult:
+             with_memory: bool = False, candidates: int = 1) -> TuneResult:
         """Plan, render, build, verify and measure (or estimate) one problem; with_memory, each
-        measured candidate's peak memory too (TuneResult.peak_bytes)."""
+        measured candidate's peak memory too (TuneResult.peak_bytes); candidates > 1, the planner's
+        that many best tilings timed side by side, the fastest verified one kept (host only:
+        agent.check_candidates)."""
 
     def predicted_us(self, spec: OpSpec, problem: Problem, hw: HardwareProfile) -> float:
         """The planner's forward + backward time of the problem's kernel (no build, no run)."""

@@ -269,7 +269,8 @@ class AscendTarget:
 
     def tune(self, spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, solver: str,
              with_compiled: bool = False, with_compiled_kernel: bool = False, out_dir: Path | None = None,
-             with_memory: bool = False) -> TuneResult:   # (emulated: no host memory to measure)
+             with_memory: bool = False, candidates: int = 1) -> TuneResult:
+        # (emulated: no host memory to measure, no tilings to time against each other: agent.check_candidates)
         return tune(spec, problem, hw, target=target, solver=solver, out_dir=out_dir)
 
 

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
-
-import torch
 
 from ...errors import BuildError
 from ...hardware import HardwareProfile
@@ -12,38 +11,12 @@ from ...measure import compare, peak_allocated_bytes
 from ...ops.base import OpSpec, Problem
 from ...patch.deepseek_v4 import patch_of
 from ...planner import Plan, solve_tiling
-from ...verify import SEEDS, Verification, check_case
 from ..result import TuneResult
 from .build import build_kernel
+from .candidates import best_of_model, build_and_verify, knobs_text, time_side_by_side, verify
 from .kernel import KERNELS
 from .library import Kernel
 from .ops import kernel_of
-
-
-def _run_host(spec: OpSpec, problem: Problem, kernel: Kernel):
-    """The host kernel on poisoned outputs and gradients (NaN, or an impossible integer)."""
-    impl = kernel_of(spec)
-    def run(inputs, grad_out):
-        outputs = impl.empty_outputs(problem, inputs)
-        for t in outputs.values():
-            t.fill_(float("nan") if t.is_floating_point() else torch.iinfo(t.dtype).min)
-        impl.run_forward(kernel, inputs, outputs)
-        diff = spec.differentiable(problem)
-        grads = {k: torch.full(inputs[k].shape, float("nan"), dtype=inputs[k].dtype) for k in diff}
-        if diff:  # an operator without gradients (the optimizer update) has no backward
-            impl.run_backward(kernel, inputs, outputs, grad_out, grads)
-        return outputs, grads, None
-    return run
-
-
-def verify(spec: OpSpec, cases: list[tuple[Problem, Kernel]], seeds=SEEDS) -> Verification:
-    """Check each (problem, kernel) case on every seed; all must pass."""
-    result = Verification(passed=True)
-    for problem, kernel in cases:
-        for seed in seeds:
-            result.checks.extend(check_case(spec, problem, seed, _run_host(spec, problem, kernel)))
-    result.passed = all(c.passed for c in result.checks)
-    return result
 
 
 def measure_problem(spec: OpSpec, problem: Problem, kernel_hash: str, *, with_compiled: bool,
@@ -56,6 +29,39 @@ def measure_problem(spec: OpSpec, problem: Problem, kernel_hash: str, *, with_co
     timings = compare(candidates, threads=threads)
     peaks = {name: peak_allocated_bytes(fn) for name, fn in candidates.items()} if with_memory else {}
     return {name: t.us for name, t in timings.items()}, notes, peaks
+
+
+def _fastest_of_the_best(spec: OpSpec, problem: Problem, hw: HardwareProfile, result: TuneResult, kernel: Kernel,
+                         n: int) -> Kernel:
+    """The planner's n best tilings (its pick first, already verified) built, verified and timed side
+    by side; the fastest verified one becomes the result's plan and kernel. A candidate that fails to
+    build or verify is left out and named in the result's reasons, as are the others' times."""
+    model = kernel_of(spec).tiling_problem(problem, hw)
+    pick = {k: result.plan.knobs[k] for k in model.domains}
+    cands = best_of_model(model, pick, n)
+    cands[0].source_hash, cands[0].verification = kernel.source_hash, result.verification
+    for cand in cands[1:]:
+        build_and_verify(spec, problem, cand, hw)
+    good = [c for c in cands if c.failed is None]
+    if len(good) > 1:
+        times = time_side_by_side(spec, problem, {str(i): c.source_hash for i, c in enumerate(good)}, hw.cores)
+        for i, c in enumerate(good):
+            c.us = times[str(i)]
+    best = min(good, key=lambda c: c.us if c.us is not None else 0.0)   # the pick alone: not timed
+    result.reasons.append(f"timed the planner's {len(cands)} best tilings: " + "; ".join(
+        f"{knobs_text(c.knobs)}: " + (c.failed or (f"{c.us:.0f} us" if c.us is not None else "the only one verified"))
+        for c in cands))
+    if best is not cands[0]:
+        objective, detail = model.evaluate(best.knobs)
+        result.plan = dataclasses.replace(
+            result.plan, knobs=dict(sorted({**result.plan.knobs, **best.knobs}.items())), predicted_us=objective * 1e6,
+            pipes_us={ph: {p: v * 1e6 for p, v in pipes.items()} for ph, pipes in detail.items()},
+            binding_constraint=f"measured: the fastest of the planner's {len(cands)} best (its pick, "
+                               f"{knobs_text(pick)}, ran {cands[0].us / best.us:.2f}x slower)")
+        result.verification = best.verification
+        kernel = build_kernel(spec, problem, best.knobs)
+    result.source_hash = kernel.source_hash
+    return kernel
 
 
 class HostTarget:
@@ -81,7 +87,7 @@ class HostTarget:
 
     def tune(self, spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, solver: str,
              with_compiled: bool, with_compiled_kernel: bool = False, out_dir: Path | None = None,
-             with_memory: bool = False) -> TuneResult:
+             with_memory: bool = False, candidates: int = 1) -> TuneResult:
         plan = self.plan(spec, problem, hw, target=target, solver=solver)
         result = TuneResult(problem, target, plan, None, None)
         try:
@@ -97,6 +103,8 @@ class HostTarget:
         if not result.verification.passed:
             result.status, result.reasons = "verify_failed", [result.verification.summary]
             return result
+        if candidates > 1:
+            kernel = _fastest_of_the_best(spec, problem, hw, result, kernel, candidates)
         times, notes, result.peak_bytes = measure_problem(
             spec, problem, kernel.source_hash, with_compiled=with_compiled, threads=hw.cores,
             with_compiled_kernel=with_compiled_kernel, with_memory=with_memory)

@@ -1,0 +1,73 @@
+"""`tune --candidates N` on the host: the planner's N best tilings built, verified and timed side by
+side; the fastest verified one is kept, recorded and swapped, never one that failed verification."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from aurakernel import agent
+from aurakernel.db import TuningDB
+from aurakernel.hardware import host_profile
+from aurakernel.ops import OPS
+from aurakernel.targets.host import target as host_target
+from aurakernel.targets.host.build import build_kernel
+from aurakernel.targets.host.candidates import best_of_model
+from aurakernel.targets.host.ops import kernel_of
+
+SPEC = OPS["rms_norm"]
+PROBLEM = SPEC.problem("256x1024", "bf16", "weighted")
+
+
+def _ranked(n):
+    hw = host_profile()
+    model = kernel_of(SPEC).tiling_problem(PROBLEM, hw)
+    pick = {k: host_target.TARGET.plan(SPEC, PROBLEM, hw, target="host").knobs[k] for k in model.domains}
+    return best_of_model(model, pick, n)
+
+
+def _tune(tmp_path, monkeypatch, fake_us, fail=None):
+    """tune_problem with 3 candidates; the side-by-side times are `fake_us` (in the model's order) and
+    candidate `fail` (an index) fails its verification."""
+    real = host_target.build_and_verify
+
+    def build_and_verify(spec, problem, cand, hw):
+        real(spec, problem, cand, hw)
+        if fail is not None and cand.knobs == _ranked(3)[fail].knobs:
+            cand.failed = "FAILED 1/6 checks; first: y outside tolerance"
+            cand.verification.passed = False
+
+    monkeypatch.setattr(host_target, "build_and_verify", build_and_verify)
+    us_of = {build_kernel(SPEC, PROBLEM, c.knobs).source_hash: us for c, us in zip(_ranked(3), fake_us)}
+    monkeypatch.setattr(host_target, "time_side_by_side",
+                        lambda spec, problem, hashes, threads: {k: us_of[h] for k, h in hashes.items()})
+    return agent.tune_problem(SPEC, PROBLEM, host_profile(), target="host", solver="highs",
+                              db=TuningDB(tmp_path / "t.sqlite"), with_compiled=False, candidates=3)
+
+
+def test_the_fastest_of_the_planners_best_is_kept_and_recorded(tmp_path, monkeypatch):
+    ranked = _ranked(3)
+    assert len({tuple(c.knobs.items()) for c in ranked}) == 3
+    assert [c.predicted_us for c in ranked] == sorted(c.predicted_us for c in ranked)   # the pick first
+    result = _tune(tmp_path, monkeypatch, fake_us=[30.0, 20.0, 10.0])
+    assert result.status == "ok" and result.verified
+    third = ranked[2].knobs
+    assert {k: result.plan.knobs[k] for k in third} == third
+    assert result.source_hash == build_kernel(SPEC, PROBLEM, third).source_hash
+    assert result.plan.binding_constraint.startswith("measured: the fastest of the planner's 3 best")
+    assert result.plan.predicted_us == pytest.approx(ranked[2].predicted_us)
+    assert any(r.startswith("timed the planner's 3 best tilings") and "10 us" in r for r in result.reasons)
+    best = TuningDB(tmp_path / "t.sqlite").best("rms_norm", "weighted", PROBLEM.shape_text, "bf16", "host")
+    assert best is not None and json.loads(best["plan"])["knobs"] == result.plan.knobs
+
+
+def test_the_pick_stays_when_it_is_fastest_and_a_failed_candidate_is_never_kept(tmp_path, monkeypatch):
+    ranked = _ranked(3)
+    result = _tune(tmp_path, monkeypatch, fake_us=[15.0, 1.0, 20.0], fail=1)   # the "fastest" failed
+    assert result.status == "ok" and result.verified
+    assert {k: result.plan.knobs[k] for k in ranked[0].knobs} == ranked[0].knobs
+    assert result.source_hash == build_kernel(SPEC, PROBLEM, ranked[0].knobs).source_hash
+    assert not result.plan.binding_constraint.startswith("measured")
+    line = next(r for r in result.reasons if r.startswith("timed the planner's 3 best tilings"))
+    assert "FAILED 1/6 checks" in line and "15 us" in line and "20 us" in line
