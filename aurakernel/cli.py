@@ -72,6 +72,10 @@ def _ensure_calibrated(target: str) -> None:
             _calibrate()
 
 
+CANDIDATES_HELP = ("time the planner's N best tilings against each other and keep the fastest verified one "
+                   "(host; 1: its pick)")
+
+
 def _check_solver(solver: str) -> None:
     from .planner.model import SOLVERS
     if solver not in SOLVERS:
@@ -91,8 +95,7 @@ def tune(
     compiled: Annotated[bool, typer.Option("--compiled/--no-compiled", help="also time torch.compile")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
     out_dir: Annotated[str | None, typer.Option("--out", help="AscendC targets: write the op project here")] = None,
-    candidates: Annotated[int, typer.Option(help="time the planner's N best tilings against each other and keep "
-                                                 "the fastest verified one (host; 1: its pick)")] = 1,
+    candidates: Annotated[int, typer.Option(help=CANDIDATES_HELP)] = 1,
 ):
     """Solve the tiling model, build, verify, measure and record one kernel (AscendC targets:
     render the op project, verify it in the emulator and estimate its cycles)."""
@@ -196,8 +199,7 @@ def autotune(
                                                         "(its config.json replaces the model section)")] = None,
     seq_len: Annotated[int | None, typer.Option("--seq-len", min=1, help="tokens per sequence of the profiled "
                                                                           "steps (default: data.seq_len)")] = None,
-    candidates: Annotated[int, typer.Option(help="time the planner's N best tilings against each other and keep "
-                                                 "the fastest verified one (host; 1: its pick)")] = 1,
+    candidates: Annotated[int, typer.Option(help=CANDIDATES_HELP)] = 1,
 ):
     """Profile a few training steps, rank op groups, tune what can be tuned, write a kernel plan.
     For an Ascend target (--target ascend910b2 ...): --out is a directory that receives one
