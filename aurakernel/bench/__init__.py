@@ -38,7 +38,7 @@ from .report import (README_END, README_START, load_result, markdown, plots, roo
                      write_outputs)
 
 __all__ = ["KERNEL_KEYS", "QUICK_OPS", "README_END", "README_START", "SCHEMA", "TRAIN_STEP", "TrainStepResult",
-           "baseline_path", "bench_problems", "combine", "comparable", "geomean", "kernel_key", "kernel_name", "kernel_row",
-           "load_baseline", "load_result", "machine_info", "machine_slug", "markdown", "plots", "regressions", "roofline_points", "remeasure_regressed", "run_suite",
-           "slower", "summarize", "total_steps", "train_step_compare", "unverified", "update_readme", "versions",
-           "write_outputs"]
+           "baseline_path", "bench_problems", "combine", "comparable", "geomean", "kernel_key", "kernel_name",
+           "kernel_row", "load_baseline", "load_result", "machine_info", "machine_slug", "markdown", "plots",
+           "regressions", "roofline_points", "remeasure_regressed", "run_suite", "slower", "summarize", "total_steps",
+           "train_step_compare", "unverified", "update_readme", "versions", "write_outputs"]

@@ -13,6 +13,7 @@ from ..db import TuningDB
 from ..hardware import load_profile
 from ..ops import OPS
 from .kernels import kernel_key, kernel_row, summarize, train_step_compare
+from .report import load_result
 
 
 def comparable(current: dict, baseline: dict) -> str | None:
@@ -42,7 +43,6 @@ def load_baseline(path: Path, machine: dict) -> tuple[dict | None, str | None]:
     """(baseline, None), or (None, why there is none to compare with): a directory that has no file
     for this machine is not an error (a new kind of CI machine still runs its gate on verification);
     a named file that is missing or broken is (load_result's one-line UserError)."""
-    from .report import load_result
     chosen = baseline_path(path, machine)
     if path.is_dir() and not chosen.is_file():
         recorded = sorted(p.stem for p in path.glob("*.json")) or ["none"]

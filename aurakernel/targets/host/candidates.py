@@ -35,6 +35,7 @@ class Candidate:
     verify_s: float = 0.0
     verification: Verification | None = None
     failed: str | None = None          # why it does not count (build or verification failure)
+    build_error: str | None = None     # the compiler's message, when the build failed
     us: float | None = None
 
     @property
@@ -46,10 +47,10 @@ def knobs_text(knobs: dict[str, int]) -> str:
     return ", ".join(f"{k}={v}" for k, v in knobs.items())
 
 
-def best_of_model(model: ChoiceModel, pick: dict[str, int], n: int) -> list[Candidate]:
-    """The pick, then the model's next n - 1 feasible tilings by predicted time (ties in domain order)."""
+def runners_up(model: ChoiceModel, pick: dict[str, int], n: int) -> list[Candidate]:
+    """The model's n best feasible tilings after the pick, by predicted time (ties in domain order)."""
     others = sorted((c for c in feasible_choices(model) if c != pick), key=lambda c: model.evaluate(c)[0])
-    return [Candidate(c, model.evaluate(c)[0] * 1e6) for c in [pick, *others[:n - 1]]]
+    return [Candidate(c, model.evaluate(c)[0] * 1e6) for c in others[:n]]
 
 
 def _run_host(spec: OpSpec, problem: Problem, kernel: Kernel):
@@ -83,13 +84,13 @@ def build_and_verify(spec: OpSpec, problem: Problem, cand: Candidate, hw: Hardwa
     on the candidate (it never counts as the fastest)."""
     t0 = time.perf_counter()
     try:
-        kernel = build_kernel(spec, problem, cand.knobs)
+        cand.source_hash = build_kernel(spec, problem, cand.knobs).source_hash
         cases = [(p, build_kernel(spec, p, cand.knobs))
                  for p in kernel_of(spec).verification_problems(problem, cand.knobs, max(hw.simd_bytes // 4, 1))]
     except BuildError as exc:
-        cand.build_s, cand.failed = time.perf_counter() - t0, f"build failed: {str(exc).splitlines()[0]}"
+        cand.build_s, cand.build_error = time.perf_counter() - t0, str(exc)
+        cand.failed = f"build failed: {cand.build_error.splitlines()[0]}"
         return
-    cand.source_hash = kernel.source_hash
     t1 = time.perf_counter()
     cand.verification = verify(spec, cases)
     cand.build_s, cand.verify_s = t1 - t0, time.perf_counter() - t1

@@ -5,17 +5,14 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from ...errors import BuildError
 from ...hardware import HardwareProfile
 from ...measure import compare, peak_allocated_bytes
 from ...ops.base import OpSpec, Problem
 from ...patch.deepseek_v4 import patch_of
 from ...planner import Plan, solve_tiling
 from ..result import TuneResult
-from .build import build_kernel
-from .candidates import best_of_model, build_and_verify, knobs_text, time_side_by_side, verify
+from .candidates import Candidate, build_and_verify, knobs_text, runners_up, time_side_by_side, verify
 from .kernel import KERNELS
-from .library import Kernel
 from .ops import kernel_of
 
 
@@ -31,15 +28,13 @@ def measure_problem(spec: OpSpec, problem: Problem, kernel_hash: str, *, with_co
     return {name: t.us for name, t in timings.items()}, notes, peaks
 
 
-def _fastest_of_the_best(spec: OpSpec, problem: Problem, hw: HardwareProfile, result: TuneResult, kernel: Kernel,
-                         n: int) -> Kernel:
-    """The planner's n best tilings (its pick first, already verified) built, verified and timed side
+def _fastest_of_the_best(spec: OpSpec, problem: Problem, hw: HardwareProfile, result: TuneResult, pick: Candidate,
+                         n: int) -> None:
+    """The planner's pick (built and verified) and its n - 1 runners-up built, verified and timed side
     by side; the fastest verified one becomes the result's plan and kernel. A candidate that fails to
     build or verify is left out and named in the result's reasons, as are the others' times."""
     model = kernel_of(spec).tiling_problem(problem, hw)
-    pick = {k: result.plan.knobs[k] for k in model.domains}
-    cands = best_of_model(model, pick, n)
-    cands[0].source_hash, cands[0].verification = kernel.source_hash, result.verification
+    cands = [pick, *runners_up(model, pick.knobs, n - 1)]
     for cand in cands[1:]:
         build_and_verify(spec, problem, cand, hw)
     good = [c for c in cands if c.failed is None]
@@ -51,17 +46,14 @@ def _fastest_of_the_best(spec: OpSpec, problem: Problem, hw: HardwareProfile, re
     result.reasons.append(f"timed the planner's {len(cands)} best tilings: " + "; ".join(
         f"{knobs_text(c.knobs)}: " + (c.failed or (f"{c.us:.0f} us" if c.us is not None else "the only one verified"))
         for c in cands))
-    if best is not cands[0]:
+    if best is not pick:
         objective, detail = model.evaluate(best.knobs)
         result.plan = dataclasses.replace(
             result.plan, knobs=dict(sorted({**result.plan.knobs, **best.knobs}.items())), predicted_us=objective * 1e6,
             pipes_us={ph: {p: v * 1e6 for p, v in pipes.items()} for ph, pipes in detail.items()},
             binding_constraint=f"measured: the fastest of the planner's {len(cands)} best (its pick, "
-                               f"{knobs_text(pick)}, ran {cands[0].us / best.us:.2f}x slower)")
-        result.verification = best.verification
-        kernel = build_kernel(spec, problem, best.knobs)
-    result.source_hash = kernel.source_hash
-    return kernel
+                               f"{knobs_text(pick.knobs)}, ran {pick.us / best.us:.2f}x slower)")
+        result.source_hash, result.verification = best.source_hash, best.verification
 
 
 class HostTarget:
@@ -90,23 +82,20 @@ class HostTarget:
              with_memory: bool = False, candidates: int = 1) -> TuneResult:
         plan = self.plan(spec, problem, hw, target=target, solver=solver)
         result = TuneResult(problem, target, plan, None, None)
-        try:
-            kernel = build_kernel(spec, problem, plan.knobs)
-            result.source_hash = kernel.source_hash
-            cases = [(p, build_kernel(spec, p, plan.knobs))
-                     for p in kernel_of(spec).verification_problems(problem, plan.knobs, max(hw.simd_bytes // 4, 1))]
-        except BuildError as exc:
-            result.status, result.reasons = "build_failed", [str(exc).splitlines()[0]]
-            result.build_error = str(exc)[-2000:]
+        pick = Candidate(dict(plan.knobs), plan.predicted_us)
+        build_and_verify(spec, problem, pick, hw)
+        result.source_hash, result.verification = pick.source_hash, pick.verification
+        if pick.build_error is not None:
+            result.status, result.reasons = "build_failed", [pick.build_error.splitlines()[0]]
+            result.build_error = pick.build_error[-2000:]
             return result
-        result.verification = verify(spec, cases)
-        if not result.verification.passed:
-            result.status, result.reasons = "verify_failed", [result.verification.summary]
+        if not pick.verification.passed:
+            result.status, result.reasons = "verify_failed", [pick.verification.summary]
             return result
         if candidates > 1:
-            kernel = _fastest_of_the_best(spec, problem, hw, result, kernel, candidates)
+            _fastest_of_the_best(spec, problem, hw, result, pick, candidates)
         times, notes, result.peak_bytes = measure_problem(
-            spec, problem, kernel.source_hash, with_compiled=with_compiled, threads=hw.cores,
+            spec, problem, result.source_hash, with_compiled=with_compiled, threads=hw.cores,
             with_compiled_kernel=with_compiled_kernel, with_memory=with_memory)
         result.measured_us = times["aurakernel"]
         result.eager_us = times["eager"]
