@@ -1,5 +1,10 @@
 """Measure this machine: streaming bandwidth per thread count, call and fork overheads, matmul peak.
 
+Two streaming rates: a copy to fresh memory (STREAM's convention, read + write counted; the write's
+read-for-ownership is paid but not counted), which the cost model and the roofline use, and an
+update in place (the same two streams, no read-for-ownership), the floor of kernels that write back
+where they read, such as AdamW's (`Work.in_place_bytes`).
+
 The figures overlay the host profile (hardware.host_profile) and feed the cost model and the MFU.
 They are cached per machine in the user's cache dir; `aurakernel calibrate` refreshes them, and
 `aurakernel calibrate --fit` fits the cost model's coefficients to measurements (planner/fit.py).
@@ -26,6 +31,7 @@ from .targets.host.library import Entry, compile_source
 _ENTRIES = {
     "noop": Entry("ak_noop", ()),
     "stream": Entry("ak_stream", ("ptr", "ptr", "i64", "i64", "ptr")),
+    "inplace": Entry("ak_stream_inplace", ("ptr", "i64", "i64", "ptr")),
     "fork": Entry("ak_fork", ("i64", "ptr")),
 }
 
@@ -54,21 +60,36 @@ def _stream_runs(threads: int, mbytes: int = 256) -> list[float]:
     return runs
 
 
+def _inplace_runs(threads: int, mbytes: int = 256) -> list[float]:
+    """GB/s (read + write counted) of each of 5 repeats of an in-place update of `mbytes` on `threads`
+    threads: the rate of kernels that write back where they read (AdamW), which pay no
+    read-for-ownership. The copy above pays it uncounted, so this is the higher figure."""
+    n = mbytes * 2**20 // 4
+    a = torch.ones(n)
+    k = _probe(threads)
+    out = torch.zeros(1, dtype=torch.float64)
+    runs = []
+    for _ in range(5):
+        k.call("inplace", a, n, 2, out)
+        runs.append(2 * n * 4 / float(out) / 1e9)
+    return runs
+
+
 def stream_gbps(threads: int, mbytes: int = 256) -> float:
     return statistics.median(_stream_runs(threads, mbytes))
 
 
-def implausible(stream_runs: dict[int, list[float]]) -> list[str]:
+def implausible(stream_runs: dict[int, list[float]], probe: str = "stream") -> list[str]:
     """What makes a set of stream measurements (threads -> repeats, GB/s) untrustworthy: more
     threads slower than fewer, or repeats that spread apart (another process competing)."""
     problems = []
     medians = {t: statistics.median(r) for t, r in sorted(stream_runs.items())}
     for t, runs in sorted(stream_runs.items()):
         if min(runs) > 0 and max(runs) / min(runs) > SPREAD_LIMIT:
-            problems.append(f"stream on {t} thread(s): repeats spread {max(runs) / min(runs):.1f}x "
+            problems.append(f"{probe} on {t} thread(s): repeats spread {max(runs) / min(runs):.1f}x "
                             f"({min(runs):.1f} to {max(runs):.1f} GB/s)")
         if t - 1 in medians and medians[t] < THREAD_SLOWDOWN * medians[t - 1]:
-            problems.append(f"stream on {t} threads ({medians[t]:.1f} GB/s) is slower than on {t - 1} "
+            problems.append(f"{probe} on {t} threads ({medians[t]:.1f} GB/s) is slower than on {t - 1} "
                             f"({medians[t - 1]:.1f} GB/s)")
     return problems
 
@@ -140,15 +161,19 @@ def calibrate(progress=None, attempts: int = 3) -> dict:
     torch.set_num_threads(cores)
     cal = {"stream_gbps": {}, "call_overhead_us": 0.0, "fork_overhead_us": 0.0, "peak_tflops": {}}
     for attempt in range(attempts):
-        runs = {}
+        runs, in_place = {}, {}
         for t in range(1, cores + 1):
             if progress:
                 progress(f"stream {t}" + (f" (again: attempt {attempt + 1})" if attempt else ""))
             runs[t] = _stream_runs(t)
-        warnings = implausible(runs)
+            if progress:
+                progress(f"stream in place {t}")
+            in_place[t] = _inplace_runs(t)
+        warnings = implausible(runs) + implausible(in_place, "stream in place")
         if not warnings:
             break
     cal["stream_gbps"] = {str(t): round(statistics.median(r), 3) for t, r in runs.items()}
+    cal["inplace_gbps"] = {str(t): round(statistics.median(r), 3) for t, r in in_place.items()}
     if progress:
         progress(f"fork {cores}")
     cal["fork_overhead_us"] = round(fork_overhead_us(cores), 3)

@@ -511,6 +511,8 @@ def calibrate(
     t = Table(title=f"host calibration ({cal['path']})", show_header=False)
     for k, v in cal["stream_gbps"].items():
         t.add_row(f"stream bandwidth, {k} thread(s)", f"{v:.2f} GB/s")
+    for k, v in cal["inplace_gbps"].items():
+        t.add_row(f"in-place update bandwidth, {k} thread(s)", f"{v:.2f} GB/s")
     t.add_row("call overhead", f"{cal['call_overhead_us']:.2f} us")
     t.add_row("fork/join overhead", f"{cal['fork_overhead_us']:.2f} us")
     for k, v in cal["peak_tflops"].items():

@@ -67,19 +67,24 @@ class HardwareProfile:
     costmodel: dict[str, float]
     calibrated: bool = False
     extra: dict = field(default_factory=dict)  # target-specific figures (Ascend: pipes, UB reserve...)
+    # threads -> GB/s of an update in place (read + write, no read-for-ownership); {}: not measured
+    inplace_gbps: dict[int, float] = field(default_factory=dict)
 
     def stream_bandwidth(self, threads: int) -> float:
-        """Bytes per second when `threads` threads stream; interpolates between measured counts."""
-        known = sorted(self.stream_gbps)
-        if threads in self.stream_gbps:
-            return self.stream_gbps[threads] * 1e9
-        below = max([t for t in known if t <= threads], default=known[0])
-        return self.stream_gbps[below] * 1e9
+        """Bytes per second when `threads` threads stream (a copy to fresh memory, counted as STREAM
+        counts it: read + write); the nearest measured thread count at or below `threads`."""
+        return _at_threads(self.stream_gbps, threads) * 1e9
+
+    def inplace_bandwidth(self, threads: int) -> float:
+        """Bytes per second of an update in place on `threads` threads: the copy's rate where it was
+        not measured (a calibration from before it was), which understates it."""
+        return _at_threads(self.inplace_gbps, threads) * 1e9 if self.inplace_gbps else self.stream_bandwidth(threads)
 
     def with_calibration(self, cal: dict) -> HardwareProfile:
         return dataclasses.replace(
             self,
             stream_gbps={int(k): float(v) for k, v in cal["stream_gbps"].items()},
+            inplace_gbps={int(k): float(v) for k, v in cal.get("inplace_gbps", {}).items()},
             call_overhead_us=float(cal["call_overhead_us"]),
             fork_overhead_us=float(cal["fork_overhead_us"]),
             peak_tflops={k: float(v) for k, v in cal["peak_tflops"].items()},
@@ -114,6 +119,11 @@ class HardwareProfile:
         """Content hash of everything a plan depends on: plans are cached under it."""
         blob = json.dumps(dataclasses.asdict(self), sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _at_threads(gbps: dict[int, float], threads: int) -> float:
+    below = [t for t in gbps if t <= threads]
+    return gbps[max(below) if below else min(gbps)]
 
 
 _REQUIRED_KEYS = ("name", "kind", "cores", "clock_ghz", "simd_bytes", "memory", "stream_gbps", "call_overhead_us",

@@ -88,6 +88,7 @@ def test_reports_markdown_and_non_empty_plots(tmp_path):
     md = (tmp_path / "bench.md").read_text()
     assert "| rms_norm[default] | 64x64 | bf16 |" in md and "5.00x" in md and "Training step: 2.00x" in md
     assert "| 12.5 / 50.0 / 25.0 |" in md and "| aurakernel | 100 | 10 | 20.00% | 300 |" in md
+    assert "calibrated rates (20.0 GB/s streamed, STREAM's copy)" in md   # the roofline column's denominator
     assert json.loads((tmp_path / "bench.json").read_text()) == BASE
 
 
@@ -99,6 +100,10 @@ def test_roofline_points_are_attained_gflops_under_the_slope_or_the_matmul_peak(
     # 5% of 20 GB/s at 1000 FLOP/B: 1000 GFLOP/s, half of the 2 TFLOP/s bf16 peak (below the slope's 20000)
     assert b["gflops"] == pytest.approx(1000.0) and b["roof_pct"] == pytest.approx(50.0)
     assert bench.roofline_points(result([streaming], machine={"cpu": "old", "cores": 2}), [streaming]) == []
+    # an update in place beats the copy's slope: placed at the GB/s it attained, above the slope
+    adamw = dict(kernel("adamw", 3.0, 1.3), dtype="fp32", roofline_pct=95.0, attained_gbps=28.0, intensity=0.25)
+    (c,) = bench.roofline_points(result([adamw]), [adamw])
+    assert c["gflops"] == pytest.approx(7.0) and c["roof_pct"] == pytest.approx(140.0)
 
 
 def test_a_directory_of_baselines_gives_each_machine_its_own(tmp_path):

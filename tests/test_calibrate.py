@@ -5,7 +5,8 @@ fast path. The probes themselves are replaced by stand-ins that play a busy or a
 import pytest
 
 from aurakernel import calibrate
-from aurakernel.hardware import host_cores, load_calibration
+from aurakernel.hardware import host_cores, host_profile, load_calibration, save_calibration
+from aurakernel.ops.base import Work
 
 
 def test_implausible_names_more_threads_slower_and_spread_repeats():
@@ -22,6 +23,7 @@ def stand_ins(tmp_path, monkeypatch):
     for probe, value in (("fork_overhead_us", 2.5), ("call_overhead_us", 0.5)):
         monkeypatch.setattr(calibrate, probe, lambda *a, value=value, **k: value)
     monkeypatch.setattr(calibrate, "matmul_tflops", lambda dtype, **k: 1.0 if dtype.itemsize == 4 else 0.01)
+    monkeypatch.setattr(calibrate, "_inplace_runs", lambda threads, **k: [14.0 * threads] * 5)
     return monkeypatch
 
 
@@ -41,8 +43,10 @@ def test_a_busy_first_measurement_is_measured_again(stand_ins):
     stand_ins.setattr(calibrate, "_stream_runs", runs)
     cal = calibrate.calibrate()
     assert len(calls) == 2 * host_cores()   # every thread count measured twice
-    assert cal["warnings"] == [] and cal["stream_gbps"]["1"] == 10.0
+    assert cal["warnings"] == [] and cal["stream_gbps"]["1"] == 10.0 and cal["inplace_gbps"]["1"] == 14.0
     assert load_calibration()["stream_gbps"] == cal["stream_gbps"]
+    hw = host_profile()   # the profile takes both rates from the calibration
+    assert hw.stream_bandwidth(1) == 10.0e9 and hw.inplace_bandwidth(1) == 14.0e9
     assert cal["no_fast_path"] == ["bf16", "fp16"]
     assert "no fast matmul path for bf16, fp16" in calibrate.describe(cal) and "IMPLAUSIBLE" not in calibrate.describe(cal)
 
@@ -56,6 +60,26 @@ def test_a_machine_that_stays_busy_is_kept_with_its_warning(stand_ins):
     line = calibrate.describe(load_calibration())
     assert "IMPLAUSIBLE" in line and "re-run `aurakernel calibrate` on an idle machine" in line
     assert "none yet" in calibrate.describe(None)
+
+
+def test_the_in_place_probe_runs_and_is_checked_like_the_copy():
+    gbps = calibrate._inplace_runs(1, mbytes=16)   # the compiled probe itself, on a small array
+    assert len(gbps) == 5 and all(g > 0.1 for g in gbps)
+    slower = calibrate.implausible({1: [20.0] * 5, 2: [9.0] * 5}, "stream in place")
+    assert len(slower) == 1 and slower[0].startswith("stream in place on 2 threads (9.0 GB/s)")
+
+
+def test_an_in_place_update_is_floored_at_the_in_place_rate(stand_ins):
+    cal = calibrate.calibrate()
+    hw = host_profile()
+    work = Work(700, 0, in_place_bytes=600)   # AdamW's shape of traffic: most of it written back in place
+    copy, inplace = hw.stream_bandwidth(hw.cores), hw.inplace_bandwidth(hw.cores)
+    assert inplace == cal["inplace_gbps"][str(hw.cores)] * 1e9 > copy
+    assert work.floor_seconds(hw) == pytest.approx(100 / copy + 600 / inplace)
+    assert Work(700, 0).floor_seconds(hw) == pytest.approx(700 / copy)
+    older = {k: v for k, v in cal.items() if k != "inplace_gbps"}   # a calibration from before the probe
+    save_calibration(older)
+    assert host_profile().inplace_bandwidth(hw.cores) == host_profile().stream_bandwidth(hw.cores)
 
 
 def test_the_matmul_probe_stays_small_where_a_dtype_is_slow(monkeypatch):

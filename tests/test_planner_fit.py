@@ -111,7 +111,7 @@ def test_recalibrating_keeps_the_fitted_coefficients(tmp_path, monkeypatch):
     monkeypatch.setenv("AURAKERNEL_CACHE_DIR", str(tmp_path / "cache"))
     fitted = {"phase_overhead_us": 42.0, "dram_time_scale": 0.9}
     save_calibration({**FIXED_CALIBRATION, "costmodel": fitted, "costmodel_fit": {"records": 20}})
-    for probe, value in (("_stream_runs", [11.0] * 5), ("fork_overhead_us", 2.5), ("call_overhead_us", 0.5),
+    for probe, value in (("_stream_runs", [11.0] * 5), ("_inplace_runs", [15.0] * 5), ("fork_overhead_us", 2.5), ("call_overhead_us", 0.5),
                          ("matmul_tflops", 0.3)):   # the probes themselves take a minute: stand-ins
         monkeypatch.setattr(calibrate, probe, lambda *a, value=value, **k: value)
     calibrate.calibrate()

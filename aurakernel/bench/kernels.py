@@ -30,17 +30,18 @@ QUICK_OPS = ("rms_norm", "swiglu", "router", "cross_entropy", "adamw")   # one o
 # not comparable
 PATH_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 KERNEL_KEYS = ("op", "variant", "shape", "dtype", "aurakernel_us", "eager_us", "compiled_us", "aurakernel_compiled_us",
-               "speedup_vs_eager", "speedup_vs_compiled", "compiled_speedup_vs_compiled", "roofline_pct", "intensity",
-               "peak_mib", "verified", "verification", "status")
+               "speedup_vs_eager", "speedup_vs_compiled", "compiled_speedup_vs_compiled", "roofline_pct", "attained_gbps",
+               "intensity", "peak_mib", "verified", "verification", "status")
 
 
 def machine_info() -> dict:
-    """The CPU, its fast paths, and the calibrated roofs (stream bandwidth with every core, matmul peaks)."""
+    """The CPU, its fast paths, and the calibrated roofs (stream bandwidth with every core, a copy's and
+    an update in place's, matmul peaks)."""
     flags = _cpu_flags()
     hw = load_profile("host")
     return {"cpu": _cpu_model(), "cores": host_cores(), "path_flags": sorted(f for f in PATH_FLAGS if f in flags),
             "platform": platform.platform(), "stream_gbps": hw.stream_bandwidth(hw.cores) / 1e9,
-            "peak_tflops": dict(hw.peak_tflops)}
+            "inplace_gbps": hw.inplace_bandwidth(hw.cores) / 1e9, "peak_tflops": dict(hw.peak_tflops)}
 
 
 def versions() -> dict:
@@ -68,15 +69,16 @@ def kernel_row(problem: Problem, hw, db: TuningDB, with_compiled: bool) -> dict:
                           with_compiled_kernel=with_compiled, with_memory=True)
     work = [spec.work(problem, backward=b) for b in (False, True)]
     nbytes, flops = sum(w.bytes_moved for w in work), sum(w.flops for w in work)
-    roofline = None
-    if result.measured_us:
-        roofline = 100.0 * (nbytes / (result.measured_us * 1e-6)) / hw.stream_bandwidth(hw.cores)
+    roofline = attained = None
+    if result.measured_us:   # the minimum traffic's time at the calibrated rates, as a share of the measured
+        roofline = 100.0 * sum(w.floor_seconds(hw) for w in work) / (result.measured_us * 1e-6)
+        attained = nbytes / (result.measured_us * 1e-6) / 1e9
     return {"op": problem.op, "variant": problem.variant, "shape": problem.shape_text, "dtype": problem.dtype.value,
             "aurakernel_us": result.measured_us, "eager_us": result.eager_us, "compiled_us": result.compiled_us,
             "aurakernel_compiled_us": result.aurakernel_compiled_us,
             "speedup_vs_eager": result.speedup_vs_eager, "speedup_vs_compiled": result.speedup_vs_compiled,
             "compiled_speedup_vs_compiled": _ratio(result.compiled_us, result.aurakernel_compiled_us),
-            "roofline_pct": roofline, "intensity": flops / nbytes if nbytes else None,
+            "roofline_pct": roofline, "attained_gbps": attained, "intensity": flops / nbytes if nbytes else None,
             # allocator high-water mark of one fwd+bwd, per candidate (MiB)
             "peak_mib": {name: b / 2**20 for name, b in result.peak_bytes.items()},
             "verified": result.verified, "verification": result.verification.summary if result.verification else

@@ -52,6 +52,11 @@ def markdown(result: dict) -> str:
               "one step, optimizer included), above what was allocated before it (torch.profiler's CPU allocation "
               "events)."]
     m = result["machine"]
+    if m.get("stream_gbps"):
+        inplace = f", {m['inplace_gbps']:.1f} GB/s for what a kernel updates in place" if m.get("inplace_gbps") else ""
+        lines += ["", "Roofline: the operator's minimum traffic (forward + backward) at this machine's calibrated "
+                  f"rates ({m['stream_gbps']:.1f} GB/s streamed, STREAM's copy{inplace}), as a share of the "
+                  "measured time; data that stays in cache can pass 100%."]
     lines += ["", f"Machine: {m['cpu']}, {m['cores']} cores ({', '.join(m['path_flags'])}); "
               + ", ".join(f"{k} {v}" for k, v in result["versions"].items()) + "."]
     return "\n".join(lines) + "\n"
@@ -88,9 +93,10 @@ def plots(result: dict, out_dir: Path) -> list[Path]:
 
 
 def roofline_points(result: dict, rows: list[dict]) -> list[dict]:
-    """Each kernel's place on the roofline: its arithmetic intensity, the GFLOP/s it attained (its
-    share of the calibrated stream bandwidth times its intensity) and that as a share of its roof
-    (the bandwidth slope, or the matmul peak of its dtype where that is lower)."""
+    """Each kernel's place on the roofline: its arithmetic intensity, the GFLOP/s it attained (the
+    GB/s of its minimum traffic times its intensity) and that as a share of its roof (the bandwidth
+    slope, or the matmul peak of its dtype where that is lower). The slope is the stream copy's,
+    as drawn; a kernel that updates in place can pass it (its own floor is the roofline column)."""
     m = result["machine"]
     bw, peaks = m.get("stream_gbps"), m.get("peak_tflops") or {}
     out = []
@@ -98,7 +104,8 @@ def roofline_points(result: dict, rows: list[dict]) -> list[dict]:
         if not bw or k.get("roofline_pct") is None or not k.get("intensity"):
             continue
         x = k["intensity"]
-        y = k["roofline_pct"] / 100 * bw * x
+        gbps = k.get("attained_gbps") or k["roofline_pct"] / 100 * bw   # results from before attained_gbps
+        y = gbps * x
         roof = min(bw * x, peaks[k["dtype"]] * 1e3) if k["dtype"] in peaks else bw * x
         out.append({"label": f"{k['op']}[{k['variant']}] {k['dtype']}", "intensity": x, "gflops": y,
                     "roof_pct": 100 * y / roof})
@@ -127,6 +134,10 @@ def roofline_plot(result: dict, rows: list[dict], path: Path) -> None:
         knee = min(hi, top * 1e3 / bw) if top else hi
         ax.plot([lo, knee, hi], [bw * lo, bw * knee, bw * knee], color="black", linewidth=1.2)
         ax.annotate(f"stream {bw:.1f} GB/s", (lo * 1.3, bw * lo * 1.3 * 1.25), fontsize=8, rotation=30)
+        inplace = m.get("inplace_gbps")
+        if inplace and inplace > bw * 1.05:   # updates in place (AdamW) pay no read-for-ownership
+            ax.plot([lo, hi], [inplace * lo, inplace * hi], color="black", linewidth=0.8, linestyle=":")
+            ax.annotate(f"in place {inplace:.1f} GB/s", (lo * 1.3, inplace * lo * 1.3 * 1.6), fontsize=8, rotation=30)
     for dtype, tflops in sorted(peaks.items()):
         if dtype == "fp16" and peaks.get("bf16") == tflops:
             continue   # the same roof as bf16

@@ -50,7 +50,9 @@ class AdamWSpec(OpSpec):
 
     def work(self, problem: Problem, backward: bool) -> Work:
         (n,) = problem.shape
-        return Work(0 if backward else n * 4 * 7, 0 if backward else n * 14)
+        if backward:
+            return Work(0, 0)
+        return Work(n * 4 * 7, n * 14, in_place_bytes=n * 4 * 6)   # p, m, v read and written back; g read
 
     def module_call(self, problem, inputs):
         raise TypeError("adamw is an optimizer, not a module: see FusedAdamW")

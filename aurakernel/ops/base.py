@@ -22,10 +22,19 @@ Tensors = dict[str, torch.Tensor]
 
 @dataclass(frozen=True)
 class Work:
-    """Minimum traffic and arithmetic of one call: what a perfectly fused kernel must do."""
+    """Minimum traffic and arithmetic of one call: what a perfectly fused kernel must do.
+    `in_place_bytes`: the part of bytes_moved that is memory read and written back where it lies
+    (an optimizer's state), which streams at the machine's in-place rate, not a copy's."""
 
     bytes_moved: int
     flops: int
+    in_place_bytes: int = 0
+
+    def floor_seconds(self, hw) -> float:
+        """The traffic's time at the calibrated rates: the in-place part at the in-place rate, the
+        rest at the stream (copy) rate."""
+        rest = self.bytes_moved - self.in_place_bytes
+        return rest / hw.stream_bandwidth(hw.cores) + self.in_place_bytes / hw.inplace_bandwidth(hw.cores)
 
     @property
     def intensity(self) -> float:
