@@ -18,7 +18,9 @@ import torch
 
 from .. import __version__
 from ..agent import tune_problem
+from ..calibrate import NO_FAST_PATH
 from ..db import TuningDB
+from ..dtypes import DType
 from ..hardware import _cpu_flags, _cpu_model, host_cores, load_calibration, load_profile
 from ..measure import peak_allocated_bytes
 from ..ops import OPS
@@ -50,16 +52,31 @@ def versions() -> dict:
             "python": platform.python_version()}
 
 
-def bench_problems(quick: bool, ops: list[str] | None = None) -> list[Problem]:
+COMPUTE_BOUND = 32.0   # FLOP per byte of minimum traffic: an operator above this is matmul work
+
+
+def bench_problems(quick: bool, ops: list[str] | None = None, hw=None) -> list[Problem]:
     """Every operator variant at its default shape (V4-Flash widths, rows scaled to run in seconds),
-    in bf16 where the operator takes it; --quick: the first variant of QUICK_OPS; `ops`: only these."""
+    in bf16 where the operator takes it; --quick: the first variant of QUICK_OPS; `ops`: only these.
+    On a CPU without a fast bf16 matmul path (`hw`'s calibrated peaks: an AVX2-only one runs torch's
+    bf16 matmuls ~100x below fp32), the matmul-class operators run in fp32: eager bf16 attention
+    would take minutes a call there, and no one trains bf16 matmuls on such a machine."""
+    slow16 = hw is not None and hw.peak_tflops.get("bf16", 0.0) < NO_FAST_PATH * hw.peak_tflops.get("fp32", 0.0)
     out = []
     for name, spec in OPS.items():
         if (quick and name not in QUICK_OPS) or (ops is not None and name not in ops):
             continue
         for variant in spec.variants[:1] if quick else spec.variants:
-            out.append(spec.problem(None, None, variant))
+            problem = spec.problem(None, None, variant)
+            if slow16 and problem.dtype.itemsize == 2 and DType.fp32 in spec.dtypes and _intensity(spec, problem) > COMPUTE_BOUND:
+                problem = spec.problem(None, DType.fp32.value, variant)
+            out.append(problem)
     return out
+
+
+def _intensity(spec, problem: Problem) -> float:
+    work = [spec.work(problem, backward=b) for b in (False, True)]
+    return sum(w.flops for w in work) / max(1, sum(w.bytes_moved for w in work))
 
 
 def kernel_row(problem: Problem, hw, db: TuningDB, with_compiled: bool) -> dict:
@@ -189,7 +206,7 @@ def run_suite(*, quick: bool, with_compiled: bool = True, train_steps: int | Non
         calibrate()
     hw = load_profile("host")
     torch.set_num_threads(hw.cores)
-    problems = bench_problems(quick, ops)
+    problems = bench_problems(quick, ops, hw)
     kernels = []
     with tempfile.TemporaryDirectory(prefix="ak-bench-") as tmp:
         db = TuningDB(Path(tmp) / "bench.sqlite")   # bench runs leave the user's tuning DB alone
@@ -209,7 +226,7 @@ def run_suite(*, quick: bool, with_compiled: bool = True, train_steps: int | Non
 
 
 def total_steps(quick: bool, ops: list[str] | None = None, with_train: bool = True) -> int:
-    return len(bench_problems(quick, ops)) + int(with_train)
+    return len(bench_problems(quick, ops)) + int(with_train)   # the same count in any dtype
 
 
 def combine(results: list[dict], envelope: bool = False) -> dict:

@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 
 from ..paths import write_text_atomic
-from .kernels import SCHEMA
+from ..calibrate import NO_FAST_PATH
+from .kernels import COMPUTE_BOUND, SCHEMA
 
 
 def markdown(result: dict) -> str:
@@ -52,6 +53,11 @@ def markdown(result: dict) -> str:
               "one step, optimizer included), above what was allocated before it (torch.profiler's CPU allocation "
               "events)."]
     m = result["machine"]
+    peaks = m.get("peak_tflops") or {}
+    if peaks.get("fp32") and peaks.get("bf16", 0.0) < NO_FAST_PATH * peaks["fp32"]:
+        lines += ["", f"This CPU has no fast bf16 matmul path (bf16 {1e3 * peaks['bf16']:.1f} GFLOP/s against fp32's "
+                  f"{1e3 * peaks['fp32']:.0f}): operators whose minimum work exceeds {COMPUTE_BOUND:.0f} FLOP per byte "
+                  "(matmul work) ran in fp32."]
     if m.get("stream_gbps"):
         inplace = f", {m['inplace_gbps']:.1f} GB/s for what a kernel updates in place" if m.get("inplace_gbps") else ""
         lines += ["", "Roofline: the operator's minimum traffic (forward + backward) at this machine's calibrated "
