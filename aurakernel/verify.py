@@ -6,6 +6,10 @@ write fails; shapes that exercise tails (rows not divisible by tile x threads, w
 multiple of the SIMD width); inputs checked unchanged afterwards; the reference computed
 independently with autograd. An element passes when |kernel - ref| <= atol * s + rtol * |ref|,
 s = max(1, rms(ref)): the atol follows the tensor's scale, since gradients of a norm grow with rstd.
+The reference rounds too (bf16 intermediates of 80 and more carry errors of 0.1 and more): an
+element outside that bound still passes when the kernel is within it of the exact result, the
+reference recomputed in float64, widened by the reference's own error there. A kernel is held to
+the accuracy of the code it replaces, not to that code's rounding.
 """
 
 from __future__ import annotations
@@ -67,6 +71,32 @@ def compare(out: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float,
     return float(err.max()) if err.numel() else 0.0, rel, ok, "" if ok else "outside tolerance"
 
 
+def within_reference_error(out: torch.Tensor, ref: torch.Tensor, exact: torch.Tensor, atol: float, rtol: float,
+                           slack: torch.Tensor | None = None) -> bool:
+    """Every element within compare's bound of the exact result, plus the reference's distance from it."""
+    if exact.shape != out.shape or torch.isnan(out).any():
+        return False
+    o, r, x = out.detach().double(), ref.detach().double(), exact.detach().double()
+    scale = max(1.0, float(r.pow(2).mean().sqrt())) if r.numel() else 1.0
+    allowed = atol * scale + rtol * r.abs() + (slack.double() if slack is not None else 0.0) + (r - x).abs()
+    return bool(((o - x).abs() <= allowed).all())
+
+
+def _exact(spec: OpSpec, problem: Problem, inputs, grad_out, diff) -> tuple[dict, dict] | None:
+    """The reference's outputs and gradients computed in float64 (None where it cannot run in it)."""
+    wide = {k: (v.double() if v.is_floating_point() else v.clone()) for k, v in inputs.items()}
+    for k in diff:
+        wide[k].requires_grad_(True)
+    try:
+        out = spec.reference(problem, wide)
+        with_grad = spec.grad_outputs()
+        grads = (torch.autograd.grad([out[k] for k in with_grad], [wide[k] for k in diff],
+                                     [grad_out[k].double() for k in with_grad], allow_unused=True) if diff else ())
+    except (RuntimeError, TypeError):   # a reference whose modules hold parameters in one dtype
+        return None
+    return out, dict(zip(diff, grads))
+
+
 def check_case(spec: OpSpec, problem: Problem, seed: int, run) -> list[Check]:
     """One (problem, seed) case: fresh inputs, the reference and its gradients with autograd, then
     `run(inputs, grad_out) -> (outputs, grads, error)` runs the kernel under test (any backend);
@@ -86,7 +116,7 @@ def check_case(spec: OpSpec, problem: Problem, seed: int, run) -> list[Check]:
     outputs, grads, error = run(inputs, grad_out)
     if error:
         return [Check(problem.shape, seed, "kernel", float("nan"), float("nan"), False, error)]
-    checks = []
+    checks, compared = [], []
     for k in spec.visible_outputs():
         if not ref_out[k].is_floating_point():   # indices: exactly equal
             same = outputs[k].shape == ref_out[k].shape and torch.equal(outputs[k], ref_out[k])
@@ -95,12 +125,24 @@ def check_case(spec: OpSpec, problem: Problem, seed: int, run) -> list[Check]:
             continue
         tol = spec.tolerance(problem.dtype, k)
         checks.append(Check(problem.shape, seed, k, *compare(outputs[k], ref_out[k].detach(), tol.atol, tol.rtol)))
+        compared.append((checks[-1], outputs[k], ref_out[k], k, tol, None))
     slack = spec.grad_slack(problem, pristine, grad_out) if diff else {}
     for k, rg in zip(diff, ref_grads):
         tol = spec.tolerance(problem.dtype, k)
         ref = rg if rg is not None else torch.zeros_like(inputs[k])
         checks.append(Check(problem.shape, seed, f"grad_{k}",
                             *compare(grads[k], ref, tol.atol, tol.rtol, slack.get(k))))
+        compared.append((checks[-1], grads[k], ref, f"grad_{k}", tol, slack.get(k)))
+    exact = None
+    for check, out, ref, name, tol, sl in compared:
+        if check.passed or check.reason != "outside tolerance":
+            continue
+        exact = exact or _exact(spec, problem, pristine, grad_out, diff)
+        if exact is None:
+            break
+        x = exact[0][name] if not name.startswith("grad_") else exact[1].get(name[5:])
+        if x is not None and within_reference_error(out, ref, x, tol.atol, tol.rtol, sl):
+            check.passed, check.reason = True, "within the reference's own rounding of the exact (float64) result"
     for k, before in pristine.items():
         if not torch.equal(inputs[k], before):
             checks.append(Check(problem.shape, seed, k, float("nan"), float("nan"), False, "kernel wrote to an input"))

@@ -3,6 +3,7 @@ fp32 and bf16, tail shapes (rows not divisible by tile x threads, widths off the
 several seeds, NaN-poisoned outputs. Knobs come from the planner, as in real use."""
 
 import pytest
+import torch
 
 from aurakernel.targets.host.build import build_kernel
 from aurakernel.ops import OPS, get_op
@@ -168,3 +169,57 @@ def test_cross_entropy_plans_and_verifies_on_a_512_kb_l2_machine(host):
                            (spec.problem("3x50257", "fp32"), build_kernel(spec, spec.problem("3x50257", "fp32"),
                                                                           plan.knobs))])
     assert result.passed, result.summary
+
+
+def _coarse_reference_spec():
+    """An operator whose reference rounds to quarters in its own dtype (as bf16 intermediates of 80 do)
+    and is exact in float64: y = 1.01 x, dy/dx = 1.01."""
+    from aurakernel.dtypes import DType
+    from aurakernel.ops.base import OpSpec, Tolerance, Work
+
+    class Coarse(OpSpec):
+        def kernel_key(self, problem):
+            return ()
+
+        def make_inputs(self, problem, seed):
+            return {"x": torch.randn(problem.shape, generator=torch.Generator().manual_seed(seed)) * 4}
+
+        def differentiable(self, problem):
+            return ("x",)
+
+        def reference(self, problem, inputs):
+            y = inputs["x"] * 1.01
+            if y.dtype != torch.float64:
+                y = y + ((y * 4).round() / 4 - y).detach()   # rounded values, the exact gradient
+            return {"y": y}
+
+        def tolerance(self, dtype, output):
+            return Tolerance(1e-3, 1e-3)
+
+        def work(self, problem, backward):
+            return Work(0, 0)
+
+        def module_call(self, problem, inputs):
+            raise TypeError("not a module")
+
+    return Coarse("coarse", "test", "N", 1, (64,), (DType.fp32,), ("default",))
+
+
+def test_a_kernel_is_held_to_the_exact_result_not_to_the_references_rounding():
+    """An element outside the tolerance of the reference passes when the kernel is that close to the
+    float64 result, widened by the reference's own error there; a wrong kernel still fails."""
+
+    from aurakernel.verify import check_case
+    spec = _coarse_reference_spec()
+    problem = spec.problem("256", "fp32", None)
+
+    def kernel(scale):
+        def run(inputs, grad_out):
+            return {"y": inputs["x"] * scale}, {"x": grad_out["y"] * 1.01}, None
+        return run
+    exact = check_case(spec, problem, 0, kernel(1.01))
+    assert all(c.passed for c in exact)
+    assert [c.reason for c in exact if c.tensor == "y"] == ["within the reference's own rounding of the exact (float64) result"]
+    wrong = check_case(spec, problem, 0, kernel(1.03))   # 2% off: beyond the reference's rounding of 1/8
+    assert [c.passed for c in wrong if c.tensor == "y"] == [False]
+    assert [c.reason for c in wrong if c.tensor == "grad_x"] == [""]   # within tolerance of the reference: no second look

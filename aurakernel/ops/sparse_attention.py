@@ -32,7 +32,11 @@ from .base import OpSpec, Problem, Tensors, Tolerance, Work
 
 CSA_RATIO = 4   # V4's compress_rates["compressed_sparse_attention"]: how many entries a csa problem's inputs have
 
-_TOL = {DType.fp32: Tolerance(2e-5, 1e-4), DType.bf16: Tolerance(2e-2, 2e-2)}
+# fp32 y: the logits are D-term dot products summed in order (the kernels' register-blocked GEMMs), so
+# their rounding grows as sqrt(D): at V4's D = 512 (inputs of std 2, logits of std 4) y is off by ~1e-6
+# typically and up to 4.6e-5 over 16M elements (1x16x2048x512 sliding, against float64), where
+# torch's GEMM, summing in blocks, stays within 5e-6; at D = 64 the old 2e-5 held
+_TOL = {DType.fp32: Tolerance(8e-5, 1e-4), DType.bf16: Tolerance(2e-2, 2e-2)}
 _TOL_GRAD = {DType.fp32: Tolerance(5e-5, 2e-4), DType.bf16: Tolerance(4e-2, 4e-2)}
 
 
