@@ -226,6 +226,28 @@ def test_mhc_cube_kernels_over_several_super_tiles_per_ai_core(op, tmp_path):
     assert {"grad_x", "grad_fn"} <= {c.tensor for c in result.checks}
 
 
+def test_mhc_backward_reads_x_from_the_l2_that_bwd_head_left_it_in(tmp_path, monkeypatch):
+    """mhc_head's Cube backward reads x right after bwd_head read it whole: where x and dy fit in half
+    the L2, that read is L2 traffic (HBM reads: dy and the small parts, not x); where they do not
+    (V4-Flash at 65536 tokens: 2.5 GB) it is HBM traffic again."""
+    from aurakernel.targets.ascend.ops.mhc import MhcAscend
+    spec = OPS["mhc_head"]
+    assert MhcAscend.x_stays_in_l2(spec.problem("1024x4x4096", "bf16", None), HW)
+    assert not MhcAscend.x_stays_in_l2(spec.problem("65536x4x4096", "bf16", None), HW)
+    problem = spec.problem("75x4x4096", "bf16", "default")
+    knobs = {**ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs").knobs,
+             "cube_blocks": 3, "cube_groups": 1, "bwd_groups": 1}
+    emu = ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, tmp_path, HW), HW)
+    x_bytes = 75 * 4 * 4096 * 2
+    reads = {}
+    for fits in (True, False):
+        monkeypatch.setattr(MhcAscend, "x_stays_in_l2", staticmethod(lambda problem, hw, fits=fits: fits))
+        report = ascend.emulate(spec, problem, knobs, emu)["backward"]
+        assert report.ok, report.errors
+        reads[fits] = sum(b.gm_read for b in report.blocks)
+    assert reads[True] < 0.5 * x_bytes and reads[False] >= x_bytes
+
+
 def test_the_bound_is_the_larger_of_hbm_traffic_and_the_vector_work():
     """A kernel's roofline on Ascend: its HBM traffic at the busiest core's share of the bandwidth, or
     the vector work its math cannot avoid spread over every vector core (one 256 B repeat per cycle,
