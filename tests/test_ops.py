@@ -219,7 +219,8 @@ def test_a_kernel_is_held_to_the_exact_result_not_to_the_references_rounding():
         return run
     exact = check_case(spec, problem, 0, kernel(1.01))
     assert all(c.passed for c in exact)
-    assert [c.reason for c in exact if c.tensor == "y"] == ["within the reference's own rounding of the exact (float64) result"]
+    second_look = "within the reference's own rounding of the exact (float64) result"
+    assert [c.reason for c in exact if c.tensor == "y"] == [second_look]
     wrong = check_case(spec, problem, 0, kernel(1.03))   # 2% off: beyond the reference's rounding of 1/8
     assert [c.passed for c in wrong if c.tensor == "y"] == [False]
     assert [c.reason for c in wrong if c.tensor == "grad_x"] == [""]   # within tolerance of the reference: no second look

@@ -68,7 +68,8 @@ def bench_problems(quick: bool, ops: list[str] | None = None, hw=None) -> list[P
             continue
         for variant in spec.variants[:1] if quick else spec.variants:
             problem = spec.problem(None, None, variant)
-            if slow16 and problem.dtype.itemsize == 2 and DType.fp32 in spec.dtypes and _intensity(spec, problem) > COMPUTE_BOUND:
+            matmul_work = _intensity(spec, problem) > COMPUTE_BOUND
+            if slow16 and problem.dtype.itemsize == 2 and DType.fp32 in spec.dtypes and matmul_work:
                 problem = spec.problem(None, DType.fp32.value, variant)
             out.append(problem)
     return out

@@ -24,7 +24,7 @@ Where the time goes (ascend910b2, 1024 x 4 x 4096 bf16, 43 tokens per AI core; e
   backward (3 NOUT + 12 fp32 passes per element, 1.0M cycles) are the Cube's. Its read of x follows
   bwd_head's whole read of it: where x and dy fit in half the L2 (1024 tokens: 40 of 192 MB; not at
   65536) x is found there (`x_stays_in_l2`), so the launch is no longer bound by HBM traffic but by
-  its AIC's MTE2 (~81k cycles of per-super-tile copies): mhc_head 53.3 -> 47.3 us, mhc_pre 53.3 ->
+  its MTE2 (~81k cycles: the per-super-tile copies): mhc_head 53.3 -> 47.3 us, mhc_pre 53.3 ->
   47.7 us (1.81x -> 1.73x and 2.18x -> 2.09x of the op's bound).
 """
 
