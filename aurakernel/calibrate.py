@@ -46,18 +46,22 @@ MATMUL_BUDGET_S = 0.25    # one timed matmul at most this long: the probe shrink
 NO_FAST_PATH = 0.5        # a dtype below this share of fp32's peak has no fast path here
 
 
-def _stream_runs(threads: int, mbytes: int = 256) -> list[float]:
-    """GB/s of each of 5 repeats of a 2-array copy of `mbytes` on `threads` threads."""
-    n = mbytes * 2**20 // 8  # two arrays of n floats: mbytes in all
-    a, b = torch.empty(n), torch.ones(n)
-    a.fill_(0.0)
+def _timed_gbps(threads: int, entry: str, args: tuple, nbytes: int) -> list[float]:
+    """GB/s of each of 5 repeats of the probe `entry(*args, reps=2, seconds)` moving `nbytes` a rep."""
     k = _probe(threads)
     out = torch.zeros(1, dtype=torch.float64)
     runs = []
     for _ in range(5):
-        k.call("stream", a, b, n, 2, out)
-        runs.append(2 * n * 4 / float(out) / 1e9)
+        k.call(entry, *args, 2, out)
+        runs.append(nbytes / float(out) / 1e9)
     return runs
+
+
+def _stream_runs(threads: int, mbytes: int = 256) -> list[float]:
+    """GB/s of each of 5 repeats of a 2-array copy of `mbytes` on `threads` threads."""
+    n = mbytes * 2**20 // 8  # two arrays of n floats: mbytes in all
+    a, b = torch.zeros(n), torch.ones(n)
+    return _timed_gbps(threads, "stream", (a, b, n), 2 * n * 4)
 
 
 def _inplace_runs(threads: int, mbytes: int = 256) -> list[float]:
@@ -65,14 +69,7 @@ def _inplace_runs(threads: int, mbytes: int = 256) -> list[float]:
     threads: the rate of kernels that write back where they read (AdamW), which pay no
     read-for-ownership. The copy above pays it uncounted, so this is the higher figure."""
     n = mbytes * 2**20 // 4
-    a = torch.ones(n)
-    k = _probe(threads)
-    out = torch.zeros(1, dtype=torch.float64)
-    runs = []
-    for _ in range(5):
-        k.call("inplace", a, n, 2, out)
-        runs.append(2 * n * 4 / float(out) / 1e9)
-    return runs
+    return _timed_gbps(threads, "inplace", (torch.ones(n), n), 2 * n * 4)
 
 
 def stream_gbps(threads: int, mbytes: int = 256) -> float:
@@ -154,6 +151,12 @@ def theoretical_tflops(cores: int, clock_ghz: float, simd_bytes: int, flags: set
     return {"fp32": round(fp32, 4), "bf16": round(bf16, 4)}
 
 
+def slow_dtypes(peak_tflops: dict[str, float]) -> list[str]:
+    """The 16-bit dtypes whose matmul peak is below NO_FAST_PATH of fp32's: no fast path on this CPU."""
+    fp32 = peak_tflops.get("fp32", 0.0)
+    return [d for d in ("bf16", "fp16") if d in peak_tflops and peak_tflops[d] < NO_FAST_PATH * fp32]
+
+
 def calibrate(progress=None, attempts: int = 3) -> dict:
     """Run every probe; returns (and caches) the calibration overlay. Streams that look measured on
     a busy machine are measured again (up to `attempts` times); `warnings` lists what stayed wrong."""
@@ -188,7 +191,7 @@ def calibrate(progress=None, attempts: int = 3) -> dict:
     hw = host_profile(calibrated=False)
     cal["theoretical_tflops"] = theoretical_tflops(cores, hw.clock_ghz, hw.simd_bytes, _cpu_flags())
     cal["theoretical_clock_ghz"] = round(hw.clock_ghz, 3)   # the OS's reported clock: turbo can exceed it
-    cal["no_fast_path"] = [d for d in ("bf16", "fp16") if cal["peak_tflops"][d] < NO_FAST_PATH * cal["peak_tflops"]["fp32"]]
+    cal["no_fast_path"] = slow_dtypes(cal["peak_tflops"])
     cal["warnings"] = warnings
     cal["measured_at"] = time.time()
     # coefficients fitted to the tuning DB (`calibrate --fit`) survive a re-measure: they are scales

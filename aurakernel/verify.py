@@ -53,6 +53,12 @@ class Verification:
         return {"passed": self.passed, "summary": self.summary, "checks": [asdict(c) for c in self.checks]}
 
 
+def _allowed(r: torch.Tensor, atol: float, rtol: float, slack: torch.Tensor | None) -> torch.Tensor:
+    """atol * max(1, RMS(ref)) + rtol * |ref| (+ slack), per element of the float64 reference r."""
+    scale = max(1.0, float(r.pow(2).mean().sqrt())) if r.numel() else 1.0
+    return atol * scale + rtol * r.abs() + (slack.double() if slack is not None else 0.0)
+
+
 def compare(out: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float,
             slack: torch.Tensor | None = None) -> tuple[float, float, bool, str]:
     """Max abs/rel error and whether every element is within atol * RMS(ref) + rtol * |ref| (+ slack:
@@ -64,9 +70,7 @@ def compare(out: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float,
         n = int(torch.isnan(o).sum())
         return float("nan"), float("nan"), False, f"{n} elements left unwritten or NaN (poisoned buffer)"
     err = (o - r).abs()
-    scale = max(1.0, float(r.pow(2).mean().sqrt())) if r.numel() else 1.0
-    allowed = atol * scale + rtol * r.abs() + (slack.double() if slack is not None else 0.0)
-    ok = bool((err <= allowed).all())
+    ok = bool((err <= _allowed(r, atol, rtol, slack)).all())
     rel = float((err / r.abs().clamp_min(1e-12)).max()) if r.numel() else 0.0
     return float(err.max()) if err.numel() else 0.0, rel, ok, "" if ok else "outside tolerance"
 
@@ -77,9 +81,7 @@ def within_reference_error(out: torch.Tensor, ref: torch.Tensor, exact: torch.Te
     if exact.shape != out.shape or torch.isnan(out).any():
         return False
     o, r, x = out.detach().double(), ref.detach().double(), exact.detach().double()
-    scale = max(1.0, float(r.pow(2).mean().sqrt())) if r.numel() else 1.0
-    allowed = atol * scale + rtol * r.abs() + (slack.double() if slack is not None else 0.0) + (r - x).abs()
-    return bool(((o - x).abs() <= allowed).all())
+    return bool(((o - x).abs() <= _allowed(r, atol, rtol, slack) + (r - x).abs()).all())
 
 
 def _exact(spec: OpSpec, problem: Problem, inputs, grad_out, diff) -> tuple[dict, dict] | None:

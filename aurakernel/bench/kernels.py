@@ -18,7 +18,7 @@ import torch
 
 from .. import __version__
 from ..agent import tune_problem
-from ..calibrate import NO_FAST_PATH
+from ..calibrate import slow_dtypes
 from ..db import TuningDB
 from ..dtypes import DType
 from ..hardware import _cpu_flags, _cpu_model, host_cores, load_calibration, load_profile
@@ -61,7 +61,7 @@ def bench_problems(quick: bool, ops: list[str] | None = None, hw=None) -> list[P
     On a CPU without a fast bf16 matmul path (`hw`'s calibrated peaks: an AVX2-only one runs torch's
     bf16 matmuls ~100x below fp32), the matmul-class operators run in fp32: eager bf16 attention
     would take minutes a call there, and no one trains bf16 matmuls on such a machine."""
-    slow16 = hw is not None and hw.peak_tflops.get("bf16", 0.0) < NO_FAST_PATH * hw.peak_tflops.get("fp32", 0.0)
+    slow16 = hw is not None and "bf16" in slow_dtypes(hw.peak_tflops)
     out = []
     for name, spec in OPS.items():
         if (quick and name not in QUICK_OPS) or (ops is not None and name not in ops):

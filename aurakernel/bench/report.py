@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from ..paths import write_text_atomic
-from ..calibrate import NO_FAST_PATH
+from ..calibrate import slow_dtypes
 from .kernels import COMPUTE_BOUND, SCHEMA
 
 
@@ -54,7 +54,7 @@ def markdown(result: dict) -> str:
               "events)."]
     m = result["machine"]
     peaks = m.get("peak_tflops") or {}
-    if peaks.get("fp32") and peaks.get("bf16", 0.0) < NO_FAST_PATH * peaks["fp32"]:
+    if "bf16" in slow_dtypes(peaks):
         lines += ["", f"This CPU has no fast bf16 matmul path (bf16 {1e3 * peaks['bf16']:.1f} GFLOP/s against fp32's "
                   f"{1e3 * peaks['fp32']:.0f}): operators whose minimum work exceeds {COMPUTE_BOUND:.0f} FLOP per byte "
                   "(matmul work) ran in fp32."]

@@ -48,8 +48,10 @@ def knobs_text(knobs: dict[str, int]) -> str:
 
 
 def runners_up(model: ChoiceModel, pick: dict[str, int], n: int) -> list[Candidate]:
-    """The model's n best feasible tilings after the pick, by predicted time (ties in domain order)."""
-    others = sorted((c for c in feasible_choices(model) if c != pick), key=lambda c: model.evaluate(c)[0])
+    """The model's n best feasible tilings after the pick, by predicted time (ties in domain order);
+    the pick is told apart on the model's own knobs (a plan's may carry more)."""
+    mine = {k: pick[k] for k in model.domains}
+    others = sorted((c for c in feasible_choices(model) if c != mine), key=lambda c: model.evaluate(c)[0])
     return [Candidate(c, model.evaluate(c)[0] * 1e6) for c in others[:n]]
 
 
