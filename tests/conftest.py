@@ -11,9 +11,13 @@ from pathlib import Path
 
 import pytest
 
-# a test that runs the suite again in a subprocess (test_portable.py) names the cache it reads back
+# One build cache for the run: pytest-xdist's workers inherit it from the controller, which loads
+# this file first, so a kernel one worker built is not built again by the other. A test that runs
+# the suite again in a subprocess (test_portable.py) names the cache it reads back. The tuning DB
+# stays each process's own: a test that counts rows must not see the other worker's.
 _CACHE = os.environ.get("AURAKERNEL_TEST_CACHE_DIR") or tempfile.mkdtemp(prefix="aurakernel-tests-")
-os.environ["AURAKERNEL_CACHE_DIR"] = _CACHE
+os.environ["AURAKERNEL_TEST_CACHE_DIR"] = os.environ["AURAKERNEL_CACHE_DIR"] = _CACHE
+os.environ["AURAKERNEL_DB"] = str(Path(tempfile.mkdtemp(prefix="aurakernel-db-")) / "tuning.sqlite")
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 from aurakernel.hardware import calibration_path  # noqa: E402
@@ -24,7 +28,9 @@ FIXED_CALIBRATION = {
     "fork_overhead_us": 2.0,
     "peak_tflops": {"fp32": 0.2, "bf16": 0.5, "fp16": 0.5},
 }
-calibration_path().write_text(json.dumps(FIXED_CALIBRATION))
+_fixed = calibration_path().with_suffix(f".{os.getpid()}")   # written whole, then renamed: workers share it
+_fixed.write_text(json.dumps(FIXED_CALIBRATION))
+_fixed.replace(calibration_path())
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = str(REPO / "trainer" / "configs" / "tiny.yaml")

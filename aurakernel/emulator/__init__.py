@@ -33,6 +33,7 @@ from ..paths import build_cache, whole_build
 HERE = Path(__file__).parent
 INCLUDE = HERE / "include"
 RUNNER = HERE / "runner.cpp"
+LAUNCH = HERE / "launch.cpp"
 PIPES = ("MTE2", "MTE3", "Vector", "Scalar", "MTE1", "Cube", "FIX")
 CUBE_PIPES = ("MTE1", "Cube", "FIX")   # reported only where a kernel used them
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -84,21 +85,53 @@ def build(kernel_source: str, *, entry: str, nargs: int, hw: HardwareProfile, in
     cxx = compiler()
     if cxx is None:
         raise BuildError("no C++ compiler found for the AscendC emulator (set CXX or install g++)")
-    defines = {**pipe_defines(hw), "AK_KERNEL": entry, "AK_BATCH_MODE": int(bool(batch_mode)),
-               "AK_AIC_PER_BLOCK": CORES[cores][0], "AK_AIV_PER_BLOCK": CORES[cores][1],
-               "AK_L2_ARGS": sum(1 << i for i in set(l2_args)),
-               "AK_L2_VECTOR_READS": sum(1 << i for i in set(l2_vector_reads)),
-               "AK_PARAMS": ",".join(["uint8_t*"] * nargs), "AK_ARGS": ",".join(f"gm[{i}]" for i in range(nargs))}
-    flags = ["-std=c++20", "-O2", "-pthread", f"-I{INCLUDE}", *(f"-D{k}={v}" for k, v in defines.items())]
+    base = ["-std=c++20", "-O2", "-pthread", f"-I{INCLUDE}", *(f"-D{k}={v}" for k, v in pipe_defines(hw).items())]
+    launch = {"AK_KERNEL": entry, "AK_BATCH_MODE": int(bool(batch_mode)),
+              "AK_AIC_PER_BLOCK": CORES[cores][0], "AK_AIV_PER_BLOCK": CORES[cores][1],
+              "AK_L2_ARGS": sum(1 << i for i in set(l2_args)),
+              "AK_L2_VECTOR_READS": sum(1 << i for i in set(l2_vector_reads)),
+              "AK_PARAMS": ",".join(["uint8_t*"] * nargs), "AK_ARGS": ",".join(f"gm[{i}]" for i in range(nargs))}
+    flags = [*base, *(f"-D{k}={v}" for k, v in launch.items())]
     # the kernel's own headers (its tiling struct) are copied beside it, so the cache key holds their
     # content, not the (temporary) directory they came from
     headers = {h.name: h.read_text() for d in include_dirs for h in sorted(Path(d).glob("*.h"))}
-    key = hashlib.sha256("\0".join([kernel_source, *(f"{n}\0{t}" for n, t in headers.items()), RUNNER.read_text(),
-                                    (INCLUDE / "kernel_operator.h").read_text(), cxx, *flags]).encode()).hexdigest()[:24]
+    key = _digest(kernel_source, *(f"{n}\0{t}" for n, t in headers.items()), LAUNCH.read_text(),
+                  (INCLUDE / "kernel_operator.h").read_text(), cxx, *flags)
     out_dir = build_cache("ascendc-emu")
     exe = out_dir / f"{entry}-{key}"
     if whole_build(exe):
         return exe
+    runner = _runner_object(cxx, base, out_dir)
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        src = Path(tmp) / "kernel.cpp"
+        src.write_text(kernel_source)
+        for name, text in headers.items():
+            (Path(tmp) / name).write_text(text)
+        tmp_exe = Path(tmp) / "runner"
+        proc = subprocess.run([cxx, *flags, f"-I{tmp}", str(src), str(LAUNCH), str(runner), "-o", str(tmp_exe)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise BuildError(f"AscendC emulator build of {entry} failed:\n{proc.stderr[-4000:]}")
+        os.replace(tmp_exe, exe)   # atomic: a concurrent build never sees half a file
+    return exe
+
+
+def _digest(*parts: str) -> str:
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
+
+
+def _runner_object(cxx: str, flags: list[str], out_dir: Path) -> Path:
+    """runner.cpp compiled for one hardware profile (cached): half of a kernel's build time, shared by all."""
+    obj = out_dir / f"runner-{_digest(RUNNER.read_text(), (INCLUDE / 'kernel_operator.h').read_text(), cxx, *flags)}.o"
+    if whole_build(obj):
+        return obj
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        tmp_obj = Path(tmp) / "runner.o"
+        proc = subprocess.run([cxx, *flags, "-c", str(RUNNER), "-o", str(tmp_obj)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise BuildError(f"AscendC emulator build of its runner failed:\n{proc.stderr[-4000:]}")
+        os.replace(tmp_obj, obj)
+    return obj
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         src = Path(tmp) / "kernel.cpp"
         src.write_text(kernel_source)

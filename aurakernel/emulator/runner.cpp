@@ -1,13 +1,13 @@
 // AuraKernel's AscendC emulator runner: runs every core of every block of one kernel entry over GM
-// buffers (a thread each: per block its AIC and AIVs as the build's AK_AIC_PER_BLOCK /
-// AK_AIV_PER_BLOCK launch them) and prints a JSON report (per-core pipe counters, UB allocations,
+// buffers (a thread each: per block its AIC and AIVs as launch.cpp's aic_per_block /
+// aiv_per_block launch them) and prints a JSON report (per-core pipe counters, UB allocations,
 // rule errors) on stdout.
 //
 //   runner <blockDim> <dir> <nargs>      dir/arg<i>.bin holds argument i (inputs, poisoned outputs,
 //                                        workspace, tiling); every buffer is written back in place.
 //
-// Built by aurakernel/emulator/__init__.py with -DAK_KERNEL=<entry> -DAK_PARAMS=<GM_ADDR list>
-// -DAK_ARGS=<gm[0], gm[1], ...>: typed values only. Each GM buffer sits in its own mapping that
+// Compiled once per hardware profile (its pipe figures); a kernel's build links it with the kernel
+// and launch.cpp, which names the entry and the launch's shape. Each GM buffer sits in its own mapping that
 // ends 32 B-aligned against a PROT_NONE guard page (and starts after one), so an out-of-bounds
 // access faults; the SIGSEGV handler names the argument.
 #include "kernel_operator.h"
@@ -22,7 +22,11 @@
 #include <thread>
 #include <unistd.h>
 
-extern "C" void AK_KERNEL(AK_PARAMS);
+namespace ak::launch {   // launch.cpp, built with the kernel
+extern const int aic_per_block, aiv_per_block;
+extern const uint64_t l2_args, l2_vector_reads;
+void entry(uint8_t** gm);
+}  // namespace ak::launch
 
 namespace {
 
@@ -79,12 +83,6 @@ GmBuffer map_arg(const std::string& path) {
 // One mutex guards every counter. A core that waits registers what it waits for; when no core is
 // left running (each has ended or waits) and no wait can be met, the kernel would hang on the NPU:
 // every waiter is released with a `hang` error naming what it waited for.
-#ifndef AK_AIC_PER_BLOCK
-#define AK_AIC_PER_BLOCK 0
-#endif
-#ifndef AK_AIV_PER_BLOCK
-#define AK_AIV_PER_BLOCK 1
-#endif
 namespace {
 constexpr int FLAGS = 11, MODES = 3;
 struct Thread {
@@ -102,7 +100,7 @@ struct Waiter { std::function<bool()> met; std::string what; };
 std::vector<Waiter*> g_waiters;
 
 int tid_of(const ak::Core& c) {   // the thread order: per block its AIC, then its AIVs
-    return int(c.block_idx) * (AK_AIC_PER_BLOCK + AK_AIV_PER_BLOCK) + (c.kind == AscendC::AIC ? 0 : AK_AIC_PER_BLOCK + c.sub_idx);
+    return int(c.block_idx) * (ak::launch::aic_per_block + ak::launch::aiv_per_block) + (c.kind == AscendC::AIC ? 0 : ak::launch::aic_per_block + c.sub_idx);
 }
 std::string core_name(const ak::Core& c) {
     return (c.kind == AscendC::AIC ? std::string("the AIC") : "AIV " + std::to_string(c.sub_idx)) + " of block " + std::to_string(c.block_idx);
@@ -144,17 +142,11 @@ void thread_done() {
 }
 }  // namespace
 
-#ifndef AK_L2_ARGS
-#define AK_L2_ARGS 0
-#endif
-#ifndef AK_L2_VECTOR_READS
-#define AK_L2_VECTOR_READS 0
-#endif
 namespace ak {
 // arguments the build's l2_args mark (a bit each); and, for a vector core's read, those its
 // l2_vector_reads mark (the AI core's Cube side read the same bytes just before)
 bool gm_in_l2(const void* gm, bool vector_read) {
-    const uint64_t marked = uint64_t(AK_L2_ARGS) | (vector_read ? uint64_t(AK_L2_VECTOR_READS) : 0);
+    const uint64_t marked = launch::l2_args | (vector_read ? launch::l2_vector_reads : 0);
     const uint8_t* a = static_cast<const uint8_t*>(gm);
     for (size_t i = 0; i < g_bufs.size() && i < 64; ++i)
         if ((marked >> i & 1u) && a >= g_bufs[i].data && a < g_bufs[i].data + g_bufs[i].size) return true;
@@ -221,7 +213,7 @@ int main(int argc, char** argv) {
 
     std::vector<uint8_t*> gm(nargs);
     for (int i = 0; i < nargs; ++i) gm[i] = g_bufs[i].data;
-    const int per_block = AK_AIC_PER_BLOCK + AK_AIV_PER_BLOCK, nthreads = block_dim * per_block;
+    const int per_block = ak::launch::aic_per_block + ak::launch::aiv_per_block, nthreads = block_dim * per_block;
     std::vector<std::unique_ptr<ak::Core>> cores(nthreads);
     std::vector<std::string> errors(nthreads);
     g_threads.resize(nthreads);
@@ -231,10 +223,10 @@ int main(int argc, char** argv) {
         const int slot = t % per_block;
         k.block_idx = t / per_block;
         k.block_num = block_dim;
-        k.kind = slot < AK_AIC_PER_BLOCK ? AscendC::AIC : AscendC::AIV;
-        k.sub_idx = slot < AK_AIC_PER_BLOCK ? 0 : slot - AK_AIC_PER_BLOCK;
-        k.aic_per_block = AK_AIC_PER_BLOCK;
-        k.aiv_per_block = AK_AIV_PER_BLOCK;
+        k.kind = slot < ak::launch::aic_per_block ? AscendC::AIC : AscendC::AIV;
+        k.sub_idx = slot < ak::launch::aic_per_block ? 0 : slot - ak::launch::aic_per_block;
+        k.aic_per_block = ak::launch::aic_per_block;
+        k.aiv_per_block = ak::launch::aiv_per_block;
         g_threads[t].core = &k;
     }
     g_running = nthreads;
@@ -243,7 +235,7 @@ int main(int argc, char** argv) {
         threads.emplace_back([&, t] {
             ak::current = cores[t].get();
             try {
-                AK_KERNEL(AK_ARGS);
+                ak::launch::entry(gm.data());
                 const ak::Core& k = *cores[t];
                 for (int i = 0; i < ak::Core::EVENTS * ak::Core::IDS; ++i)   // a FreeTensor's wait is the TPipe's at exit
                     if (k.flags[i] && k.flag_by[i].rfind("the FreeTensor", 0) != 0)

@@ -235,10 +235,8 @@ enum KernelMetaType : uint8_t { KERNEL_TYPE_AIV_ONLY, KERNEL_TYPE_AIC_ONLY, KERN
                                 KERNEL_TYPE_MIX_AICORE, KERNEL_TYPE_MIX_VECTOR_CORE, KERNEL_TYPE_MAX };
 // The launch (the emulator build's `cores`) must be the one the kernel declares: a Cube-only or
 // vector-only type on a mix launch, or the reverse, runs the wrong engines.
-#ifndef AK_BATCH_MODE
-#define AK_BATCH_MODE 0
-#endif
 namespace ak {
+extern const bool batch_mode;   // the launch's schedule mode (the build's batch_mode), defined by launch.cpp
 inline void declare_kernel_type(int type) {
     // per KernelMetaType (AIV_ONLY, AIC_ONLY, MIX_AIV_1_0, MIX_AIC_1_0, MIX_AIC_1_1, MIX_AIC_1_2): its AICs and AIVs per block
     static constexpr int cores[][2] = {{0, 1}, {1, 0}, {0, 1}, {1, 0}, {1, 1}, {1, 2}};
@@ -772,7 +770,7 @@ template <uint8_t modeId, pipe_t pipe> inline void CrossCoreSetFlag(uint16_t fla
 template <uint8_t modeId = 0, pipe_t pipe = PIPE_S> inline void CrossCoreWaitFlag(uint16_t flagId) {
     static_assert(pipe != PIPE_ALL, "CrossCoreWaitFlag takes one pipe");
     detail::check_cross_core(modeId, flagId, "CrossCoreWaitFlag");
-    if (modeId == 0 && !AK_BATCH_MODE)
+    if (modeId == 0 && !ak::batch_mode)
         ak::fail("CrossCoreWaitFlag", "mode 0 in a kernel launched without batch mode (the tiling's SetScheduleMode(1)):"
                  " cores another stream holds may never arrive");
     const double at = ak::cross_core_wait(modeId, flagId);
@@ -806,7 +804,7 @@ template <bool isAIVOnly = true> void SyncAll() {
     if (isAIVOnly && k.kind != AIV) ak::fail("SyncAll", "SyncAll<true> syncs the AIVs: not for the AIC (SyncAll<false> syncs every core)");
     if (!isAIVOnly && k.kernel_type != KERNEL_TYPE_MIX_AIC_1_1 && k.kernel_type != KERNEL_TYPE_MIX_AIC_1_2)
         ak::fail("SyncAll", "SyncAll<false> in a kernel not declared KERNEL_TYPE_MIX_AIC_1_1 or KERNEL_TYPE_MIX_AIC_1_2");
-    if (!AK_BATCH_MODE)
+    if (!ak::batch_mode)
         ak::fail("SyncAll", "SyncAll in a kernel launched without batch mode (the tiling's SetScheduleMode(1)):"
                  " blocks another stream holds may never start, and the ones waiting hang");
     const double at = ak::sync_all(isAIVOnly, k.c.makespan());
