@@ -3,8 +3,10 @@ fixed calibration, so plans are deterministic and nothing touches the user's cac
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -15,9 +17,16 @@ import pytest
 # this file first, so a kernel one worker built is not built again by the other. A test that runs
 # the suite again in a subprocess (test_portable.py) names the cache it reads back. The tuning DB
 # stays each process's own: a test that counts rows must not see the other worker's.
-_CACHE = os.environ.get("AURAKERNEL_TEST_CACHE_DIR") or tempfile.mkdtemp(prefix="aurakernel-tests-")
+# Whoever makes a directory removes it when it exits (the controller outlives its workers).
+def _own_temp_dir(prefix: str) -> str:
+    path = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
+_CACHE = os.environ.get("AURAKERNEL_TEST_CACHE_DIR") or _own_temp_dir("aurakernel-tests-")
 os.environ["AURAKERNEL_TEST_CACHE_DIR"] = os.environ["AURAKERNEL_CACHE_DIR"] = _CACHE
-os.environ["AURAKERNEL_DB"] = str(Path(tempfile.mkdtemp(prefix="aurakernel-db-")) / "tuning.sqlite")
+os.environ["AURAKERNEL_DB"] = str(Path(_own_temp_dir("aurakernel-db-")) / "tuning.sqlite")
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 from aurakernel.hardware import calibration_path  # noqa: E402
