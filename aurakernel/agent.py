@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,12 +73,27 @@ def tune_problem(spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target:
                  out_dir: Path | None = None, with_memory: bool = False, candidates: int = 1) -> TuneResult:
     """One problem through its target's pipeline, recorded in the DB; candidates > 1: the planner's
     that many best tilings timed against each other, the fastest verified one kept (host)."""
-    check_candidates(candidates, target, target_for(hw).kind)
-    result = target_for(hw).tune(spec, problem, hw, target=target, solver=solver, with_compiled=with_compiled,
-                                 with_compiled_kernel=with_compiled_kernel, out_dir=out_dir, with_memory=with_memory,
-                                 candidates=candidates)
+    result = _tune_unrecorded(spec, problem, hw, target=target, solver=solver, with_compiled=with_compiled,
+                              with_compiled_kernel=with_compiled_kernel, out_dir=out_dir, with_memory=with_memory,
+                              candidates=candidates)
     _record(db, result, hw)
     return result
+
+
+def _tune_unrecorded(spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, **options) -> TuneResult:
+    check_candidates(options.get("candidates", 1), target, target_for(hw).kind)
+    return target_for(hw).tune(spec, problem, hw, target=target, **options)
+
+
+def _map(fn, jobs: list, *, side_by_side: bool):
+    """fn over jobs, results in order. Side by side on a thread per core where nothing is timed here
+    (an emulated target's builds and emulator runs are subprocesses: they overlap); else one after
+    the other on this thread, so no measurement shares the CPU with another."""
+    workers = min(len(jobs), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    if not side_by_side or workers <= 1:
+        return map(fn, jobs)
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(fn, jobs))
 
 
 @dataclass
@@ -147,22 +164,31 @@ def autotune(workload: Workload, *, target: str = "host", solver: str = "highs",
         if g.kind == "fusable" and not g.tunable:
             plan.skipped.append({"op": g.name, "reason": "no OpSpec for this group yet: runs the reference"})
     tuned, skipped = [], []   # skipped: the problems not tuned or not usable (the plan lists them too)
+    jobs = []
     for problem in problems_from_profile(report):
-        spec = OPS[problem.op]
         where = {"op": problem.op, "variant": problem.variant, "shape": problem.shape_text, "dtype": problem.dtype.value}
-        if not tgt.supported(spec):
+        if not tgt.supported(OPS[problem.op]):
             skipped.append(where | {"reason": f"no {tgt.kind} kernel for this operator yet"})
             continue
-        if progress:
-            progress(f"tuning {problem.describe()}")
         project = (Path(out_dir) / f"{problem.op}_{problem.variant}_{problem.shape_text}_{problem.dtype.value}"
                    if tgt.writes_projects else None)
+        jobs.append((problem, where, project))
+
+    def tune_one(job):
+        problem, _, project = job
+        if progress:
+            progress(f"tuning {problem.describe()}")
         try:
-            r = tune_problem(spec, problem, hw, target=target, solver=solver, db=db, with_compiled=with_compiled,
-                             out_dir=project, candidates=candidates)
+            return _tune_unrecorded(OPS[problem.op], problem, hw, target=target, solver=solver,
+                                    with_compiled=with_compiled, out_dir=project, candidates=candidates)
         except (PlanInfeasible, BuildError) as exc:   # one problem that cannot be planned or built must not cost the others
-            skipped.append(where | {"reason": str(exc).splitlines()[0]})
+            return exc
+
+    for (problem, where, _), r in zip(jobs, _map(tune_one, jobs, side_by_side=tgt.times_nothing_here)):
+        if isinstance(r, Exception):
+            skipped.append(where | {"reason": str(r).splitlines()[0]})
             continue
+        _record(db, r, hw)
         tuned.append(r)
         if not r.usable:
             skipped.append(where | {"reason": "; ".join(r.reasons) or r.status})

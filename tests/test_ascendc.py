@@ -761,7 +761,7 @@ def test_project_builds_with_cann(tmp_path):
     subprocess.run(["cmake", "--build", str(tmp_path / "build")], check=True)
 
 
-@pytest.mark.timeout(1200)   # a cold build cache compiles every op's emulator kernels here (~9 min on 2 cores)
+@pytest.mark.timeout(1200)   # a cold build cache compiles every op's emulator kernels here (~3 min on 2 cores)
 def test_autotune_ascend_writes_a_verified_project_per_supported_group(tmp_path):
     out = subprocess.run([sys.executable, "-m", "aurakernel.cli", "autotune", "--config", "trainer/configs/tiny.yaml",
                           "--target", "ascend910b2", "--out", str(tmp_path), "--json"],

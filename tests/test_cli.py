@@ -277,3 +277,27 @@ def test_show_reads_a_read_only_db_and_a_row_whose_plan_is_not_json(tmp_path, mo
     assert main(["show", "--db", str(path), "--json"]) == 0
     assert len(json.loads(capsys.readouterr().out)) == 2
     assert path.read_bytes() == before
+
+
+def test_autotune_tunes_emulated_problems_side_by_side_and_timed_ones_on_the_calling_thread():
+    """An Ascend autotune's problems build and run the emulator in subprocesses: they overlap, a
+    thread per core. A host autotune times kernels: one at a time, on the calling thread (a kernel
+    timed beside another, or from a thread with its own OpenMP team, would measure something else)."""
+    import threading
+
+    from aurakernel.agent import _map
+    from aurakernel.hardware import load_profile
+    from aurakernel.targets import target_for
+
+    assert target_for(load_profile("ascend910b2")).times_nothing_here and not target_for(load_profile("host")).times_nothing_here
+    seen = []
+
+    def double(x):
+        seen.append(threading.get_ident())
+        return 2 * x
+
+    assert list(_map(double, [1, 2, 3], side_by_side=False)) == [2, 4, 6] and set(seen) == {threading.get_ident()}
+    seen.clear()
+    assert list(_map(double, list(range(8)), side_by_side=True)) == [2 * x for x in range(8)]
+    if len(os.sched_getaffinity(0)) > 1:
+        assert threading.get_ident() not in seen

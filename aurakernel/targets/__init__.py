@@ -23,6 +23,7 @@ class Target(Protocol):
     kind: str
     swappable: bool        # its kernels run in this process: `apply` can swap them into a model
     writes_projects: bool  # `tune --out` / `autotune --out` take a folder that receives its sources
+    times_nothing_here: bool   # its tune estimates instead of timing on this CPU: autotune runs problems side by side
 
     def supported(self, spec: OpSpec) -> bool:
         """Whether the operator has a kernel for this target."""

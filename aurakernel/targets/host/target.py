@@ -63,6 +63,7 @@ class HostTarget:
     kind = "host"
     swappable = True
     writes_projects = False
+    times_nothing_here = False   # every tune times kernels on this CPU: one at a time
 
     def supported(self, spec: OpSpec) -> bool:
         return spec.name in KERNELS
