@@ -184,7 +184,7 @@ def autotune(workload: Workload, *, target: str = "host", solver: str = "highs",
         except (PlanInfeasible, BuildError) as exc:   # one problem that cannot be planned or built must not cost the others
             return exc
 
-    for (problem, where, _), r in zip(jobs, _map(tune_one, jobs, side_by_side=tgt.times_nothing_here)):
+    for (_, where, _), r in zip(jobs, _map(tune_one, jobs, side_by_side=tgt.times_nothing_here)):
         if isinstance(r, Exception):
             skipped.append(where | {"reason": str(r).splitlines()[0]})
             continue
