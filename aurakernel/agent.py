@@ -92,8 +92,11 @@ def _map(fn, jobs: list, *, side_by_side: bool):
     workers = min(len(jobs), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
     if not side_by_side or workers <= 1:
         return map(fn, jobs)
-    with ThreadPoolExecutor(workers) as pool:
+    pool = ThreadPoolExecutor(workers)
+    try:
         return list(pool.map(fn, jobs))
+    finally:   # an error or Ctrl-C: the jobs not yet started are dropped, not run to the end first
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 @dataclass

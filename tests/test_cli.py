@@ -284,6 +284,7 @@ def test_autotune_tunes_emulated_problems_side_by_side_and_timed_ones_on_the_cal
     thread per core. A host autotune times kernels: one at a time, on the calling thread (a kernel
     timed beside another, or from a thread with its own OpenMP team, would measure something else)."""
     import threading
+    import time
 
     from aurakernel.agent import _map
     from aurakernel.hardware import load_profile
@@ -301,3 +302,15 @@ def test_autotune_tunes_emulated_problems_side_by_side_and_timed_ones_on_the_cal
     assert list(_map(double, list(range(8)), side_by_side=True)) == [2 * x for x in range(8)]
     if len(os.sched_getaffinity(0)) > 1:
         assert threading.get_ident() not in seen
+    # a job that fails (or Ctrl-C) ends the map: the jobs not yet started never run
+    started = []
+
+    def fail_first(x):
+        started.append(x)
+        if x == 0:
+            raise ValueError("job 0")
+        time.sleep(0.05)
+
+    with pytest.raises(ValueError, match="job 0"):
+        list(_map(fail_first, list(range(40)), side_by_side=True))
+    assert len(started) < 40
