@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .db import Record, TuningDB
 from .dtypes import DType
+from .concurrency import map_in_order
 from .errors import BuildError, PlanInfeasible, UserError
 from .hardware import HardwareProfile, free_memory_bytes, load_profile
 from .ops import OPS, get_op
@@ -83,20 +82,6 @@ def tune_problem(spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target:
 def _tune_unrecorded(spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, **options) -> TuneResult:
     check_candidates(options.get("candidates", 1), target, target_for(hw).kind)
     return target_for(hw).tune(spec, problem, hw, target=target, **options)
-
-
-def _map(fn, jobs: list, *, side_by_side: bool):
-    """fn over jobs, results in order. Side by side on a thread per core where nothing is timed here
-    (an emulated target's builds and emulator runs are subprocesses: they overlap); else one after
-    the other on this thread, so no measurement shares the CPU with another."""
-    workers = min(len(jobs), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-    if not side_by_side or workers <= 1:
-        return map(fn, jobs)
-    pool = ThreadPoolExecutor(workers)
-    try:
-        return list(pool.map(fn, jobs))
-    finally:   # an error or Ctrl-C: the jobs not yet started are dropped, not run to the end first
-        pool.shutdown(wait=True, cancel_futures=True)
 
 
 @dataclass
@@ -187,7 +172,7 @@ def autotune(workload: Workload, *, target: str = "host", solver: str = "highs",
         except (PlanInfeasible, BuildError) as exc:   # one problem that cannot be planned or built must not cost the others
             return exc
 
-    for (_, where, _), r in zip(jobs, _map(tune_one, jobs, side_by_side=tgt.times_nothing_here)):
+    for (_, where, _), r in zip(jobs, map_in_order(tune_one, jobs, side_by_side=tgt.times_nothing_here)):
         if isinstance(r, Exception):
             skipped.append(where | {"reason": str(r).splitlines()[0]})
             continue

@@ -5,6 +5,7 @@ true roofline bound (1.0 = at the bound): per pass the largest of the op's minim
 `work`), the vector work its math cannot avoid and its Cube MACs at peak, and which one it is. The
 "per phase" column sets each kernel against the traffic it makes itself: a phase near 1.0 there but
 far from the true bound moves more than the op needs (partials per core, a second pass over x).
+The emulator runs go side by side, a thread per core.
 
     python -m benchmarks.ascend [--target ascend910b2] [--rows 8192] [--ops OP,...] [--json]
 """
@@ -21,6 +22,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from aurakernel.concurrency import map_in_order
 from aurakernel.targets import ascend
 from aurakernel.hardware import load_profile
 from aurakernel.ops import OPS
@@ -112,7 +114,7 @@ def main(argv=None) -> int:
                  f"one of {', '.join(sorted({op for op, *_ in CASES}))}")
     hw = load_profile(args.target)
     console = Console(stderr=args.json, width=160)
-    rows = []
+    cases = []   # planned here one by one (Pyomo is not thread-safe), estimated side by side
     for op, variant, shape, dtype in CASES:
         if only and op not in only:
             continue
@@ -122,9 +124,13 @@ def main(argv=None) -> int:
         plan = ascend.plan(spec, problem, hw, target=args.target, solver="highs")
         naive = {**naive_knobs(ascend.model(spec, problem, hw)),
                  **naive_cube_knobs(ascend.kernel_of(spec).cube_model(problem, hw))}
-        picked, base = estimate(spec, problem, plan.knobs, hw), estimate(spec, problem, naive, hw)
-        rows.append({"op": f"{op}[{variant}]", "shape": problem.shape_text, "dtype": dtype, "plan": plan.knobs,
-                     "cols": ascend.kernel_of(spec).rows_cols(problem)[1],
+        cases.append((spec, problem, plan, naive))
+    jobs = [(spec, problem, knobs) for spec, problem, plan, naive in cases for knobs in (plan.knobs, naive)]
+    estimates = list(map_in_order(lambda job: estimate(*job, hw), jobs, side_by_side=True))
+    rows = []
+    for (spec, problem, plan, naive), picked, base in zip(cases, estimates[0::2], estimates[1::2]):
+        rows.append({"op": f"{spec.name}[{problem.variant}]", "shape": problem.shape_text, "dtype": problem.dtype.value,
+                     "plan": plan.knobs, "cols": ascend.kernel_of(spec).rows_cols(problem)[1],
                      "naive": naive, "plan_est_us": picked["est_us"], "naive_est_us": base["est_us"],
                      "roofline_us": picked["roofline_us"], "traffic_us": picked["traffic_us"], "bound": picked["bound"], "plan_vs_roofline": picked["ratio"],
                      "naive_vs_roofline": base["ratio"], "plan_speedup_vs_naive": base["est_us"] / picked["est_us"],

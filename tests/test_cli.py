@@ -286,7 +286,7 @@ def test_autotune_tunes_emulated_problems_side_by_side_and_timed_ones_on_the_cal
     import threading
     import time
 
-    from aurakernel.agent import _map
+    from aurakernel.concurrency import map_in_order
     from aurakernel.hardware import load_profile
     from aurakernel.targets import target_for
 
@@ -297,9 +297,9 @@ def test_autotune_tunes_emulated_problems_side_by_side_and_timed_ones_on_the_cal
         seen.append(threading.get_ident())
         return 2 * x
 
-    assert list(_map(double, [1, 2, 3], side_by_side=False)) == [2, 4, 6] and set(seen) == {threading.get_ident()}
+    assert list(map_in_order(double, [1, 2, 3], side_by_side=False)) == [2, 4, 6] and set(seen) == {threading.get_ident()}
     seen.clear()
-    assert list(_map(double, list(range(8)), side_by_side=True)) == [2 * x for x in range(8)]
+    assert list(map_in_order(double, list(range(8)), side_by_side=True)) == [2 * x for x in range(8)]
     if len(os.sched_getaffinity(0)) > 1:
         assert threading.get_ident() not in seen
     # a job that fails (or Ctrl-C) ends the map: the jobs not yet started never run
@@ -312,5 +312,5 @@ def test_autotune_tunes_emulated_problems_side_by_side_and_timed_ones_on_the_cal
         time.sleep(0.05)
 
     with pytest.raises(ValueError, match="job 0"):
-        list(_map(fail_first, list(range(40)), side_by_side=True))
+        list(map_in_order(fail_first, list(range(40)), side_by_side=True))
     assert len(started) < 40
