@@ -94,21 +94,18 @@ def build(kernel_source: str, *, entry: str, nargs: int, hw: HardwareProfile, in
     flags = [*base, *(f"-D{k}={v}" for k, v in launch.items())]
     # the kernel's own headers (its tiling struct) are copied beside it, so the cache key holds their
     # content, not the (temporary) directory they came from
-    headers = {h.name: h.read_text() for d in include_dirs for h in sorted(Path(d).glob("*.h"))}
-    key = _digest(kernel_source, *(f"{n}\0{t}" for n, t in headers.items()), LAUNCH.read_text(),
-                  (INCLUDE / "kernel_operator.h").read_text(), cxx, *flags)
+    kernel = {"kernel.cpp": kernel_source,
+              **{h.name: h.read_text() for d in include_dirs for h in sorted(Path(d).glob("*.h"))}}
     out_dir = build_cache("ascendc-emu")
-    exe = out_dir / f"{entry}-{key}"
+    exe = out_dir / f"{entry}-{_digest(*_named(kernel), *map(_named_file, (LAUNCH, RUNNER, INCLUDE / 'kernel_operator.h')), cxx, *flags)}"
     if whole_build(exe):
         return exe
-    runner = _runner_object(cxx, base, out_dir)
+    # the kernel's object serves every entry of it (forward, backward), the runner's every kernel
+    objects = [_object(out_dir, "kernel", kernel, cxx, base, f"AscendC emulator build of {entry}"),
+               _object(out_dir, "runner", {"runner.cpp": RUNNER.read_text()}, cxx, base, "AscendC emulator runner build")]
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-        src = Path(tmp) / "kernel.cpp"
-        src.write_text(kernel_source)
-        for name, text in headers.items():
-            (Path(tmp) / name).write_text(text)
         tmp_exe = Path(tmp) / "runner"
-        proc = subprocess.run([cxx, *flags, f"-I{tmp}", str(src), str(LAUNCH), str(runner), "-o", str(tmp_exe)],
+        proc = subprocess.run([cxx, *flags, str(LAUNCH), *map(str, objects), "-o", str(tmp_exe)],
                               capture_output=True, text=True)
         if proc.returncode != 0:
             raise BuildError(f"AscendC emulator build of {entry} failed:\n{proc.stderr[-4000:]}")
@@ -120,30 +117,31 @@ def _digest(*parts: str) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
 
 
-def _runner_object(cxx: str, flags: list[str], out_dir: Path) -> Path:
-    """runner.cpp compiled for one hardware profile (cached): half of a kernel's build time, shared by all."""
-    obj = out_dir / f"runner-{_digest(RUNNER.read_text(), (INCLUDE / 'kernel_operator.h').read_text(), cxx, *flags)}.o"
+def _named(files: dict[str, str]) -> list[str]:
+    return [f"{name}\0{text}" for name, text in files.items()]
+
+
+def _named_file(path: Path) -> str:
+    return f"{path.name}\0{path.read_text()}"
+
+
+def _object(out_dir: Path, stem: str, files: dict[str, str], cxx: str, flags: list[str], what: str) -> Path:
+    """The first of `files` (the rest: headers beside it) compiled against the emulator's header,
+    cached by their content and the flags: most of a build's time, shared by every build that
+    links the same source."""
+    obj = out_dir / f"{stem}-{_digest(*_named(files), _named_file(INCLUDE / 'kernel_operator.h'), cxx, *flags)}.o"
     if whole_build(obj):
         return obj
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-        tmp_obj = Path(tmp) / "runner.o"
-        proc = subprocess.run([cxx, *flags, "-c", str(RUNNER), "-o", str(tmp_obj)], capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise BuildError(f"AscendC emulator build of its runner failed:\n{proc.stderr[-4000:]}")
-        os.replace(tmp_obj, obj)
-    return obj
-    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-        src = Path(tmp) / "kernel.cpp"
-        src.write_text(kernel_source)
-        for name, text in headers.items():
+        for name, text in files.items():
             (Path(tmp) / name).write_text(text)
-        tmp_exe = Path(tmp) / "runner"
-        proc = subprocess.run([cxx, *flags, f"-I{tmp}", str(src), str(RUNNER), "-o", str(tmp_exe)],
+        tmp_obj = Path(tmp) / "out.o"
+        proc = subprocess.run([cxx, *flags, f"-I{tmp}", "-c", str(Path(tmp) / next(iter(files))), "-o", str(tmp_obj)],
                               capture_output=True, text=True)
         if proc.returncode != 0:
-            raise BuildError(f"AscendC emulator build of {entry} failed:\n{proc.stderr[-4000:]}")
-        os.replace(tmp_exe, exe)   # atomic: a concurrent build never sees half a file
-    return exe
+            raise BuildError(f"{what} failed:\n{proc.stderr[-4000:]}")
+        os.replace(tmp_obj, obj)
+    return obj
 
 
 @dataclass

@@ -1,6 +1,6 @@
 // The one part of an emulator build that names its kernel: the entry and the launch's shape, from
-// the build's defines (typed values only, see build()). Kept apart so that runner.cpp, the large
-// part, compiles once per hardware profile and not once per kernel.
+// the build's defines (typed values only, see build()). Kept apart so that the large parts compile
+// once: runner.cpp per hardware profile, a kernel's source for all its entries.
 #include <cstdint>
 
 extern "C" void AK_KERNEL(AK_PARAMS);
