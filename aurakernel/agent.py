@@ -13,9 +13,9 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .concurrency import map_in_order
 from .db import Record, TuningDB
 from .dtypes import DType
-from .concurrency import map_in_order
 from .errors import BuildError, PlanInfeasible, UserError
 from .hardware import HardwareProfile, free_memory_bytes, load_profile
 from .ops import OPS, get_op

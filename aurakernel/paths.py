@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 
 import platformdirs
@@ -17,7 +18,7 @@ def write_text_atomic(path: Path, text: str) -> Path:
     """Write a text file so that it holds either its old or its new content, never half of it
     (a temp file beside it, then an atomic rename): a killed process loses nothing."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")   # its own: writers may race
     tmp.write_text(text)
     os.replace(tmp, path)
     return path

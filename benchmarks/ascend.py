@@ -114,7 +114,7 @@ def main(argv=None) -> int:
                  f"one of {', '.join(sorted({op for op, *_ in CASES}))}")
     hw = load_profile(args.target)
     console = Console(stderr=args.json, width=160)
-    cases = []   # planned here one by one (Pyomo is not thread-safe), estimated side by side
+    cases = []   # planned, then estimated side by side
     for op, variant, shape, dtype in CASES:
         if only and op not in only:
             continue

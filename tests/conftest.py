@@ -30,6 +30,7 @@ os.environ["AURAKERNEL_DB"] = str(Path(_own_temp_dir("aurakernel-db-")) / "tunin
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 from aurakernel.hardware import calibration_path  # noqa: E402
+from aurakernel.paths import write_text_atomic  # noqa: E402
 
 FIXED_CALIBRATION = {
     "stream_gbps": {"1": 10.0, "2": 18.0},
@@ -37,9 +38,7 @@ FIXED_CALIBRATION = {
     "fork_overhead_us": 2.0,
     "peak_tflops": {"fp32": 0.2, "bf16": 0.5, "fp16": 0.5},
 }
-_fixed = calibration_path().with_suffix(f".{os.getpid()}")   # written whole, then renamed: workers share it
-_fixed.write_text(json.dumps(FIXED_CALIBRATION))
-_fixed.replace(calibration_path())
+write_text_atomic(calibration_path(), json.dumps(FIXED_CALIBRATION))   # workers share it
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = str(REPO / "trainer" / "configs" / "tiny.yaml")

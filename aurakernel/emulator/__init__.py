@@ -14,6 +14,7 @@ reported error, not a crash of the caller.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -34,6 +35,7 @@ HERE = Path(__file__).parent
 INCLUDE = HERE / "include"
 RUNNER = HERE / "runner.cpp"
 LAUNCH = HERE / "launch.cpp"
+HEADER = INCLUDE / "kernel_operator.h"
 PIPES = ("MTE2", "MTE3", "Vector", "Scalar", "MTE1", "Cube", "FIX")
 CUBE_PIPES = ("MTE1", "Cube", "FIX")   # reported only where a kernel used them
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -43,7 +45,7 @@ CORES = {"aiv": (0, 1), "aic": (1, 0), "mix_1_1": (1, 1), "mix_1_2": (1, 2)}
 
 def documented_apis() -> set[str]:
     """The AscendC API names the emulator implements (its AK_EMULATED_APIS list)."""
-    text = (INCLUDE / "kernel_operator.h").read_text()
+    text = _text(HEADER)
     block = text[text.index("#define AK_EMULATED_APIS"):]
     return set(" ".join(re.findall(r'"([^"]*)"', block)).split())
 
@@ -97,12 +99,12 @@ def build(kernel_source: str, *, entry: str, nargs: int, hw: HardwareProfile, in
     kernel = {"kernel.cpp": kernel_source,
               **{h.name: h.read_text() for d in include_dirs for h in sorted(Path(d).glob("*.h"))}}
     out_dir = build_cache("ascendc-emu")
-    exe = out_dir / f"{entry}-{_digest(*_named(kernel), *map(_named_file, (LAUNCH, RUNNER, INCLUDE / 'kernel_operator.h')), cxx, *flags)}"
+    exe = out_dir / f"{entry}-{_digest(*_named(kernel), *map(_named_file, (LAUNCH, RUNNER, HEADER)), cxx, *flags)}"
     if whole_build(exe):
         return exe
     # the kernel's object serves every entry of it (forward, backward), the runner's every kernel
     objects = [_object(out_dir, "kernel", kernel, cxx, base, f"AscendC emulator build of {entry}"),
-               _object(out_dir, "runner", {"runner.cpp": RUNNER.read_text()}, cxx, base, "AscendC emulator runner build")]
+               _object(out_dir, "runner", {"runner.cpp": _text(RUNNER)}, cxx, base, "AscendC emulator runner build")]
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         tmp_exe = Path(tmp) / "runner"
         proc = subprocess.run([cxx, *flags, str(LAUNCH), *map(str, objects), "-o", str(tmp_exe)],
@@ -121,15 +123,20 @@ def _named(files: dict[str, str]) -> list[str]:
     return [f"{name}\0{text}" for name, text in files.items()]
 
 
+@functools.cache
+def _text(path: Path) -> str:   # the emulator's own sources: read once per process, not per build
+    return path.read_text()
+
+
 def _named_file(path: Path) -> str:
-    return f"{path.name}\0{path.read_text()}"
+    return f"{path.name}\0{_text(path)}"
 
 
 def _object(out_dir: Path, stem: str, files: dict[str, str], cxx: str, flags: list[str], what: str) -> Path:
     """The first of `files` (the rest: headers beside it) compiled against the emulator's header,
     cached by their content and the flags: most of a build's time, shared by every build that
     links the same source."""
-    obj = out_dir / f"{stem}-{_digest(*_named(files), _named_file(INCLUDE / 'kernel_operator.h'), cxx, *flags)}.o"
+    obj = out_dir / f"{stem}-{_digest(*_named(files), _named_file(HEADER), cxx, *flags)}.o"
     if whole_build(obj):
         return obj
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:

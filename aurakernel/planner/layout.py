@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import PlanInfeasible, UserError
+from .model import one_pyomo_model_at_a_time
 
 ASCEND_LAYOUTS = ("ND", "NZ", "T")
 HOST_LAYOUTS = ("RM", "CM", "RM_PAD")
@@ -179,6 +180,7 @@ def _write_layouts(p: LayoutProblem, t: str, writers: dict[str, str]) -> list[st
     return [p.fixed[t]] if t in p.fixed and p.fixed[t] in allowed else ([] if t in p.fixed else allowed)
 
 
+@one_pyomo_model_at_a_time
 def _solve_highs(p: LayoutProblem, time_limit_s: float):
     import pyomo.environ as pyo
     from pyomo.contrib.solver.common.factory import SolverFactory

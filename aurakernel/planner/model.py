@@ -21,8 +21,10 @@ the solver found none in time, status "timeout" with no choice -- never a silent
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -127,6 +129,20 @@ def _time_scale(model: ChoiceModel) -> float:
     return scale
 
 
+_PYOMO = threading.Lock()
+
+
+def one_pyomo_model_at_a_time(solve):
+    """Pyomo's model building is not thread-safe: solves through it wait for each other (autotune
+    tunes an emulated target's problems on several threads)."""
+    @functools.wraps(solve)
+    def serialised(*args, **kwargs):
+        with _PYOMO:
+            return solve(*args, **kwargs)
+    return serialised
+
+
+@one_pyomo_model_at_a_time
 def _solve_highs(model: ChoiceModel, time_limit_s: float, drop: str | None) -> Solution:
     import pyomo.environ as pyo
     from pyomo.contrib.solver.common.factory import SolverFactory

@@ -13,7 +13,6 @@ templates under templates/ascendc/<op>/.
 from __future__ import annotations
 
 import tempfile
-import threading
 from pathlib import Path
 
 import torch
@@ -225,16 +224,12 @@ def emulate(spec: OpSpec, problem: Problem, knobs: dict[str, int], emu: Emulated
     return kernel_of(spec).run(problem, knobs, inputs, grad_out, emu)[2]
 
 
-_PLANNING = threading.Lock()
-
-
 def tune(spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, solver: str,
          out_dir: Path | None = None) -> TuneResult:
     """Plan, render the op project, verify it in the emulator at tail shapes (3 seeds) and estimate
     its cycles at the full shape (nothing runs here to time: measured_us stays None)."""
     kernel = kernel_of(spec)
-    with _PLANNING:   # Pyomo's model building is not thread-safe; autotune tunes problems on several threads
-        the_plan = plan(spec, problem, hw, target=target, solver=solver)
+    the_plan = plan(spec, problem, hw, target=target, solver=solver)
     knobs = the_plan.knobs
     with tempfile.TemporaryDirectory(prefix=f"ak-{spec.name}-") as scratch:
         project = render_project(spec, problem, knobs, Path(out_dir) if out_dir is not None else Path(scratch), hw)
