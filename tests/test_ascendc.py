@@ -137,6 +137,35 @@ def test_router_tiles_take_any_multiple_of_8_rows(tmp_path):
     assert result.passed, result.summary
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_router_backward_scatters_packed_gradients_and_sums_a_repeated_expert(dtype, tmp_path):
+    """The backward's scalar unit reads a row's experts and gradients 64 bits at a time from the compact
+    tiles the vector unit leaves (two experts, or 32 B / lanes gradients, a read) and writes them at
+    their experts; a hash row that lists an expert twice takes the fp32 sum path. Rows of both kinds
+    against autograd through the reference (float64), bf16 and fp32."""
+    import torch
+    spec, kernel = OPS["router"], ascend.kernel_of(OPS["router"])
+    problem = spec.problem("60x256x6", dtype, "hash")
+    knobs = ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs").knobs
+    emu = ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, tmp_path, HW), HW)
+    inputs = spec.make_inputs(problem, 0)
+    table = inputs["tid2eid"].clone()
+    table[::2, 4] = table[::2, 1]                          # even token ids list an expert twice
+    inputs["tid2eid"] = table
+    repeated = inputs["input_ids"] % 2 == 0
+    assert 0 < int(repeated.sum()) < 60                     # both kinds of row are here
+    grad = torch.randn(60, 6, generator=torch.Generator().manual_seed(1)).to(problem.dtype.torch)
+    _, grads, reports = kernel.run(problem, knobs, inputs, {"weights": grad}, emu)
+    assert all(r.ok for r in reports.values()), [r.errors for r in reports.values()]
+    logits = inputs["logits"].double().requires_grad_(True)
+    weights = spec.reference(problem, {**inputs, "logits": logits})["weights"]
+    (want,) = torch.autograd.grad(weights, logits, grad.double())
+    got = grads["logits"].double()
+    assert torch.equal(got != 0, want != 0)                  # exactly the rows' experts, a repeat once
+    tol = 1e-2 if dtype == "bf16" else 1e-5
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol * float(want.abs().max()))
+
+
 def test_router_topk_refuses_more_candidates_than_one_merge_sorts():
     """The top-k kernel sorts the members of each row's top k + 1 groups (experts / 32 each) in one
     merge of four 32-structure lists: V4's top-6 of 256 and 384 (and top-7 of 512) fit; top-8 of 512
