@@ -9,11 +9,12 @@ instructions per row, 22.1 -> 20.6 us for forward + backward):
   slow-op rate per 256 B they write (the emulator's estimate): ~45 cycles a row for selection alone
   against the ~31 a row of its HBM share, then ~40 a row for the tail on [rows][32 B] compact tiles
   (ascending order, weights, tie flag: issue-bound, 12 cycles an instruction).
-- backward (~13.5k cycles against ~10k; was ~17k): the scatter of each row's K gradients on the
+- backward (~13k cycles against ~10k; was ~17k): the scatter of each row's K gradients on the
   scalar unit. A2/A3 have no vector Scatter (the documented one is Ascend 950's), so the scalar unit
   writes the K gradients one by one; it reads the row's experts (int32) and gradients (in the dtype)
   from the compact tiles the vector unit leaves, 64 bits a read: for K = 6 in bf16 3 + 2 reads and 6
   writes a row (~44 cycles), where one value a read (6 + 6 + 6) took ~73. The writes are the floor.
+  A third d logits tile lets the vector unit zero tile t + 2 while tile t is copied out (7.3 -> 7.1 us).
 """
 
 from __future__ import annotations
@@ -75,8 +76,9 @@ class RouterAscend(AscendKernel):
                                  f32_tiles=-(-scratch // (experts * 4)), instrs_per_tile=50)
         # logits in, d logits out; index and d weights in (queued); per row, beside the queues, the
         # compact tiles: the gathered logits and the fp32 gradients (one per tile parity), six of work,
-        # and per parity the experts (int32) and the gradients in the dtype, which the scatter reads
-        compact = (2 + 6 + 2) * lanes * 4 + 2 * lanes * (4 + e)
+        # and per parity the experts (int32) and the gradients in the dtype, which the scatter reads;
+        # and a third d logits tile (the kernel's DX_BUFFERS), counted whether or not buffers is 2
+        compact = (2 + 6 + 2) * lanes * 4 + 2 * lanes * (4 + e) + experts * e
         bwd = AscendRowPhase("backward", 1, 1, idx_bytes + lanes * e, 0, 0, 0,
                              fast_ops_per_elem=30 * lanes * 4 / 256 / repeats + 1,
                              slow_ops_per_elem=8 * lanes * 4 / 256 / repeats, instrs_per_chunk=0,
