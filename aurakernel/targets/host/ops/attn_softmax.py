@@ -5,7 +5,7 @@ minimum traffic alone (forward 2.5 ms vs 0.7, backward 2.8 vs 1.1): an exp per s
 row's max and sum sweeps over rows of 320; the tensors are small enough to stay in cache, so the
 exp polynomial, not memory, is the limit.
 16-bit probabilities keep 8 or 11 mantissa bits, so their exp is the degree-4 polynomial
-(ak_exp_neg16, relative error < 5e-5; the backward rebuilds p with the same one). AVX2 EPYC, kernel
+(ak_exp_neg16, relative error < 6e-5; the backward rebuilds p with the same one). AVX2 EPYC, kernel
 alone, two A/B rounds against the degree-6 exp: forward 2.57 / 3.00 -> 2.20 / 2.68 ms, backward
 3.01 / 3.46 -> 2.57 / 3.26 ms (the machine's noise is about that size; fwd+bwd over eager 4.3x -> 4.7x).
 """
