@@ -54,7 +54,9 @@ gcc folded B's loads into every FMA of the 4 x 3-vector block (16 loads per 12 F
 one-vector block's accumulators on the stack (its row loop was not unrolled). B is now pinned in
 registers and the one-vector block unrolled (_gemm.h.j2): one EPYC core at 64 x 24 x 128, 68 -> 88
 GFLOP/s; at 64 x 8 x 128, 31 -> 63. In place (1024 x 4 x 4096 bf16, interleaved in one process):
-mhc_pre forward 9.6 -> 8.2 ms, mhc_head forward 7.2 -> 5.0 ms; the backwards are unchanged.
+mhc_pre forward 9.1 -> 7.5 ms, mhc_head forward 7.2 -> 5.3 ms; the tiny model's 1024 x 4 x 256 fp32
+mhc_pre forward 586 -> 504 us. The backwards are unchanged; the register blocks are now always
+inlined into ak_gemm, since the larger ak_gemm had gcc call ak_block_6 out of line (10-14% slower).
 """
 
 from __future__ import annotations
