@@ -254,6 +254,45 @@ def test_fused_adamw_matches_torch_adamw_over_steps(cfg, host):
         assert float(our_state[k]["step"]) == float(ref_state[k]["step"]) == 4
 
 
+def test_fused_adamw_batches_its_tensors_and_leaves_the_rest_to_torch(monkeypatch):
+    """One kernel call per group and step count for the fp32 tensors (tiny ones share the threads'
+    blocks with large ones), torch's AdamW for a bf16 parameter and a non-contiguous one, nothing for a
+    parameter without a gradient (its step count falls behind, as torch's does): weights, states and
+    step counts all as torch's AdamW, over 4 steps with a group added after 2."""
+    from aurakernel.patch.adamw import FusedAdamW
+    from aurakernel.targets.host.library import Kernel
+
+    kernel = build_kernel(get_op("adamw"), Problem("adamw", "default", (4096,), DType.fp32), {"tile_rows": 1, "threads": 2})
+    g = torch.Generator().manual_seed(0)
+    shapes = [(3,), (1025,), (64, 33), (7, 5)]
+    base = [torch.randn(s, generator=g) for s in shapes] + [torch.randn(16, generator=g).bfloat16(),
+                                                            torch.randn(6, 4, generator=g).t(), torch.randn(5, generator=g)]
+    ours, ref = ([torch.nn.Parameter(t.clone()) for t in base] for _ in range(2))
+    hyper = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    our_opt = FusedAdamW(ours[:-1], kernel=kernel.source_hash, **hyper)
+    ref_opt = torch.optim.AdamW(ref[:-1], foreach=False, **hyper)
+    calls = []
+    call = Kernel.call
+    monkeypatch.setattr(Kernel, "call", lambda k, name, *a: (calls.append((name, a[0][:, 4].tolist())), call(k, name, *a))[1])
+    for step in range(4):
+        if step == 2:   # a parameter joins the group late: its steps count from here
+            our_opt.add_param_group({"params": [ours[-1]]}), ref_opt.add_param_group({"params": [ref[-1]]})
+        for i, (a, b) in enumerate(zip(ours, ref)):
+            grad = None if i == 3 and step == 1 else torch.randn(a.shape, generator=g).to(a.dtype) * 0.01
+            a.grad = None if grad is None else grad.clone()
+            b.grad = None if grad is None else grad.clone()
+        our_opt.step(), ref_opt.step()
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    for a, b in zip(our_opt.state.values(), ref_opt.state.values()):
+        assert float(a["step"]) == float(b["step"])
+    # a call per group, step and step count: (7, 5) has no gradient at step 1, so it counts a step less
+    # from then on; the late group's parameter joins at step 2
+    big, late, behind = [3, 1025, 64 * 33], [5], [35]
+    assert {c[0] for c in calls} == {"update_many"}
+    assert [c[1] for c in calls] == [big + behind, big, big, behind, late, big, behind, late]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_patched_experts_dispatch_is_bitwise_the_reference(dtype):
     """The swiglu patch also replaces the experts' row gathers (index_select, whose backward is an

@@ -196,7 +196,9 @@ def _fsdp_adamw_worker(rank: int, world: int, init_file: str, out_dir: str) -> N
     ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **hyper)
     updates = []
     call = Kernel.call
-    Kernel.call = lambda k, name, *a: (updates.append(a[7]) if name == "update" else None, call(k, name, *a))[1]
+    # one call a step for every local shard: (p, g, m, v, numel) rows of its table
+    Kernel.call = lambda k, name, *a: (updates.append(a[0][:, 4].tolist()) if name == "update_many" else None,
+                                       call(k, name, *a))[1]
     g = torch.Generator().manual_seed(rank)
     for _ in range(3):
         x = torch.randn(8, 64, generator=g)
@@ -209,19 +211,19 @@ def _fsdp_adamw_worker(rank: int, world: int, init_file: str, out_dir: str) -> N
         assert isinstance(a, DTensor) and a.to_local().numel() * world == a.numel()
         torch.testing.assert_close(a.to_local(), b.to_local(), atol=1e-6, rtol=1e-5)
     local = sum(p.to_local().numel() for p in ours.parameters())
-    (Path(out_dir) / f"rank{rank}.txt").write_text(f"{len(updates)} {sum(updates)} {local}")
+    (Path(out_dir) / f"rank{rank}.txt").write_text(f"{len(updates)} {sum(map(len, updates))} {sum(map(sum, updates))} {local}")
     dist.destroy_process_group()
 
 
 def test_fused_adamw_updates_the_local_shards_under_fsdp2(tmp_path):
     """Two ranks (gloo, CPU): FusedAdamW on fully_shard'ed parameters matches torch's AdamW shard by
-    shard, and its kernel ran on every parameter's local shard in each of the 3 steps."""
+    shard, and its kernel ran on every parameter's local shard in each of the 3 steps, in one call a step."""
     import torch.multiprocessing as mp
 
     mp.spawn(_fsdp_adamw_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
-        calls, elements, local = map(int, (tmp_path / f"rank{rank}.txt").read_text().split())
-        assert calls == 3 * 4 and elements == 3 * local   # 4 parameters, each updated on its shard
+        calls, tensors, elements, local = map(int, (tmp_path / f"rank{rank}.txt").read_text().split())
+        assert calls == 3 and tensors == 3 * 4 and elements == 3 * local   # 4 parameters' shards, one call a step
 
 
 @pytest.mark.parametrize("op,shape", [("swiglu", "64x128"), ("rms_norm", "64x256")])

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.optim.adam import adam
 
 from ..ops.adamw import HYPER, SPEC
 from ..ops.base import Problem
 from ..targets.host.library import built_kernel
-from ..targets.host.ops.adamw import update
+from ..targets.host.ops.adamw import update_many
 from .base import Patch, compiled_step
 
 
@@ -27,11 +28,14 @@ class FusedAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-
+        """Per parameter group: the kernel's tensors (fp32, dense, contiguous, on the CPU) at one step
+        count go in one kernel call (a call per tensor cost more than the update of a small model);
+        any other parameter takes torch's functional AdamW."""
         loss = closure() if closure is not None else None
         k = built_kernel(self.kernel)
         for group in self.param_groups:
             hyper = {n: group[n] for n in ("lr", "betas", "eps", "weight_decay")}
+            mine, steps = [], []   # the kernel's (p, g, m, v) and their step counters
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -40,19 +44,26 @@ class FusedAdamW(torch.optim.Optimizer):
                     state["step"] = torch.tensor(0.0)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["step"] += 1
-                step = int(state["step"].item())
                 g = p.grad
                 # FSDP2 hands DTensor shards: the update is elementwise, so it runs on the local shard
                 lp, lg, lm, lv = (_local(t) for t in (p, g, state["exp_avg"], state["exp_avg_sq"]))
                 if (lp.dtype == torch.float32 and lg.dtype == torch.float32 and not lg.is_sparse
                         and all(t.is_contiguous() for t in (lp, lg, lm, lv)) and lp.device.type == "cpu"):
-                    update(k, lp, lg, lm, lv, step, hyper)
-                else:
-                    torch.optim.adamw.adamw([p], [g], [state["exp_avg"]], [state["exp_avg_sq"]], [],
-                                            [state["step"] - 1 + 1], foreach=False, amsgrad=False,
-                                            beta1=hyper["betas"][0], beta2=hyper["betas"][1], lr=hyper["lr"],
-                                            weight_decay=hyper["weight_decay"], eps=hyper["eps"], maximize=False)
+                    mine.append((lp, lg, lm, lv))
+                    steps.append(state["step"])
+                else:   # torch's AdamW step (its functional form counts the step itself)
+                    adam([p], [g], [state["exp_avg"]], [state["exp_avg_sq"]], [], [state["step"]], foreach=False,
+                         decoupled_weight_decay=True, amsgrad=False, beta1=hyper["betas"][0],
+                         beta2=hyper["betas"][1], lr=hyper["lr"], weight_decay=hyper["weight_decay"],
+                         eps=hyper["eps"], maximize=False)
+            if not mine:
+                continue
+            torch._foreach_add_(steps, 1)
+            by_count: dict[int, list[tuple[torch.Tensor, ...]]] = {}   # parameters added later count fewer steps
+            for count, tensors in zip(torch.stack(steps).tolist(), mine):
+                by_count.setdefault(int(count), []).append(tensors)
+            for count, tensors in by_count.items():
+                update_many(k, tensors, count, hyper)
         return loss
 
 

@@ -2,6 +2,11 @@
 
 Where the time goes (benchmarks/breakdown.py, 16 M fp32 parameters, 2-core Xeon, AVX-512): at the
 minimum traffic (1.00x alone: parameter, gradient and both moments read, three written, once).
+In a model the optimizer's step was a call per parameter, each with its step counter's update and
+.item(), the thread wake-up and the bookkeeping: the tiny model's step (118 tensors, 4.8 M elements,
+AVX2 EPYC) took 5.2 ms against the 3.5 ms its traffic takes at the in-place rate. FusedAdamW now
+hands a group's tensors to one call (ak_adamw_many: their blocks dealt to the threads as one range)
+and counts the steps with one foreach add: 3.85 ms (torch's AdamW: 13.6 ms for-loop and foreach).
 """
 
 from __future__ import annotations
@@ -17,20 +22,33 @@ from ..kernel import HostKernel
 from ..library import Entry
 
 
-def update(kernel, p, g, m, v, step: int, hyper: dict, out=None) -> None:
-    """One AdamW step of (p, m, v) with gradient g through `kernel`; in place unless `out` is given."""
+def _scalars(step: int, hyper: dict) -> tuple[float, ...]:
+    """The kernel's scalar arguments: lr, beta1, beta2, eps, weight decay, step size, sqrt(1 - beta2^t)."""
     beta1, beta2 = hyper["betas"]
     lr = hyper["lr"]
-    step_size = lr / (1 - beta1 ** step)
-    bc2_sqrt = math.sqrt(1 - beta2 ** step)
+    return (lr, beta1, beta2, hyper["eps"], hyper["weight_decay"], lr / (1 - beta1 ** step),
+            math.sqrt(1 - beta2 ** step))
+
+
+def update(kernel, p, g, m, v, step: int, hyper: dict, out=None) -> None:
+    """One AdamW step of (p, m, v) with gradient g through `kernel`; in place unless `out` is given."""
     po, mo, vo = out if out is not None else (p, m, v)
-    kernel.call("update", p, g, m, v, po, mo, vo, p.numel(), lr, beta1, beta2, hyper["eps"],
-                hyper["weight_decay"], step_size, bc2_sqrt)
+    kernel.call("update", p, g, m, v, po, mo, vo, p.numel(), *_scalars(step, hyper))
+
+
+def update_many(kernel, tensors: list[tuple[torch.Tensor, ...]], step: int, hyper: dict) -> None:
+    """One AdamW step, in place, of every (p, g, m, v) in `tensors` (fp32, contiguous, on the CPU), all
+    at the same step count: one kernel call for all of them."""
+    if not tensors:
+        return
+    table = torch.tensor([[t.data_ptr() for t in four] + [four[0].numel()] for four in tensors], dtype=torch.int64)
+    kernel.call("update_many", table, len(tensors), *_scalars(step, hyper))
 
 
 class AdamWHost(HostKernel):
     knob_docs = {"tile_rows": "blocks of 1024 elements per OpenMP chunk", "threads": "OpenMP threads"}
-    entries = {"update": Entry("ak_adamw", ("ptr",) * 7 + ("i64",) + ("f32",) * 7)}
+    entries = {"update": Entry("ak_adamw", ("ptr",) * 7 + ("i64",) + ("f32",) * 7),
+               "update_many": Entry("ak_adamw_many", ("ptr", "i64") + ("f32",) * 7)}
 
     def tiling_problem(self, problem: Problem, hw):
         rows = max(1, math.ceil(problem.shape[0] / ELEMS_PER_ROW))
