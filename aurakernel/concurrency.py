@@ -3,20 +3,17 @@ several run at once on a thread per core; what is timed on this CPU never shares
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
-
-def usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+from .hardware import host_cores
 
 
 def map_in_order(fn: Callable, jobs: list, *, side_by_side: bool) -> Iterable:
     """fn over jobs, results in order. Side by side on a thread per core; else one after the other
     on this thread (so a measurement shares the CPU with nothing, nor runs on a thread whose
     OpenMP team is not the one torch's ops use)."""
-    workers = min(len(jobs), usable_cores())
+    workers = min(len(jobs), host_cores())
     if not side_by_side or workers <= 1:
         return map(fn, jobs)
     pool = ThreadPoolExecutor(workers)
