@@ -145,7 +145,8 @@ def main(argv=None) -> int:
     def knobs(k, cols):
         cube = (f"; Cube: rows {k['cube_rows']} x keys {k['cube_keys']}, chunk {k['key_chunk']}, q buffers "
                 f"{k['cube_buffers']}, AI cores {k['cube_blocks']}" if "cube_rows" in k else
-                f"; Cube: keys {k['kv_tile']} x D slices {k['d_chunk']}, AI cores {k['cube_blocks']}" if "kv_tile" in k else "")
+                f"; Cube: keys {k['kv_tile']} x D slices {k['d_chunk']} (backward {k['bwd_kv_tile']} x {k['bwd_d_chunk']}), "
+                f"AI cores {k['cube_blocks']}" if "kv_tile" in k else "")
         return (f"rows {k['tile_rows']}, buffers {k['buffers']}, chunk {k['chunk']}, cores {k['block_dim']}"
                 + (f", col tile {k['col_tile']}" if k["col_tile"] < cols else "") + cube)
     def per_phase(phases):   # each phase against its own bound, and what bounds it

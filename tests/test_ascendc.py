@@ -90,7 +90,8 @@ def test_sparse_attention_reads_each_rows_distinct_picks_and_spans_key_tiles():
     spec, kernel = OPS["sparse_attention"], ascend.kernel_of(OPS["sparse_attention"])
     problem = spec.problem("1x64x4096x512x128x512", "bf16", "csa")
     knobs = ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs").knobs
-    assert any(p.shape[4] > knobs["kv_tile"] and p.shape[2] > knobs["kv_tile"] for p in kernel.verification_problems(problem, knobs))
+    for tile in ("kv_tile", "bwd_kv_tile"):   # the forward's and the backward's own key tiles
+        assert any(p.shape[4] > knobs[tile] and p.shape[2] > knobs[tile] for p in kernel.verification_problems(problem, knobs))
     with pytest.raises(PlanInfeasible, match="16-bit"):
         kernel.params(spec.problem("1x64x4096x512x128x512", "fp32", "csa"), knobs)
 

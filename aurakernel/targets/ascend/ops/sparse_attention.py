@@ -8,20 +8,22 @@ P V produces it). 16-bit q and kv only: P V needs K's fractals transposed (V = K
 does for 16-bit data.
 
 Where the time goes (ascend910b2, V4-Flash widths, 1024 tokens, csa picking 128 of 256 entries at
-random; emulator, per AI core; the plan's 64-key tiles). kv and the compressed kv are kept in L2 (their
-re-reads by every position are L2 hits on the NPU): against the op's true bound (q, kv, y once; the
-Cube's MACs at peak) csa is 3.7x, hca 3.4x.
-- forward (534 us; 127 us at its own HBM traffic): the AIC's MTE2, ~490k of ~958k cycles, gathering
-  each position's keys from L2 (~33 MB per AI core) at a copy per run of consecutive entries (random
-  picks: about half of them start a run; each copy costs the profile's 200-cycle latency), the window
-  and hca's entries one copy each. Then the chain per key tile AIV softmax -> AIC P V -> AIV O update
-  is serial (the next tile's gather and S overlap it). Positions are dealt to the AI cores round-robin:
-  contiguous ranges left the last core (the longest windows, the most picks) 6x the first one's gather.
-- backward (677 us; 546 us at its own HBM traffic): q, dy, y, y_lo, and the fp32 key gradients added at
-  their rows (atomic adds into HBM), beyond the op's minimum.
-The planner's model takes the busiest pipe (the block's HBM share among them), not that serial chain,
-so it predicts below the emulator (csa: 1084 us planned against 1243 us emulated; 778 us before the
-HBM share was one of its pipes) and cannot tell 64- from 128-key tiles apart in the forward.
+random; emulator, per AI core). kv and the compressed kv are kept in L2 (their re-reads by every
+position are L2 hits on the NPU): against the op's true bound (q, kv, y once; the Cube's MACs at peak)
+csa is 3.0x, hca 2.6x.
+- forward (csa 307 us, hca 191 us; 127 us at its own HBM traffic): the AIC's MTE2, ~465k of ~553k
+  cycles (csa), gathering each position's keys from L2 at a copy per run of consecutive entries
+  (random picks: about half of them start a run; each copy costs the profile's 200-cycle latency),
+  the window and hca's entries one copy each. Two key tiles are in flight (the Cube stages t + 2 after
+  P_t V_t; the AIVs make P_{t+1} before adding O_t): with one, the chain AIV softmax -> AIC P V -> AIV
+  O update was serial, 534 us (csa) and 386 us (hca) at 64-key tiles. 128-key tiles halve the per-tile
+  latencies of the vector cores' sequence (S in, P out, O_t in), which the model prices as its own
+  term; positions are dealt to the AI cores round-robin (contiguous ranges left the last core the
+  longest windows and the most picks, 6x the first one's gather).
+- backward (csa 677 us, hca 477 us; 546 / 421 us at its own HBM traffic): q, dy, y, y_lo, and the fp32
+  key gradients added at their rows (atomic adds into HBM), beyond the op's minimum. Its tiles are its
+  own knobs (bwd_*): its L1 holds dy and dS too and its L0C S, dP and the gradient slices, so 64-key
+  tiles suit it where 128 suit the forward.
 """
 
 from __future__ import annotations
@@ -42,11 +44,13 @@ from ....planner.model import ChoiceModel, Constraint, Phase
 from ..kernel import AscendKernel
 
 TILING = "<8If"   # AkSparseAttentionTiling
-# the Cube models' knobs (both directions): keys per tile, D columns per Mmad, O / dq columns per vector
-# step, score tiles per vector core, q (and dy) buffers in L1 (two: the next position's copy runs under
-# this one's tiles), the backward's dQ / dKV slices in L0C (three: the Cube's next slices do not wait
-# for the Fixpipes that scatter the one before)
-KNOBS = ("kv_tile", "d_chunk", "o_chunk", "s_buffers", "q_buffers", "g_buffers")
+# the forward's knobs: keys per tile, D columns per Mmad, O columns per vector step, score tiles per
+# vector core, q buffers in L1 (two: the next position's copy runs under this one's tiles)
+KNOBS = ("kv_tile", "d_chunk", "o_chunk", "s_buffers", "q_buffers")
+# the backward's own (its L1 holds dy and dS too, its L0C S, dP and the gradient slices, so its best
+# tiles differ): keys per tile, D columns per Mmad, dq columns per vector step, q / dy buffers in L1,
+# dQ / dKV slices in L0C (three: the Cube's next slices do not wait for the Fixpipes scattering one)
+BWD_KNOBS = ("bwd_kv_tile", "bwd_d_chunk", "bwd_o_chunk", "bwd_q_buffers", "g_buffers")
 TAIL_MASK = 256 * 4 + 32   # UB of the tail tiles' mask: 256 column numbers, and at least a block of bits
 CVT = 2048                 # floats per step of the backward's key-gradient conversion
 
@@ -121,18 +125,18 @@ class SparseAttentionAscend(AscendKernel):
                    "o_chunk": [c for c in (16, 32, 64, 128) if dim % c == 0],
                    "s_buffers": [1, 2],
                    "q_buffers": [1, 2],
-                   "g_buffers": [2, 3],
                    "cube_blocks": [cores]}
+        domains |= {f"bwd_{k}": domains[k] for k in ("kv_tile", "d_chunk", "o_chunk", "q_buffers")} | {"g_buffers": [2, 3]}
 
         @functools.cache
-        def per_core(kn, dc, vc, sb, qb, gb):
+        def per_core(kn, dc, vc, sb, qb):
             tiles, n, chunks, vchunks = per * -(-keys // kn), min(kn, keys), dim // dc, dim // vc
             s = cube_tile_cycles(heads, n, dc, e, hw, cores, a_loads=heads // 16, b_loads=dc // 16)
             pv = cube_tile_cycles(heads, dc, n, e, hw, cores, a_loads=heads // 16, b_loads=-(-n // 16))
-            gather = (1 + copies) * lat + (keys + heads) * dim * e / hbm   # q, the window's run, the entries
+            gather = (1 + copies) * lat + heads * dim * e / hbm + keys * dim * e / l2   # q; the keys, L2 hits
             vec = issue * (22 + 4 * kn // 64) + mine * kn / 64 * 9 + vchunks * (issue * (1 + -(-vc // 64)) + mine * vc / 64 * 2)
             wait = 0 if sb == 2 else tiles * (lat + mine * kn * 4 / l2)   # one score tile: its copy in is not hidden
-            return {"HBM": per * ((keys + 3 * heads) * dim * e + heads * 4) / hbm,   # the block's share: q, keys; y, y_lo, lse
+            return {"HBM": per * (3 * heads * dim * e + heads * 4) / hbm,   # the block's share: q; y, y_lo, lse
                     "MTE2": per * gather + tiles * (lat + heads * kn * e / l2),
                     "MTE1": tiles * (chunks * (s.mte1_a + s.mte1_b + pv.mte1_b) + pv.mte1_a),
                     "Cube": tiles * chunks * (s.cube + pv.cube),
@@ -144,21 +148,25 @@ class SparseAttentionAscend(AscendKernel):
         cells = CubeCells(KNOBS, domains, per_core, hw)
         cap = cells.cap
         constraints = [
-            cap("L1 capacity", lambda kn, dc, vc, sb, qb, gb: (qb * heads * dim + 2 * kn * dim + heads * kn) * e, p.l1_usable,
+            cap("L1 capacity", lambda kn, dc, vc, sb, qb: (qb * heads * dim + 2 * kn * dim + heads * kn) * e, p.l1_usable,
                 "(q_buffers x H x D + 2 x kv_tile x D + H x kv_tile) x elem (q, two key tiles, P)"),
-            cap("L0A capacity", lambda kn, dc, vc, sb, qb, gb: (2 * heads * dc + heads * kn) * e, p.l0a_bytes,
+            cap("L0A capacity", lambda kn, dc, vc, sb, qb: (2 * heads * dc + heads * kn) * e, p.l0a_bytes,
                 "(2 x H x d_chunk + H x kv_tile) x elem (q's slices, P)"),
-            cap("L0B capacity", lambda kn, dc, vc, sb, qb, gb: 2 * kn * dc * e, p.l0b_bytes, "2 x kv_tile x d_chunk x elem (K / V slices)"),
-            cap("L0C capacity", lambda kn, dc, vc, sb, qb, gb: (heads * kn + 2 * heads * dc) * 4, p.l0c_bytes,
+            cap("L0B capacity", lambda kn, dc, vc, sb, qb: 2 * kn * dc * e, p.l0b_bytes, "2 x kv_tile x d_chunk x elem (K / V slices)"),
+            cap("L0C capacity", lambda kn, dc, vc, sb, qb: (heads * kn + 2 * heads * dc) * 4, p.l0c_bytes,
                 "(H x kv_tile + 2 x H x d_chunk) x fp32 (S, two P V slices)"),
-            cap("UB capacity", lambda kn, dc, vc, sb, qb, gb: (sb * mine * kn * 4 + 2 * mine * kn * e + 2 * mine * vc * (4 + e)
-                                                       + mine * dim * 4 + TAIL_MASK + mine * kn // 8 + 7 * mine * 4 + 2 * mine * 32),
+            cap("UB capacity", lambda kn, dc, vc, sb, qb: (sb * mine * kn * 4 + 2 * mine * kn * e + 2 * mine * vc * (4 + e)
+                                                       + mine * dim * 4 + TAIL_MASK + mine * kn // 8 + 9 * mine * 4 + 3 * mine * 32),
                 p.ub_usable, "per AIV (H/2 heads): s_buffers S tiles, P tiles, P V and y slices of o_chunk, O (fp32), the tail mask"),
         ]
         # one q buffer: the next position's q is copied in only after this one's last L1 -> L0 load
-        exposed = cells.seconds(lambda kn, dc, vc, sb, qb, gb: 0 if qb == 2 else per * (lat + heads * dim * e / hbm))
-        forward = Phase("forward", cells.pipes(("HBM", "MTE2", "MTE1", "Cube", "FIX", "AIV MTE2", "Vector", "AIV MTE3")),
-                        [cells.tile_fill(), cells.launch(), exposed])
+        exposed = cells.seconds(lambda kn, dc, vc, sb, qb: 0 if qb == 2 else per * (lat + heads * dim * e / hbm))
+        # a vector core's copies and steps follow one another (S in, softmax, P out, then O_t in and the
+        # update): with two tiles in flight the Cube waits on that sequence, not on one of its pipes
+        # (emulated csa / hca at 1024 tokens: within 3-10% of this sum at 64- and 128-key tiles)
+        aiv = cells.seconds(lambda *cell: sum(per_core(*cell)[pipe] for pipe in ("AIV MTE2", "Vector", "AIV MTE3")))
+        forward = Phase("forward", cells.pipes(("HBM", "MTE2", "MTE1", "Cube", "FIX", "AIV MTE2", "Vector", "AIV MTE3"))
+                        | {"AIV sequence": [aiv]}, [cells.tile_fill(), cells.launch(), exposed])
         return self.cube_choice_model(problem, hw, domains, forward, constraints)
 
     def backward_model(self, problem: Problem, hw: HardwareProfile, domains: dict) -> tuple[Phase, list[Constraint]]:
@@ -171,19 +179,20 @@ class SparseAttentionAscend(AscendKernel):
         mine = heads // 2
 
         @functools.cache
-        def per_core(kn, dc, vc, sb, qb, gb):
+        def per_core(kn, dc, vc, qb, gb):
             tiles, n, chunks, vchunks = per * -(-keys // kn), min(kn, keys), dim // dc, dim // vc
             s = cube_tile_cycles(heads, n, dc, e, hw, cores, a_loads=heads // 16, b_loads=dc // 16)
             dq = cube_tile_cycles(heads, dc, n, e, hw, cores, a_loads=0, b_loads=-(-n // 16))
             dkv = cube_tile_cycles(n, dc, heads, e, hw, cores, a_loads=0, b_loads=heads // 16)
             scatter = copies * n / keys + 1   # Fixpipes per dKV slice: the window's run, the entries' runs or rows
-            gather = (2 + copies) * lat + (keys + 2 * heads) * dim * e / hbm   # q, dy, the keys
+            gather = (2 + copies) * lat + 2 * heads * dim * e / hbm + keys * dim * e / l2   # q, dy; the keys, L2 hits
             vec = issue * (24 + 4 * kn // 64) + mine * kn / 64 * 10
             wait = tiles * (lat + 2 * mine * kn * 4 / l2)   # one S and dP tile each (the queues' events run out at two)
-            # the block's share of HBM: q, y, y_lo, dy, the keys, lse in; dq out, the keys' fp32 gradients
-            # added at their rows; the accumulators zeroed, read back and converted (its share of them)
+            # the block's share of HBM: q, y, y_lo, dy, lse in; dq out, the keys' fp32 gradients added at
+            # their rows; the accumulators zeroed, read back and converted (its share of them). The keys
+            # themselves are L2 hits (run keeps kv and the compressed kv in L2, as the NPU would)
             acc = (batch * seq + batch * entries_of(problem)) * dim * (8 + e) / cores
-            hbm_bytes = per * ((5 * heads + keys) * dim * e + heads * 4 + keys * dim * 4) + acc
+            hbm_bytes = per * (5 * heads * dim * e + heads * 4 + keys * dim * 4) + acc
             return {"HBM": hbm_bytes / hbm,
                     "MTE2": per * gather + tiles * (2 * lat + 2 * heads * kn * e / l2),
                     "MTE1": tiles * (chunks * (2 * s.mte1_a + s.mte1_b + dq.mte1_b + 2 * dkv.mte1_b) + 3 * heads * kn * e / p.mte1_bytes_per_cycle),
@@ -194,18 +203,18 @@ class SparseAttentionAscend(AscendKernel):
                     "Vector": tiles * vec + wait + per * vchunks * (issue * 7 + mine * vc / 64 * 6),
                     "AIV MTE3": tiles * 2 * (lat + mine * kn * e / l2) + per * vchunks * (2 * lat + mine * vc * (e / hbm + 4 / l2)),
                     "tile": tiles}
-        cells = CubeCells(KNOBS, domains, per_core, hw)
+        cells = CubeCells(BWD_KNOBS, domains, per_core, hw)
         cap = cells.cap
         constraints = [
-            cap("backward L1 capacity", lambda kn, dc, vc, sb, qb, gb: (2 * qb * heads * dim + 2 * kn * dim + 2 * heads * kn) * e,
+            cap("backward L1 capacity", lambda kn, dc, vc, qb, gb: (2 * qb * heads * dim + 2 * kn * dim + 2 * heads * kn) * e,
                 p.l1_usable, "(2 x q_buffers x H x D + 2 x kv_tile x D + 2 x H x kv_tile) x elem (q, dy, two key tiles, P, dS)"),
-            cap("backward L0A capacity", lambda kn, dc, vc, sb, qb, gb: (2 * heads * dc + 3 * heads * kn) * e, p.l0a_bytes,
+            cap("backward L0A capacity", lambda kn, dc, vc, qb, gb: (2 * heads * dc + 3 * heads * kn) * e, p.l0a_bytes,
                 "(2 x H x d_chunk + 3 x H x kv_tile) x elem (q's / dy's slices, dS, dS^T, P^T)"),
-            cap("backward L0B capacity", lambda kn, dc, vc, sb, qb, gb: 2 * max(heads, kn) * dc * e, p.l0b_bytes,
+            cap("backward L0B capacity", lambda kn, dc, vc, qb, gb: 2 * max(heads, kn) * dc * e, p.l0b_bytes,
                 "2 x max(H, kv_tile) x d_chunk x elem (K, V, q^T, dy^T slices)"),
-            cap("backward L0C capacity", lambda kn, dc, vc, sb, qb, gb: (2 * heads * kn + gb * max(heads, kn) * dc) * 4,
+            cap("backward L0C capacity", lambda kn, dc, vc, qb, gb: (2 * heads * kn + gb * max(heads, kn) * dc) * 4,
                 p.l0c_bytes, "(2 x H x kv_tile + g_buffers x max(H, kv_tile) x d_chunk) x fp32 (S, dP, dQ / dKV slices)"),
-            cap("backward UB capacity", lambda kn, dc, vc, sb, qb, gb: (2 * mine * kn * 4 + 2 * mine * kn * e + 2 * mine * vc * (4 + 2 * e)
+            cap("backward UB capacity", lambda kn, dc, vc, qb, gb: (2 * mine * kn * 4 + 2 * mine * kn * e + 2 * mine * vc * (4 + 2 * e)
                                                                 + 3 * mine * vc * 4 + CVT * (4 + e) + TAIL_MASK + mine * kn // 8
                                                                 + 7 * mine * 4 + 2 * mine * 32),
                 p.ub_usable, "per AIV: S and dP tiles, P and dS out, dq / y slices of o_chunk, the conversion step, the tail mask"),
@@ -215,8 +224,8 @@ class SparseAttentionAscend(AscendKernel):
         # for each slice's Fixpipes before the one after next. The dKV slices' atomic adds into GM run at
         # the core's HBM share (FIX above counts them at the Fixpipe's own rate): their excess over the
         # Cube's slice time is exposed
-        def exposed_cycles(kn, dc, vc, sb, qb, gb):
-            c = per_core(kn, dc, vc, sb, qb, gb)
+        def exposed_cycles(kn, dc, vc, qb, gb):
+            c = per_core(kn, dc, vc, qb, gb)
             scatter = c["tile"] * (dim // dc) * min(kn, keys) * dc * 4 / hbm
             return ((0 if qb == 2 else per * (2 * lat + 2 * heads * dim * e / hbm))
                     + (0 if gb == 3 else max(0.0, scatter - c["Cube"])))
@@ -237,24 +246,27 @@ class SparseAttentionAscend(AscendKernel):
             raise PlanInfeasible("heads", f"{heads} must be a multiple of 16 (the Cube's M; V4: 64 / 128)")
         if dim % 16:
             raise PlanInfeasible("head_dim", f"{dim} must be a multiple of 16 (V4: 512)")
-        kv_tile, d_chunk = int(knobs["kv_tile"]), int(knobs["d_chunk"])
-        if kv_tile not in (64, 128, 256):   # 64-lane reductions; a row's tail mask within one 256-bit block
-            raise PlanInfeasible("kv_tile", f"{kv_tile} keys: 64, 128 or 256")
-        if d_chunk % 16 or dim % d_chunk:
-            raise PlanInfeasible("d_chunk", f"{d_chunk} columns must be a multiple of 16 dividing head_dim {dim}")
-        o_chunk, s_buffers, q_buffers = int(knobs["o_chunk"]), int(knobs["s_buffers"]), int(knobs["q_buffers"])
-        g_buffers = int(knobs["g_buffers"])
-        if o_chunk % 16 or dim % o_chunk:
-            raise PlanInfeasible("o_chunk", f"{o_chunk} columns must be a multiple of 16 dividing head_dim {dim}")
+        tiles = {}
+        for prefix in ("", "bwd_"):   # the forward's and the backward's own tiles
+            kv_tile, d_chunk, o_chunk = (int(knobs[prefix + k]) for k in ("kv_tile", "d_chunk", "o_chunk"))
+            if kv_tile not in (64, 128, 256):   # 64-lane reductions; a row's tail mask within one 256-bit block
+                raise PlanInfeasible(prefix + "kv_tile", f"{kv_tile} keys: 64, 128 or 256")
+            if d_chunk % 16 or dim % d_chunk:
+                raise PlanInfeasible(prefix + "d_chunk", f"{d_chunk} columns must be a multiple of 16 dividing head_dim {dim}")
+            if o_chunk % 16 or dim % o_chunk:
+                raise PlanInfeasible(prefix + "o_chunk", f"{o_chunk} columns must be a multiple of 16 dividing head_dim {dim}")
+            if int(knobs[prefix + "q_buffers"]) not in (1, 2):
+                raise PlanInfeasible(prefix + "q_buffers", f"{knobs[prefix + 'q_buffers']} q (and dy) buffers in L1: 1 or 2")
+            tiles |= {prefix + "kv_tile": kv_tile, prefix + "d_chunk": d_chunk, prefix + "o_chunk": o_chunk,
+                      prefix + "q_buffers": int(knobs[prefix + "q_buffers"])}
+        s_buffers, g_buffers = int(knobs["s_buffers"]), int(knobs["g_buffers"])
         if s_buffers not in (1, 2):
             raise PlanInfeasible("s_buffers", f"{s_buffers} score tiles: 1 or 2")
-        if q_buffers not in (1, 2):
-            raise PlanInfeasible("q_buffers", f"{q_buffers} q (and dy) buffers in L1: 1 or 2")
         if g_buffers not in (2, 3):
             raise PlanInfeasible("g_buffers", f"{g_buffers} dQ / dKV slices in L0C: 2 or 3")
         return {"dtype": problem.dtype, "csa": problem.variant == "csa", "hca": problem.variant == "hca", "heads": int(heads),
-                "dim": int(dim), "window": int(window), "kv_tile": kv_tile, "d_chunk": d_chunk, "o_chunk": o_chunk,
-                "s_buffers": s_buffers, "q_buffers": q_buffers, "g_buffers": g_buffers, "cube_blocks": int(knobs["cube_blocks"])}
+                "dim": int(dim), "window": int(window), **tiles, "s_buffers": s_buffers, "g_buffers": g_buffers,
+                "cube_blocks": int(knobs["cube_blocks"])}
 
     def verification_problems(self, problem: Problem, knobs: dict[str, int]) -> list[Problem]:
         """Short sequences at the plan's heads and width: one batch row of 40 positions at the problem's
@@ -263,7 +275,7 @@ class SparseAttentionAscend(AscendKernel):
         window from its tiling), so positions span tiles and end in part ones; csa there picks 8 of up to
         (kn + 13) / 4 ready entries, so its picks break into several runs of consecutive entries."""
         batch, heads, seq, dim, window, extra = problem.shape
-        kn = knobs["kv_tile"]
+        kn = max(knobs["kv_tile"], knobs["bwd_kv_tile"])   # both kernels' positions span tiles
         first = {"csa": min(extra, 20), "hca": min(extra, 4), "sliding": 1}[problem.variant]
         second = min(extra, 8) if problem.variant == "csa" else first
         return [Problem(problem.op, problem.variant, (1, heads, 40, dim, window, first), problem.dtype),
@@ -290,10 +302,10 @@ class SparseAttentionAscend(AscendKernel):
         """Forward and backward kernels in the emulator: (outputs, grads, {phase: RunReport})."""
         batch, heads, seq, dim, window, extra = problem.shape
         q, ckv, reads, tiling, blocks = self._buffers(problem, knobs, inputs)
-        kn = knobs["kv_tile"]
+        kn, bkn = knobs["kv_tile"], knobs["bwd_kv_tile"]
         y = torch.full((batch, seq, heads, dim), float("nan"), dtype=q.dtype)
         lse = torch.full((batch, seq, heads), float("nan"))
-        slots = bytearray(blocks * (2 * heads * kn * 4 + heads * kn * 2 + heads * dim * 4))
+        slots = bytearray(blocks * (2 * heads * kn * 4 + 2 * heads * kn * 2 + heads * dim * 4))
         fwd_bufs = [*reads, to_bytes(y), to_bytes(y), to_bytes(lse), slots, tiling]
         # kv and the compressed kv stay in L2 (V4-Flash at 65536 tokens: 64 + 16 MB of the 192 MB): every
         # position gathers its keys from them, so all but their first read are L2 hits on the NPU (that
@@ -303,7 +315,7 @@ class SparseAttentionAscend(AscendKernel):
         dy = grad_out["y"].to(q.dtype).contiguous()                      # [B, S, H, D], as y
         dq, dkv, dckv = (torch.full_like(t, float("nan")) for t in (q, inputs["kv"], ckv))
         dsinks = torch.full((heads,), float("nan"))
-        slots = bytearray(blocks * (4 * heads * kn * 4 + 2 * heads * kn * 2 + 2 * heads * dim * 4))
+        slots = bytearray(blocks * (4 * heads * bkn * 4 + 2 * heads * bkn * 2 + 2 * heads * dim * 4))
         acc = bytearray((batch * seq + batch * entries_of(problem)) * dim * 4)   # fp32 dkv and dckv, added into
         bwd_bufs = [*reads, to_bytes(y), to_bytes(y_lo), to_bytes(lse), to_bytes(dy), to_bytes(dq), to_bytes(dkv), to_bytes(dckv),
                     to_bytes(dsinks), slots, acc, bytearray(tiling)]
