@@ -96,6 +96,24 @@ def test_sparse_attention_reads_each_rows_distinct_picks_and_spans_key_tiles():
         kernel.params(spec.problem("1x64x4096x512x128x512", "fp32", "csa"), knobs)
 
 
+@pytest.mark.parametrize("tiles", [{"kv_tile": 128, "bwd_kv_tile": 64},
+                                   {"kv_tile": 64, "bwd_kv_tile": 128, "bwd_d_chunk": 32, "g_buffers": 2}])
+def test_sparse_attention_kernels_tile_keys_each_their_own_way(tiles, tmp_path):
+    """The forward and the backward take their own key tiles (the plan picks 128 for the forward and 64
+    for the backward at V4-Flash shapes): with either one the larger, both verify against the reference
+    over positions whose keys span tiles of each, on cores walking several positions (two tiles in
+    flight across them)."""
+    spec, kernel = OPS["sparse_attention"], ascend.kernel_of(OPS["sparse_attention"])
+    problem = spec.problem("1x16x40x128x128x8", "bf16", "csa")
+    knobs = ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs").knobs | tiles
+    emu = ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, tmp_path, HW), HW)
+    problems = kernel.verification_problems(problem, knobs)
+    assert any(p.shape[2] > 128 and p.shape[0] * p.shape[2] > 2 * HW.cores for p in problems)
+    result = ascend.verify(spec, problems, knobs, emu, seeds=(0,))
+    assert result.passed, result.summary
+    assert {c.tensor for c in result.checks} >= {"y", "grad_q", "grad_kv", "grad_compressed_kv"}
+
+
 def test_router_flags_exactly_the_rows_whose_kth_and_next_scores_tie(tmp_path):
     """With a zero bias, bf16 scores tie at the k-th place in many rows: the sorting kernel flags those
     rows (and only those: every other row's experts and weights are the reference's), so torch.topk

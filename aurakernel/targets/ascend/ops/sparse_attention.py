@@ -10,7 +10,7 @@ does for 16-bit data.
 Where the time goes (ascend910b2, V4-Flash widths, 1024 tokens, csa picking 128 of 256 entries at
 random; emulator, per AI core). kv and the compressed kv are kept in L2 (their re-reads by every
 position are L2 hits on the NPU): against the op's true bound (q, kv, y once; the Cube's MACs at peak)
-csa is 3.0x, hca 2.6x.
+csa is 2.6x, hca 2.4x.
 - forward (csa 307 us, hca 191 us; 127 us at its own HBM traffic): the AIC's MTE2, ~465k of ~553k
   cycles (csa), gathering each position's keys from L2 at a copy per run of consecutive entries
   (random picks: about half of them start a run; each copy costs the profile's 200-cycle latency),
@@ -20,10 +20,12 @@ csa is 3.0x, hca 2.6x.
   latencies of the vector cores' sequence (S in, P out, O_t in), which the model prices as its own
   term; positions are dealt to the AI cores round-robin (contiguous ranges left the last core the
   longest windows and the most picks, 6x the first one's gather).
-- backward (csa 677 us, hca 477 us; 546 / 421 us at its own HBM traffic): q, dy, y, y_lo, and the fp32
-  key gradients added at their rows (atomic adds into HBM), beyond the op's minimum. Its tiles are its
-  own knobs (bwd_*): its L1 holds dy and dS too and its L0C S, dP and the gradient slices, so 64-key
-  tiles suit it where 128 suit the forward.
+- backward (csa 556 us, hca 421 us: at its own HBM traffic, 546 / 421 us): q, dy, y, y_lo, and the fp32
+  key gradients added at their rows (atomic adds into HBM), beyond the op's minimum. S and dP run two
+  tiles ahead across positions and a position's dq goes out after the next one's first tile: with
+  the Cube waiting at every position's start and the AIVs at its end it took 677 / 477 us. Its tiles
+  are its own knobs (bwd_*): its L1 holds dy and dS too and its L0C S, dP and the gradient slices, so
+  64-key tiles suit it where 128 suit the forward.
 """
 
 from __future__ import annotations
@@ -315,7 +317,7 @@ class SparseAttentionAscend(AscendKernel):
         dy = grad_out["y"].to(q.dtype).contiguous()                      # [B, S, H, D], as y
         dq, dkv, dckv = (torch.full_like(t, float("nan")) for t in (q, inputs["kv"], ckv))
         dsinks = torch.full((heads,), float("nan"))
-        slots = bytearray(blocks * (4 * heads * bkn * 4 + 2 * heads * bkn * 2 + 2 * heads * dim * 4))
+        slots = bytearray(blocks * (4 * heads * bkn * 4 + 4 * heads * bkn * 2 + 2 * heads * dim * 4))
         acc = bytearray((batch * seq + batch * entries_of(problem)) * dim * 4)   # fp32 dkv and dckv, added into
         bwd_bufs = [*reads, to_bytes(y), to_bytes(y_lo), to_bytes(lse), to_bytes(dy), to_bytes(dq), to_bytes(dkv), to_bytes(dckv),
                     to_bytes(dsinks), slots, acc, bytearray(tiling)]
