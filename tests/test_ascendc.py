@@ -296,6 +296,26 @@ def test_mhc_backward_reads_x_from_the_l2_that_bwd_head_left_it_in(tmp_path, mon
     assert reads[True] < 0.5 * x_bytes and reads[False] >= x_bytes
 
 
+@pytest.mark.parametrize("op", ["mhc_pre", "mhc_head"])
+def test_mhc_plan_predicts_each_launch_near_its_emulated_time(op, tmp_path):
+    """What `aurakernel profile --target` charges for mHC is the plan's prediction: each of its three
+    launches (forward, bwd_head, the Cube backward) is predicted within 0.8-1.3x of its emulated time
+    at V4-Flash's 1024 tokens. Row-wise phases beside the Cube model counted the forward's vector side
+    twice and bwd_head at the fp32 backward's NOUT products per element: 642 us for mhc_pre's 158."""
+    spec = OPS[op]
+    problem = spec.problem("1024x4x4096", "bf16", "default")
+    plan = ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs")
+    emu = ascend.Emulated(spec, ascend.render_project(spec, problem, plan.knobs, tmp_path, HW), HW)
+    reports = ascend.emulate(spec, problem, plan.knobs, emu)
+    assert all(r.ok for r in reports.values()), [r.errors for r in reports.values()]
+    emulated = ascend.estimate_summary(reports, HW, None)["phases"]
+    assert set(plan.pipes_us) == set(emulated) == {"forward", "backward_head", "backward"}
+    for phase, pipes in plan.pipes_us.items():
+        predicted = max(v for k, v in pipes.items() if k != "overhead") + pipes["overhead"]
+        assert 0.8 < predicted / emulated[phase]["est_us"] < 1.3, (phase, predicted, emulated[phase]["est_us"])
+    assert 0.8 < plan.predicted_us / sum(v["est_us"] for v in emulated.values()) < 1.3
+
+
 def test_the_bound_is_the_larger_of_hbm_traffic_and_the_vector_work():
     """A kernel's roofline on Ascend: its HBM traffic at the busiest core's share of the bandwidth, or
     the vector work its math cannot avoid spread over every vector core (one 256 B repeat per cycle,

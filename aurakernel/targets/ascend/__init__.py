@@ -91,7 +91,8 @@ def plan(spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, so
         the_plan = Plan(knobs={k: v[0] for k, v in rows.domains.items()}, predicted_us=0.0, pipes_us={},
                         binding_constraint="", solver=solver, solve_s=0.0, status="optimal", **common)
     on_cube = cube_plan(spec, problem, hw, target=target, solver=solver)
-    if on_cube is not None:   # the Cube phases' own tiling, solved apart (no knob in common) and merged
+    if on_cube is not None:   # the Cube phases' own tiling, solved apart and merged; a knob both models
+        # name is the Cube model's (mHC's forward `chunk`: no row phase's time reads it)
         the_plan.knobs = dict(sorted({**the_plan.knobs, **on_cube.knobs}.items()))
         the_plan.predicted_us += on_cube.predicted_us
         the_plan.pipes_us = {**the_plan.pipes_us, **on_cube.pipes_us}

@@ -44,7 +44,7 @@ from ....ops.base import Problem, Tensors
 from ....ops.mhc import EPS, HEAD, ITERS, PRE
 from ....planner.ascend import (AscendRowPhase, CubeCells, CubeWork, VectorWork, cast_passes, align32 as a32, cube_cores,
                                 row_split)
-from ....planner.model import ChoiceModel, Constraint, Phase
+from ....planner.model import ChoiceModel, Constraint, Phase, Term
 from ....planner.schedule import phase_schedule
 from ..kernel import AscendKernel
 
@@ -123,20 +123,22 @@ class MhcAscend(AscendKernel):
         return fwd, bwd
 
     def phases(self, problem: Problem):
-        hc, e = problem.shape[1], problem.dtype.itemsize
-        n, ct = self.spec.nout(hc), self.col_tiles(problem)[0]
-        fwd_ub, bwd_ub = self._ub(problem)
+        """The row-wise model's phases: only the fp32 backward, which runs on the vector cores. The forward
+        (a mixed kernel, its vector side and `chunk` included), bwd_head and the 16-bit backward are
+        cube_model's: a row phase for them counted their time twice (the forward's vector side in both
+        models) or at the wrong kernel's cost (bwd_head at the fp32 backward's NOUT products per element),
+        which put mhc_pre's prediction at 4x its emulated time."""
+        if self.cube_backward(problem):
+            return []
+        n, ct = self.spec.nout(problem.shape[1]), self.col_tiles(problem)[0]
+        _, bwd_ub = self._ub(problem)
         return [
-            # the forward's vector side (its Cube side: cube_model): per chunk of pass 2 (`chunk` columns
-            # of W: chunk / HC of each stream, pass2_chunk) the HC stream rows in (2 buffers), y out (2)
-            # and two fp32 vectors; per x element a cast, a multiply, an add
-            AscendRowPhase("forward", 1, 0, 0, 0, fwd_ub, 2, fast_ops_per_elem=3, slow_ops_per_elem=0, instrs_per_chunk=4),
             # x and dy tiles in, dx out; resident: the fn tile, the d_fn accumulator, the products, the
             # coefficients and their per-token broadcast blocks, two fp32 tiles. Per element: casts, dn
-            # (NOUT products + the halving tree), dx, d_fn (NOUT products + one add), and the head
-            # kernel's d_pre pass
-            AscendRowPhase("backward", 2, 1, 0, 0, bwd_ub, 0, fast_ops_per_elem=3 * n + 12, slow_ops_per_elem=0,
-                           instrs_per_chunk=ct // 32 + 16),
+            # (NOUT products + the halving tree), dx, d_fn (NOUT products + one add); per tile the
+            # instructions of a column tile's loops
+            AscendRowPhase("backward", 2, 1, 0, 0, bwd_ub, 0, fast_ops_per_elem=3 * n + 9, slow_ops_per_elem=0,
+                           instrs_per_chunk=0, instrs_per_tile=ct // 32 + 16),
         ]
 
     # the forward's Cube tiling: token groups per super-tile, W columns per L1 chunk and per Mmad
@@ -158,8 +160,9 @@ class MhcAscend(AscendKernel):
         """The forward's AI cores: per super-tile (cube_groups x 16 tokens) and L1 chunk (cube_k columns
         of W) fn's parts and the tokens' x rows into L1; per Mmad step (cube_k0 columns) their fractals
         into L0A / L0B and the two Mmads; per super-tile the Fixpipes into the workspace and the AIVs'
-        head and second pass over x (from L2). Objective: per core the slowest pipe, plus the last
-        super-tile's vector work (nothing overlaps it) and the launch."""
+        head and second pass over x (from L2, `chunk` columns of W a copy). Objective: per core the
+        slowest pipe, plus the last super-tile's vector work (nothing overlaps it) and the launch. Then
+        bwd_head (head_phase) and, for 16-bit x, the Cube backward (backward_model)."""
         f = self._cube_figures(problem, hw)
         e, w, n, n16, tr, tpc, cores, p = f.e, f.w, f.n, f.n16, f.tr, f.tpc, f.cores, f.p
         lat, rate, l2, issue = p.mte_latency, p.mte_bytes_per_cycle, p.l2_bytes_per_cycle, p.vec_issue
@@ -169,7 +172,8 @@ class MhcAscend(AscendKernel):
         domains = {"cube_groups": [g for g in self.CUBE_GROUPS if g <= max(1, groups)] or [1],
                    "cube_k": [k for k in (512, 1024, 2048, 4096) if k < 2 * w],
                    "cube_k0": [64, 128, 256],
-                   "cube_blocks": [cores]}
+                   "cube_blocks": [cores],
+                   "chunk": [64 << i for i in range(12) if 64 << i < 2 * w]}
 
         @functools.cache   # every pipe's term and the fill read the same cell
         def per_core(g, k1, k0):
@@ -178,17 +182,24 @@ class MhcAscend(AscendKernel):
             ng = min(g, groups)
             step_mte1 = (parts * n16 // 16 + ng + 1) * issue + (parts * n16 + 2 * ng * 16) * k0 * e / p.mte1_bytes_per_cycle
             step_cube = parts * (issue + n16 * ng * 16 * k0 / macs) + issue + (ng * 16) ** 2 * k0 / macs
-            # an AIV's half of a super-tile: the head (issue-bound: ~400 instructions on its vectors), x
-            # again from L2, y out, a cast and an Axpy per element
-            aiv = 400 * issue + -(-ng * tr // 2) * (w * e / l2 + f.d * e / rate + 2 * w / 64) + 2 * lat
             return {"MTE2": supers * chunks * (parts * (lat + n * min(k1, w) * e / l2) + lat) + tpc * w * e / rate,
                     "MTE1": supers * chunks * steps * step_mte1,
                     "Cube": supers * chunks * steps * step_cube,
-                    "FIX": supers * (2 * issue + (n * gt + gt * gt) * 4 / p.fix_bytes_per_cycle),
-                    "AIV": supers * aiv, "last": aiv}
+                    "FIX": supers * (2 * issue + (n * gt + gt * gt) * 4 / p.fix_bytes_per_cycle)}
+
+        def aiv(g, ch):
+            """An AIV's half of a super-tile: the head (issue-bound: ~400 instructions on its vectors), then
+            per token y = sum_i pre_i x_i a pass-2 chunk at a time: x's HC rows of the chunk from L2 (the
+            chunk's compute waits for its copy, and the next copy is issued after that compute: each
+            chunk's copy latency is exposed), a cast and an Axpy per element, y out."""
+            chunks = -(-f.d // self.pass2_chunk({"chunk": ch}, f.hc))
+            return 400 * issue + -(-min(g, groups) * tr // 2) * (chunks * (lat + issue) + w * e / l2 + f.d * e / rate
+                                                                  + 2 * w / 64) + lat
+
         cells = CubeCells(("cube_groups", "cube_k", "cube_k0"), domains, per_core, hw)
         cap = cells.cap
         l2_bytes = hw.memory["L2"].capacity if "L2" in hw.memory else 0
+        fwd_ub = self._ub(problem)[0]
         constraints = [
             cap("L1 capacity", lambda g, k1, k0: 2 * (parts * n16 + g * tr) * k1 * e, p.l1_usable,
                 "2 x (parts x NOUT16 + cube_groups x 16) x cube_k x elem (fn's parts and x, double buffered)"),
@@ -203,10 +214,69 @@ class MhcAscend(AscendKernel):
             # stays within half of it
             cap("L2 reuse", lambda g, k1, k0: 2 * cores * g * tr * w * e, l2_bytes / 2,
                 "2 x AI cores x cube_groups x 16 x W x elem <= L2 / 2"),
+            Constraint("forward UB capacity",
+                       Term.of(("chunk",), domains, lambda ch: fwd_ub + self._pass2_ub(ch, f.hc, e)), p.ub_usable,
+                       "the AIV's head buffers + 2 x (HC + 1) x chunk / HC x elem (x in, y out) + 2 x chunk / HC fp32"),
         ]
-        forward = Phase("forward", cells.pipes(("MTE2", "MTE1", "Cube", "FIX", "AIV")),
-                        [cells.seconds(lambda *cell: per_core(*cell)["last"]), cells.launch()])
-        return self.cube_choice_model(problem, hw, domains, forward, constraints)
+        # the AIC and the AIVs take turns per super-tile and overlap across super-tiles: the time is the
+        # busier side plus the other side's share of one super-tile (the AIVs' of the last, the AIC's of
+        # the first). As pipes: the AIC's, and the AIVs' but their last super-tile plus the AIC's first,
+        # then the last super-tile's vector work on top
+        clock = hw.clock_ghz * 1e9
+        aic = ("MTE2", "MTE1", "Cube", "FIX")
+        knobs = ("cube_groups", "cube_k", "cube_k0", "chunk")
+
+        def aiv_side(g, k1, k0, ch):
+            supers = -(-tpc // (g * tr))
+            return (supers - 1) * aiv(g, ch) + max(per_core(g, k1, k0)[pipe] for pipe in aic) / supers
+        pipes = cells.pipes(aic)
+        pipes["AIV"] = [Term.of(knobs, domains, lambda *cell: aiv_side(*cell) / clock)]
+        last = Term.of(("cube_groups", "chunk"), domains, lambda g, ch: aiv(g, ch) / clock)
+        forward = Phase("forward", pipes, [last, cells.launch()])
+        model = self.cube_choice_model(problem, hw, domains, forward, constraints)
+        model.phases.insert(1, self.head_phase(problem, hw, domains))
+        return model
+
+    @staticmethod
+    def _pass2_ub(chunk: int, hc: int, e: int) -> int:
+        """UB bytes of the forward's second pass: x's HC rows and y, two of each, and two fp32 rows of a chunk."""
+        pc = max(16, chunk // hc)
+        return 2 * (hc + 1) * a32(pc * e) + 2 * pc * 4
+
+    def reverse_instrs(self) -> int:
+        """Vector instructions of bwd_head's head in reverse, per block of 16 tokens (16-lane vectors: each
+        costs the issue and one repeat): mhc_pre's 4 x ITERS steps (recompute and undo each Sinkhorn
+        normalisation) ~15 each, mhc_head's sigmoid backward ~72. ESTIMATES, counted from the emulator's
+        cycles (tests/test_ascendc.py keeps the phase's model near its emulated time)."""
+        return 72 if self.spec.head else 15 * 4 * ITERS
+
+    def head_phase(self, problem: Problem, hw: HardwareProfile, domains: dict) -> Phase:
+        """bwd_head on the vector cores, which has no knob of its own (its column tile, head_col_tile, and
+        its 16-token blocks are fixed): per token and column tile x's HC stream rows and dy in (two copies),
+        a cast of each element, x . dy's product and fold per x element (d_pre); per block its saved mixes,
+        rstd, d_post and d_comb in (four copies), its coefficients out (two), and the head in reverse
+        (reverse_instrs). Block b's d_pre streams while the vector unit runs block b - 1's reverse, so the
+        time is the busier pipe plus the last block's reverse (nothing overlaps it) and one copy's fill."""
+        rows, hc, d = problem.shape
+        e, n = problem.dtype.itemsize, self.spec.nout(hc)
+        rb, bd = row_split(rows, hw.cores)
+        p = hw.ascend_pipes(bd)
+        lat, issue = p.mte_latency, p.vec_issue
+        dct = min(d, self.head_col_tile(problem, self.col_tiles(problem)[0]))
+        pairs, blocks = rb * -(-d // dct), -(-rb // self.ROW_BLOCK)
+        cast = 1 if e < 4 else 0
+        copy = 2 * lat + (hc + 1) * dct * e / p.mte_bytes_per_cycle
+        rev = self.reverse_instrs() * (issue + 1)
+        cycles = {"MTE2": pairs * copy + blocks * 4 * lat,
+                  "MTE3": blocks * 2 * lat,
+                  "Vector": pairs * ((cast + hc * (1 + cast) + 2) * issue + (cast + hc * (2 + cast)) * dct / 64)
+                            + blocks * (rev + (hc + 12) * issue) + 2 * (n + 8) * issue}
+        clock = hw.clock_ghz * 1e9
+
+        def constant(v: float) -> Term:
+            return Term.of(("cube_blocks",), domains, lambda _: v / clock)
+        return Phase("backward_head", {k: [constant(v)] for k, v in cycles.items()},
+                     [constant(rev + copy), constant(hw.call_overhead_us * 1e-6 * clock)])
 
     def backward_model(self, problem: Problem, hw: HardwareProfile, domains: dict) -> tuple[Phase, list[Constraint]]:
         """The Cube backward's tiling: D's column tiles of bwd_k (every stream's) dealt out to the AI cores
