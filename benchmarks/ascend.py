@@ -32,6 +32,7 @@ from aurakernel.planner.model import ChoiceModel
 # mHC norm (4 x 4096), the experts' clamped SwiGLU (moe_intermediate_size 2048), AdamW over one
 # 2048 x 4096 expert weight, the loss over the 129280-token vocabulary, the mHC stream update
 CASES = (("rms_norm", "weighted", "{rows}x4096", "bf16"), ("rms_norm", "unweighted", "{rows}x16384", "bf16"),
+         ("rms_norm", "unweighted", "65536x512", "bf16"),   # the per-head q norm: 1024 tokens x 64 heads of 512
          ("swiglu", "default", "{rows}x2048", "bf16"), ("adamw", "default", "8388608", "fp32"),
          ("cross_entropy", "default", "1024x129280", "bf16"),
          # the lightning indexer: 64 heads x 128 over the 1024 compressed keys of a 4096-token sequence (CSA,

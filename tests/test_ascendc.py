@@ -29,6 +29,9 @@ SPREAD_TESTS = True   # no shared fixtures: xdist spreads these long emulator ca
     ("rms_norm", "unweighted", "60x16384", "bf16"),    # mHC width of V4-Flash (4 x 4096)
     ("rms_norm", "unweighted", "52x28672", "bf16"),    # mHC width of V4-Pro (4 x 7168)
     ("rms_norm", "weighted", "60x4096", "fp32"),
+    ("rms_norm", "unweighted", "300x512", "bf16"),     # V4's per-head q norm: narrow rows, whole tiles
+    ("rms_norm", "weighted", "300x512", "bf16"),       # the kv norm
+    ("rms_norm", "weighted", "100x128", "fp32"),       # the indexer's width, fp32
     ("swiglu", "default", "60x2048", "bf16"),          # V4-Flash moe_intermediate_size
     ("swiglu", "default", "60x3072", "bf16"),          # V4-Pro moe_intermediate_size
     ("cross_entropy", "default", "60x129280", "bf16"),  # the V4 vocabulary: rows stream in column tiles
@@ -314,6 +317,24 @@ def test_mhc_plan_predicts_each_launch_near_its_emulated_time(op, tmp_path):
         predicted = max(v for k, v in pipes.items() if k != "overhead") + pipes["overhead"]
         assert 0.8 < predicted / emulated[phase]["est_us"] < 1.3, (phase, predicted, emulated[phase]["est_us"])
     assert 0.8 < plan.predicted_us / sum(v["est_us"] for v in emulated.values()) < 1.3
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_rms_norm_narrow_rows_run_whole_tiles(dtype, tmp_path):
+    """Rows of V4's per-head norms (512 wide) run a whole tile at a time: several tiles per core of 3 rows,
+    the last one short (the row sums, the rows' rstd blocks and dgamma's halving over the rows at odd
+    counts), a width that ends inside a 64-lane segment; forward and backward match the reference, and
+    neither kernel reads a value back on the scalar unit (the chunk loop did, a row at a time)."""
+    spec = OPS["rms_norm"]
+    problem = spec.problem("100x515", dtype, "weighted")
+    knobs = {**ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs").knobs, "tile_rows": 3, "block_dim": 16}
+    emu = ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, tmp_path, HW), HW)
+    result = ascend.verify(spec, [problem], knobs, emu, seeds=(0,))
+    assert result.passed, result.summary
+    assert {"y", "grad_x", "grad_weight"} <= {c.tensor for c in result.checks}
+    reports = ascend.emulate(spec, problem, knobs, emu)
+    assert all(r.ok for r in reports.values())
+    assert all(r.pipe_cycles().get("Scalar", 0) == 0 for r in reports.values())
 
 
 def test_the_bound_is_the_larger_of_hbm_traffic_and_the_vector_work():
