@@ -13,6 +13,7 @@ cores share the rows.
               <= UB - reserved top        (the sum over every InitBuffer)
     per core  rb = ceil(rows / block_dim) rows, ceil(rb / tile_rows) tiles
     MTE2/MTE3 tiles * copies * latency + rb * bytes / rate, rate = min(core MTE rate, HBM / block_dim)
+    HBM       rb * (bytes in + bytes out) / (HBM / block_dim): the two MTE pipes draw on one share
     Vector    rb * (fp32 repeats per row * cycles + ceil(D / chunk) * instructions per chunk * issue)
               + tiles * instructions per tile * issue      (copies of per-tile inputs count in MTE2)
     time      buffers = 2: the slowest pipe + fill x one tile's copy in and out (fill and drain);
@@ -102,6 +103,7 @@ def ascend_rowwise_model(rows: int, cols: int, elem_bytes: int, phases: list[Asc
     latency, issue, slow, rate = figures.mte_latency, figures.vec_issue, figures.vec_slow_factor, figures.mte_bytes_per_cycle
     sc = {k: float(hw.costmodel.get(k, v)) for k, v in SCALES.items()}
     rb = math.ceil(rows / block_dim)
+    hbm_share = hw.memory["HBM"].bandwidth_gbps / hw.clock_ghz / block_dim   # bytes per cycle, a core's reads and writes
     if col_tiles is None:   # else the kernel's own column tiles (a split row: one row per tile)
         col_tiles = sorted({c for c in _pow2_upto(cols, 1024) if c < cols} | {cols}) if split_cols else [cols]
     tile_rows = _pow2_upto(min(rb, 64))   # and, for a kernel that takes them, every multiple of its step
@@ -176,10 +178,16 @@ def ascend_rowwise_model(rows: int, cols: int, elem_bytes: int, phases: list[Asc
                          (v(tr, ch, ct) + sc["serial_mte_scale"] * cp(tr, ct)) / clock if nb == 1 else 0.0)
         fill = Term.of(knobs, domains, lambda tr, nb, ch, ct, cp=copies:
                        sc["fill_scale"] * cp(tr, ct) / tiles(tr, ct) / clock if nb == 2 else 0.0)
+        def traffic(tr, ct, p=p):   # the bytes in and out: MTE2 and MTE3 each run at `rate`, but both draw on
+            # the core's one share of HBM, so together they take no less than their sum at it (the emulator's floor)
+            return (rb * ((p.streams_in + p.streams_out) * cols * elem_bytes + p.small_in_bytes + p.small_out_bytes)
+                    + tiles(tr, ct) * p.tile_in_bytes) / hbm_share
+
         mte2 = overlapped(lambda tr, ch, ct, f=mte2_parts: scaled(f(tr, ct)))
         mte3 = overlapped(lambda tr, ch, ct, f=mte3_parts: scaled(f(tr, ct)))
+        hbm = overlapped(lambda tr, ch, ct, f=traffic: f(tr, ct) * sc["mte_byte_scale"])
         launch = Term.of(("block_dim",), domains, lambda bd: hw.call_overhead_us * 1e-6)
-        model_phases.append(Phase(p.name, {"MTE2": [mte2], "MTE3": [mte3],
+        model_phases.append(Phase(p.name, {"MTE2": [mte2], "MTE3": [mte3], "HBM": [hbm],
                                            "Vector": [overlapped(lambda tr, ch, ct, f=vector: f(tr, ch, ct))],
                                            "serial": [serial]}, [fill, launch]))
     return ChoiceModel(domains, constraints, model_phases)
