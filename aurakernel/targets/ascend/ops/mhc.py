@@ -26,6 +26,11 @@ Where the time goes (ascend910b2, 1024 x 4 x 4096 bf16, 43 tokens per AI core; e
   65536) x is found there (`x_stays_in_l2`), so the launch is no longer bound by HBM traffic but by
   its MTE2 (~81k cycles: the per-super-tile copies): mhc_head 53.3 -> 47.3 us, mhc_pre 53.3 ->
   47.7 us (1.81x -> 1.73x and 2.18x -> 2.09x of the op's bound).
+- the plan: cube_model models all three launches (the forward with its vector side and pass-2 chunk,
+  bwd_head, the Cube backward) and predicts each within ~15% of the emulator at 1024 tokens (mhc_pre
+  173 us predicted, 158.5 emulated; 538 against 566 at 4096). Row-wise phases beside it had counted the
+  forward's vector side twice and bwd_head at the fp32 backward's cost (642 us predicted), which is
+  what `aurakernel profile --target` charged for mHC.
 """
 
 from __future__ import annotations
