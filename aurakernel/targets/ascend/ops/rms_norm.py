@@ -48,16 +48,19 @@ class RmsNormAscend(AscendKernel):
         cast = 0 if problem.dtype is DType.fp32 else 1
         if self.narrow(problem):
             segs = -(-cols // 64)   # a row's 64-lane segments: a level-0 instruction each, repeated over the rows
-            # the rows' broadcast blocks and sums beside the tiles, for up to 64 rows
-            blocks = 64 * 4 * (8 if not weighted else 17)
+            # beside the tiles, for up to 64 rows: the forward's rstd blocks (8 floats a row), the
+            # backward's c and its and rstd's blocks (17); and the fp32 tiles' rows at the UB pitch of
+            # the dtype (16-bit: 64 B), up to 32 B a row more than the model's fp32 row
+            fwd_rows = 64 * 4 * 8 + 64 * 32 * (1 + cast)
+            bwd_rows = 64 * 4 * 17 + 64 * 32 * (1 + 2 * cast)
             return [
                 # casts, x^2, the segments folded, rstd (4 on the rows), its blocks, y = x rstd (* gamma), cast
-                AscendRowPhase("forward", 1, 1, 0, 4, cols * 4 * weighted + blocks, 0,
+                AscendRowPhase("forward", 1, 1, 0, 4, cols * 4 * weighted + fwd_rows, 0,
                                fast_ops_per_elem=3 + 2 * cast + weighted, slow_ops_per_elem=0, instrs_per_chunk=0,
                                f32_tiles=1 + cast, instrs_per_tile=2 * cast + 2 * segs + 8 + weighted * segs),
                 # 2 casts, (dy x, xhat, the rows halved, dgamma, g = dy gamma), g x, folded, c (4 on the rows),
                 # two blocks, s g, c x, their sum, cast
-                AscendRowPhase("backward", 2, 1, 4, 0, cols * 8 * weighted + blocks, 0,
+                AscendRowPhase("backward", 2, 1, 4, 0, cols * 8 * weighted + bwd_rows, 0,
                                fast_ops_per_elem=5 + 3 * cast + 4 * weighted, slow_ops_per_elem=0, instrs_per_chunk=0,
                                f32_tiles=1 + 2 * cast, instrs_per_tile=3 * cast + 4 * segs + 10 + weighted * (2 * segs + 9)),
             ]
