@@ -201,7 +201,7 @@ class MhcAscend(AscendKernel):
             per token y = sum_i pre_i x_i a pass-2 chunk at a time: x's HC rows of the chunk from L2 (the
             chunk's compute waits for its copy, and the next copy is issued after that compute: each
             chunk's copy latency is exposed), a cast and an Axpy per element, y out."""
-            chunks = -(-f.d // self.pass2_chunk({"chunk": ch}, f.hc))
+            chunks = -(-f.d // self.pass2_chunk(ch, f.hc))
             return 400 * issue + -(-min(g, groups) * tr // 2) * (chunks * (lat + issue) + w * e / l2 + f.d * e / rate
                                                                   + 2 * w / 64) + lat
 
@@ -246,10 +246,10 @@ class MhcAscend(AscendKernel):
         model.phases.insert(1, self.head_phase(problem, hw, domains))
         return model
 
-    @staticmethod
-    def _pass2_ub(chunk: int, hc: int, e: int) -> int:
+    @classmethod
+    def _pass2_ub(cls, chunk: int, hc: int, e: int) -> int:
         """UB bytes of the forward's second pass: x's HC rows and y, two of each, and two fp32 rows of a chunk."""
-        pc = max(16, chunk // hc)
+        pc = cls.pass2_chunk(chunk, hc)
         return 2 * (hc + 1) * a32(pc * e) + 2 * pc * 4
 
     def reverse_instrs(self) -> int:
@@ -399,9 +399,9 @@ class MhcAscend(AscendKernel):
                 "backward": VectorWork(elems * (products + 5 + 2 * c) + ys * c)}
 
     @staticmethod
-    def pass2_chunk(knobs: dict[str, int], hc: int) -> int:
+    def pass2_chunk(chunk: int, hc: int) -> int:
         """Columns of each stream per chunk of the forward's second pass: the plan's chunk of W over HC."""
-        return max(16, int(knobs["chunk"]) // hc)
+        return max(16, int(chunk) // hc)
 
     def params(self, problem: Problem, knobs: dict[str, int]) -> dict:
         _, hc, d = problem.shape
@@ -416,7 +416,7 @@ class MhcAscend(AscendKernel):
                                               f"(a multiple of cube_k0, <= 4096), cube_k0 {k0} (64, 128 or 256)")
         bwd = phase_schedule(knobs, "backward", ("in", "out"))
         return {"dtype": problem.dtype, "hc": int(hc), "d": int(d), "nout": int(self.spec.nout(hc)), "iters": int(ITERS),
-                "head": bool(self.spec.head), "eps": float(EPS), "col_tile": col_tile, "chunk": self.pass2_chunk(knobs, hc),
+                "head": bool(self.spec.head), "eps": float(EPS), "col_tile": col_tile, "chunk": self.pass2_chunk(knobs["chunk"], hc),
                 "block_dim": int(knobs["block_dim"]), "row_block": int(self.ROW_BLOCK),
                 "cube_groups": groups, "cube_k": k1, "cube_k0": k0, "cube_blocks": int(knobs["cube_blocks"]),
                 "cube_backward": self.cube_backward(problem), "bwd_groups": int(knobs.get("bwd_groups", 1)),
@@ -451,7 +451,7 @@ class MhcAscend(AscendKernel):
         ws_par = ws_dfn + dfn_blocks * n * w
         ws_parts = ws_par + block_dim * 32   # the Cube backward's dmix and c parts: [4][NOUT16][rows] of x's dtype
         ws_end = ws_parts + (-(-4 * n16 * rows * x.element_size() // 32) * 8 if on_cube else 0)
-        tiling = bytearray(struct.pack("<7I3fII", rows, d, block_rows, -(-d // knobs["col_tile"]), self.pass2_chunk(knobs, hc), ws_dfn,
+        tiling = bytearray(struct.pack("<7I3fII", rows, d, block_rows, -(-d // knobs["col_tile"]), self.pass2_chunk(knobs["chunk"], hc), ws_dfn,
                                        ws_par, EPS, EPS, 1.0 / w, cube_rows, ws_parts))
         fn, base = inputs["fn"].float().contiguous(), inputs["base"].float().contiguous()
         scale = inputs["scale"].float().contiguous()
