@@ -35,6 +35,10 @@ Where the time goes (ascend910b2, 1024 x 4 x 4096 bf16, 43 tokens per AI core; e
   Sinkhorn, its softmax, the post sigmoids: all but the pre sigmoids) under their own d_pre copies,
   where block b - 1's whole reverse ran under block b's and the last block's ran alone (~15.7k cycles):
   mhc_pre's bwd_head 51.4 -> 44.9 us at 1024 tokens.
+- mhc_pre's token-major rows (the forward's post and comb out, bwd_head's d_post and d_comb in) are
+  transposed by one vector Gather against an offset table made once, where the scalar unit moved them a
+  value at a time (~2.5k cycles a block in bwd_head, ~3.8k a super-tile in the forward's AIV tail):
+  forward 59.4 -> 57.3 us, bwd_head 44.9 -> 43.7 us (fwd+bwd 148.7 us, 1.96x of the bound).
 """
 
 from __future__ import annotations
@@ -126,7 +130,8 @@ class MhcAscend(AscendKernel):
         n, ct, tr = self.spec.nout(hc), self.col_tiles(problem)[0], self.ROW_BLOCK
         ncomb = 0 if self.spec.head else hc * hc
         ht = max(self.CUBE_GROUPS) * tr // 2   # an AIV's tokens of a super-tile: its head's lanes
-        fwd = 2 * (n * ht + ht * 8) * 4 + ((n + 1) + 2 * hc + ncomb + 3 * hc) * ht * 4 + a32(ht * (hc + ncomb) * 4)
+        # ... and the rows of post and comb for GM with their Gather's offset table
+        fwd = 2 * (n * ht + ht * 8) * 4 + ((n + 1) + 2 * hc + ncomb + 3 * hc) * ht * 4 + 2 * a32(ht * (hc + ncomb) * 4)
         kcoef = 2 * n + hc + 2
         bwd = 3 * n * ct * 4 + kcoef * tr * 4 + 2 * n * tr * 32 + (32 if e == 4 else 2 * ct * 4)
         return fwd, bwd
@@ -264,7 +269,7 @@ class MhcAscend(AscendKernel):
         """bwd_head on the vector cores, which has no knob of its own (its column tile, head_col_tile, and
         its 16-token blocks are fixed): per token and column tile x's HC stream rows and dy in (two copies),
         a cast of each element, x . dy's product and fold per x element (d_pre); per block its saved mixes,
-        rstd (and d_post and d_comb, transposed on the scalar unit) in, the head in reverse but for the
+        rstd (and d_post and d_comb, transposed by a Gather) in, the head in reverse but for the
         pre sigmoids (reverse_instrs) dealt out between the block's own d_pre copies, then, exposed, the
         tail that needs d_pre (the pre sigmoids' backward and the coefficients) and the coefficients out.
         Time: the busier pipe plus each block's exposed load, tail and copy-out, and one copy's fill."""
@@ -278,8 +283,9 @@ class MhcAscend(AscendKernel):
         cast = 1 if e < 4 else 0
         copy = 2 * lat + (hc + 1) * dct * e / p.mte_bytes_per_cycle
         loads = 2 if head else 4
+        rows = (hc + hc * hc) * self.ROW_BLOCK * 4 / 256   # d_post and d_comb's transposing Gather, in repeats
         exposed = ((5 * hc + 2 * n + 12) * (issue + 1)                                  # the tail
-                   + loads * lat + (0 if head else self.ROW_BLOCK * (hc + hc * hc) * 2 * p.scalar_op)   # the load
+                   + loads * lat + (0 if head else 2 * issue + rows * (1 + p.vec_slow_factor))   # the load
                    + 2 * lat + 10 * issue)                                              # the coefficients out
         cycles = {"MTE2": pairs * copy + blocks * loads * lat,
                   "MTE3": blocks * 2 * lat,
