@@ -50,6 +50,7 @@ class AscendPipes:
     mte1_bytes_per_cycle: float   # L1 -> L0A / L0B
     fix_bytes_per_cycle: float    # L0C -> GM (what Fixpipe writes)
     l2_bytes_per_cycle: float     # one core's MTE rate to data resident in L2 (its own limit, not an HBM share)
+    hbm_share_per_cycle: float    # one core's share of HBM, its reads and writes together (MTE2 and MTE3 draw on it)
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,8 @@ class HardwareProfile:
                            cube_macs_fp32=float(pipes.get("cube_macs_per_cycle_fp32", 2048)),
                            mte1_bytes_per_cycle=float(pipes.get("mte1_bytes_per_cycle", 256)),
                            fix_bytes_per_cycle=float(pipes.get("fix_bytes_per_cycle", 128)),
-                           l2_bytes_per_cycle=float(pipes.get("l2_bytes_per_cycle", pipes.get("mte_bytes_per_cycle", 64))))
+                           l2_bytes_per_cycle=float(pipes.get("l2_bytes_per_cycle", pipes.get("mte_bytes_per_cycle", 64))),
+                           hbm_share_per_cycle=hbm_per_core)
 
     def _capacity(self, level: str, default: int) -> int:
         return int(self.memory[level].capacity) if level in self.memory else default

@@ -299,19 +299,25 @@ def test_mhc_backward_reads_x_from_the_l2_that_bwd_head_left_it_in(tmp_path, mon
     assert reads[True] < 0.5 * x_bytes and reads[False] >= x_bytes
 
 
+def _plan_and_emulate(op: str, variant: str, shape: str, tmp_path):
+    """The plan at a shape and its kernels' emulated run: (plan, estimate_summary of the run)."""
+    spec = OPS[op]
+    problem = spec.problem(shape, "bf16", variant)
+    plan = ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs")
+    emu = ascend.Emulated(spec, ascend.render_project(spec, problem, plan.knobs, tmp_path, HW), HW)
+    reports = ascend.emulate(spec, problem, plan.knobs, emu)
+    assert all(r.ok for r in reports.values()), [r.errors for r in reports.values()]
+    return plan, ascend.estimate_summary(reports, HW, None)
+
+
 @pytest.mark.parametrize("op", ["mhc_pre", "mhc_head"])
 def test_mhc_plan_predicts_each_launch_near_its_emulated_time(op, tmp_path):
     """What `aurakernel profile --target` charges for mHC is the plan's prediction: each of its three
     launches (forward, bwd_head, the Cube backward) is predicted within 0.8-1.3x of its emulated time
     at V4-Flash's 1024 tokens. Row-wise phases beside the Cube model counted the forward's vector side
     twice and bwd_head at the fp32 backward's NOUT products per element: 642 us for mhc_pre's 158."""
-    spec = OPS[op]
-    problem = spec.problem("1024x4x4096", "bf16", "default")
-    plan = ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs")
-    emu = ascend.Emulated(spec, ascend.render_project(spec, problem, plan.knobs, tmp_path, HW), HW)
-    reports = ascend.emulate(spec, problem, plan.knobs, emu)
-    assert all(r.ok for r in reports.values()), [r.errors for r in reports.values()]
-    emulated = ascend.estimate_summary(reports, HW, None)["phases"]
+    plan, summary = _plan_and_emulate(op, "default", "1024x4x4096", tmp_path)
+    emulated = summary["phases"]
     assert set(plan.pipes_us) == set(emulated) == {"forward", "backward_head", "backward"}
     for phase, pipes in plan.pipes_us.items():
         predicted = max(v for k, v in pipes.items() if k != "overhead") + pipes["overhead"]
@@ -344,13 +350,8 @@ def test_row_plan_charges_reads_and_writes_to_one_hbm_share(op, variant, shape, 
     plan charges their bytes together (its HBM pipe, no less than either MTE pipe's bytes) and predicts
     within 0.8-1.3x of the emulator, which floors each core at that traffic. Charged each pipe alone at
     the share, the plan predicted rope 0.71x and cross_entropy 0.79x of their emulated times."""
-    spec = OPS[op]
-    problem = spec.problem(shape, "bf16", variant)
-    plan = ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs")
-    emu = ascend.Emulated(spec, ascend.render_project(spec, problem, plan.knobs, tmp_path, HW), HW)
-    reports = ascend.emulate(spec, problem, plan.knobs, emu)
-    assert all(r.ok for r in reports.values())
-    emulated = ascend.estimate_summary(reports, HW, None)["est_us"]
+    plan, summary = _plan_and_emulate(op, variant, shape, tmp_path)
+    emulated = summary["est_us"]
     assert all("HBM" in pipes for pipes in plan.pipes_us.values())
     assert 0.8 < plan.predicted_us / emulated < 1.3, (plan.predicted_us, emulated)
 

@@ -103,7 +103,6 @@ def ascend_rowwise_model(rows: int, cols: int, elem_bytes: int, phases: list[Asc
     latency, issue, slow, rate = figures.mte_latency, figures.vec_issue, figures.vec_slow_factor, figures.mte_bytes_per_cycle
     sc = {k: float(hw.costmodel.get(k, v)) for k, v in SCALES.items()}
     rb = math.ceil(rows / block_dim)
-    hbm_share = hw.memory["HBM"].bandwidth_gbps / hw.clock_ghz / block_dim   # bytes per cycle, a core's reads and writes
     if col_tiles is None:   # else the kernel's own column tiles (a split row: one row per tile)
         col_tiles = sorted({c for c in _pow2_upto(cols, 1024) if c < cols} | {cols}) if split_cols else [cols]
     tile_rows = _pow2_upto(min(rb, 64))   # and, for a kernel that takes them, every multiple of its step
@@ -181,7 +180,7 @@ def ascend_rowwise_model(rows: int, cols: int, elem_bytes: int, phases: list[Asc
         def traffic(tr, ct, p=p):   # the bytes in and out: MTE2 and MTE3 each run at `rate`, but both draw on
             # the core's one share of HBM, so together they take no less than their sum at it (the emulator's floor)
             return (rb * ((p.streams_in + p.streams_out) * cols * elem_bytes + p.small_in_bytes + p.small_out_bytes)
-                    + tiles(tr, ct) * p.tile_in_bytes) / hbm_share
+                    + tiles(tr, ct) * p.tile_in_bytes) / figures.hbm_share_per_cycle
 
         mte2 = overlapped(lambda tr, ch, ct, f=mte2_parts: scaled(f(tr, ct)))
         mte3 = overlapped(lambda tr, ch, ct, f=mte3_parts: scaled(f(tr, ct)))

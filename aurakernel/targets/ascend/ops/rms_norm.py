@@ -36,7 +36,7 @@ class RmsNormAscend(AscendKernel):
     # a tile's compute step cannot run under it
     compute_waits_scalar = {"forward": True, "backward": True}
 
-    NARROW_PITCH = 2040   # the template's: rows of at most this UB pitch are computed a whole tile at a time
+    NARROW_PITCH = 2040   # rows of at most this UB pitch are computed a whole tile at a time (rendered into the template)
 
     def narrow(self, problem: Problem) -> bool:
         """Whether the kernel computes whole tiles (its rows' fp32 32 B blocks fit a level-0 repeat stride)."""
@@ -81,7 +81,7 @@ class RmsNormAscend(AscendKernel):
         bwd = phase_schedule(knobs, "backward", ("in", "out"))
         return {"dtype": problem.dtype, "cols": int(problem.shape[1]), "weighted": problem.variant == "weighted",
                 "tile_rows": int(knobs["tile_rows"]), "chunk": int(knobs["chunk"]),
-                "block_dim": int(knobs["block_dim"]), "eps": float(EPS),
+                "block_dim": int(knobs["block_dim"]), "eps": float(EPS), "narrow_pitch": int(self.NARROW_PITCH),
                 "fwd_prefetch": fwd["prefetch"], "fwd_in_buffers": fwd["in_buffers"], "fwd_out_buffers": fwd["out_buffers"],
                 "bwd_prefetch": bwd["prefetch"], "bwd_in_buffers": bwd["in_buffers"], "bwd_out_buffers": bwd["out_buffers"]}
 
