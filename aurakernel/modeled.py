@@ -55,6 +55,7 @@ from .ops import OPS
 from .profiler import FUSABLE, _Hooks, save_group_chart
 from .targets import target_for
 
+GEMM = "gemm"   # the scope the tracer books matmul-class ops under (their group "matmul")
 MATMUL_ATEN = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "_grouped_mm", "matmul", "linear"}
 EXPERT_PARAMS = ".mlp.experts."
 
@@ -310,7 +311,7 @@ class _Tracer(TorchDispatchMode):
         if name in MATMUL_ATEN:
             flops = _matmul_flops(name, args, out)
             self.matmuls.append((flops * weight, moved * weight, next(_tensors(out)).dtype, where[1]))
-            where = ("matmul", None)
+            where = ("matmul", GEMM)
         self.bytes[where] += moved * weight
         self.ops[where] += weight
         return out
@@ -452,8 +453,13 @@ def modeled_profile(full: torch.nn.Module, target: str, *, seq_len: int, batch_s
 
     mm_us = sum(matmul_us(*m) for m in tracer.matmuls)
     kept = [m for m in tracer.matmuls if m[3] not in won]   # the fused ones run inside their kernels
-    groups.append(ModeledGroup("matmul", "matmul", mm_us, 0.0, 0, tracer.ops[("matmul", None)], tracer.bytes[("matmul", None)],
-                               sum(m[0] for m in tracer.matmuls), sum(matmul_us(*m) for m in kept),
+    # the other ops of the projections' modules (their input's reshapes, the grouped projection's
+    # transposes): eager, before and after
+    mm_keys = [k for k in tracer.bytes if k[0] == "matmul"]
+    other_us = sum(eager_us(k) for k in mm_keys if k[1] != GEMM)
+    groups.append(ModeledGroup("matmul", "matmul", mm_us + other_us, 0.0, 0, sum(tracer.ops[k] for k in mm_keys),
+                               sum(tracer.bytes[k] for k in mm_keys),
+                               sum(m[0] for m in tracer.matmuls), sum(matmul_us(*m) for m in kept) + other_us,
                                "less the fused attention matmuls" if won else "-",
                                flops_after=sum(m[0] for m in kept)))
 

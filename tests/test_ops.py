@@ -25,6 +25,9 @@ CASES = {
     "cross_entropy": ["67x1000", "5x50257"],
     # TOKENSxHIDDENxVOCAB: chunks of the planned rows plus a short last one, a vocabulary off the SIMD grid
     "linear_cross_entropy": ["300x64x1000", "37x40x5003"],
+    # TOKENSxINxOUT: rows and columns off the register blocks, a narrow output, widths off the SIMD grid
+    # and both widths past 1024 (A's blocks packed)
+    "linear": ["300x96x64", "37x131x5", "33x1030x1027"],
     "compressor": ["2x9x4x64", "1x3x16x40"],
     "indexer_score": ["2x19x4x32x23", "1x5x8x16x3"],
     "attn_softmax": ["2x4x37x53", "1x3x9x130"],
@@ -224,3 +227,20 @@ def test_a_kernel_is_held_to_the_exact_result_not_to_the_references_rounding():
     wrong = check_case(spec, problem, 0, kernel(1.03))   # 2% off: beyond the reference's rounding of 1/8
     assert [c.passed for c in wrong if c.tensor == "y"] == [False]
     assert [c.reason for c in wrong if c.tensor == "grad_x"] == [""]   # within tolerance of the reference: no second look
+
+
+def test_linear_cases_take_every_way_of_sharing_a_gemm():
+    """The linear cases above run each way the kernel shares a GEMM between two threads (rows,
+    columns, the sum's depth) and A both read in place and packed: the template's split_of and
+    PACK_A_STRIDE are mirrored by the model's, which says which GEMM goes which way."""
+    from aurakernel.targets.host.ops.linear import PACK_A_STRIDE, gemms, split_of
+
+    ways, packed = set(), set()
+    for shape in CASES["linear"]:
+        problem = get_op("linear").problem(shape, "fp32")
+        _, d_in, d_out = problem.shape
+        for phase in gemms(problem).values():
+            for g in phase:
+                ways.add(split_of(g, 2, partials_fit=g.m * g.n <= d_in * d_out))
+                packed.add(g.a_stride >= PACK_A_STRIDE)
+    assert ways == {"rows", "cols", "depth"} and packed == {True, False}

@@ -336,3 +336,27 @@ def test_a_layers_stream_update_and_ffn_hyperconnection_run_as_one_fused_kernel(
     grads = dict(reference.named_parameters())
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_linear_takes_the_plain_projections_not_the_grouped_one():
+    """linear patches every bias-free torch.nn.Linear that computes x W^T, and never V4's grouped
+    output projection (an nn.Linear subclass whose forward is a batched GEMM over head groups: run
+    as x W^T it returns the wrong shape); a bias or autocast keeps a call on torch's GEMM."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4GroupedLinear
+
+    from aurakernel.ops import get_op
+    from aurakernel.patch.deepseek_v4 import patch_of, sites
+
+    model = build_model(_cfg().model, 0)
+    linear = {s.name for s in sites(model) if s.op == "linear"}
+    grouped = [n for n, m in model.named_modules() if isinstance(m, DeepseekV4GroupedLinear)]
+    assert grouped and not linear & set(grouped)
+    assert {"model.layers.0.self_attn.q_a_proj", "model.layers.0.self_attn.o_b_proj", "lm_head"} <= linear
+    patch = patch_of(get_op("linear"))
+    with pytest.raises(TypeError, match="not a plain torch.nn.Linear"):
+        patch.patch(model.get_submodule(grouped[0]), lambda key, dtype: "0" * 20)
+    x = torch.randn(3, 8)
+    assert patch.call_problem(torch.nn.Linear(8, 4, bias=False), (x,)).shape == (3, 8, 4)
+    assert patch.call_problem(torch.nn.Linear(8, 4), (x,)) is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert patch.call_problem(torch.nn.Linear(8, 4, bias=False), (x,)) is None

@@ -22,6 +22,7 @@ from .base import OpSpec, Problem
 from .compressor import SPEC as COMPRESSOR
 from .cross_entropy import SPEC as CROSS_ENTROPY
 from .indexer_score import SPEC as INDEXER_SCORE
+from .linear import SPEC as LINEAR
 from .linear_cross_entropy import SPEC as LINEAR_CROSS_ENTROPY
 from .mhc import HEAD as MHC_HEAD
 from .mhc import PRE as MHC_PRE
@@ -35,7 +36,7 @@ from .swiglu import SPEC as SWIGLU
 
 OPS: dict[str, OpSpec] = {spec.name: spec for spec in (RMS_NORM, MHC_PRE, MHC_POST, MHC_POST_PRE, MHC_HEAD, ROUTER, SWIGLU, ROPE, ATTN_SOFTMAX,
                                                         COMPRESSOR, INDEXER_SCORE, SPARSE_ATTENTION, CROSS_ENTROPY,
-                                                        LINEAR_CROSS_ENTROPY, ADAMW)}
+                                                        LINEAR_CROSS_ENTROPY, LINEAR, ADAMW)}
 
 
 ENTRY_POINT_GROUP = "aurakernel.ops"

@@ -1,0 +1,178 @@
+"""The host kernel of linear: three strided, packed GEMMs (templates/host/linear.c.j2), their tiling
+model and calls.
+
+Where the time goes (tiny V4 config, 1024 tokens, fp32, AVX2 EPYC, 2 cores at ~88 GFLOP/s of FMA
+each): the training step spent 121 of ~230 ms in torch's GEMMs, nearly all of them these
+projections and the experts', at 100-143 GFLOP/s (1024 x 256 x 128: 101; x 64: 98). The shapes are
+narrow (N = 64-256, K = 128-1024): MKL's blocking for them leaves the FMA units idle a third to half
+of the time. Packing a kc x nc panel of B once per thread and sweeping it with the 6 x 16 register
+blocks reaches 130-180 GFLOP/s on the same shapes, the forward's transposed W and dW's transposed dy
+included (8 x 8 register transposes while packing, where a transposed copy would be one more pass).
+The model below prices the FMA work at the calibrated peak with each k-panel's accumulator loads
+and stores, B's packing, the accumulation passes over C and A's block where it outgrows L2, under
+L1 (a kc-long strip of B) and L2 (a panel of B).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ....ops.base import Problem, Tensors
+from ....ops.linear import SPEC
+from ....planner.costmodel import thread_candidates
+from ....planner.model import ChoiceModel, Constraint, Phase, Term
+from ..kernel import HostKernel
+from ..library import Entry
+
+# cycles a register block spends loading and storing its accumulators around one k-panel, in
+# k-steps of the block's FMAs: what makes short panels slow
+BLOCK_EDGE_STEPS = 24
+# one register-blocked pass over a block (an ak_gemm call): its loops' setup, the strips' first misses
+BLOCK_CALL_S = 0.3e-6
+# mc's smallest value: a multiple of the register block's rows on AVX2 (6) and AVX-512 (8)
+ROW_BLOCK = 24
+# A is packed where its elements along a row or a column lie this many floats apart (the template's
+# PACK_A_STRIDE): a block read in place would fall on a few cache sets
+PACK_A_STRIDE = 1024
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """C[m, n] = A[m, k] B[k, n] as the kernel runs it: whether B is read down its columns (packed by
+    transposes) and the longer of A's two strides."""
+
+    m: int
+    n: int
+    k: int
+    b_transposed: bool
+    a_stride: int
+
+
+def gemms(problem: Problem) -> dict[str, list[Gemm]]:
+    """Each phase's GEMMs: the forward's y = x W^T; the backward's dx = dy W and dW = dy^T x."""
+    tokens, d_in, d_out = problem.shape
+    return {"forward": [Gemm(tokens, d_out, d_in, True, d_in)],
+            "backward": [Gemm(tokens, d_in, d_out, False, d_out), Gemm(d_out, d_in, tokens, False, d_out)]}
+
+
+def split_of(g: Gemm, team: int, partials_fit: bool) -> str:
+    """How the threads share a GEMM (the template's split_of): by the floats each way moves beyond
+    one pass (rows: every thread packs all of B; columns: every thread reads all of A; depth: the
+    partial sums of every thread but the first are written, read and added)."""
+    rows, cols = (team - 1) * g.k * g.n * 2, (team - 1) * g.m * g.k
+    depth = (team - 1) * g.m * g.n * 3 if partials_fit else math.inf
+    return "rows" if rows <= cols and rows <= depth else "cols" if cols <= depth else "depth"
+
+
+def gemm_seconds(g: Gemm, kc: int, nc: int, mc: int, threads: int, *, vec: int, peak: float, l2: float,
+                 l2_bw: float, stream: float, partials_fit: bool) -> tuple[float, float]:
+    """(FMA seconds, memory seconds) of one GEMM: the FMAs at the per-core `peak` with each k-panel's
+    accumulator loads and stores and each block's call; B's packing, and its strips brought to L1
+    once per block of A's rows; A's packing (where its strides are long) once per panel of B, and A
+    read once per strip of B, from L2 where a block of it fits there beside the panel, else from
+    memory; C in and out per k-panel; a depth split's partial sums."""
+    units = {"rows": math.ceil(g.m / 6), "cols": math.ceil(g.n / (2 * vec)),
+             "depth": math.ceil(g.k / kc) if partials_fit else 1}
+    team = max(1, min(threads, max(units.values())))
+    how = split_of(g, team, partials_fit)
+    if units[how] < team:
+        how = max(units, key=units.get)
+    share = {"rows": (g.m / team, g.n, g.k), "cols": (g.m, g.n / team, g.k), "depth": (g.m, g.n, g.k / team)}[how]
+    m, n, k = share
+    depth = min(kc, k)
+    blocks = math.ceil(m / mc) * math.ceil(n / nc) * math.ceil(k / kc)
+    fma = 2 * m * n * k / peak * (depth + BLOCK_EDGE_STEPS) / depth + blocks * BLOCK_CALL_S
+    b = k * n * 4 * (2 * (2 if g.b_transposed else 1) + math.ceil(m / mc))
+    a_packed = m * k * 8 * math.ceil(n / nc) if g.a_stride >= PACK_A_STRIDE else 0.0
+    a_reads = m * k * 4 * math.ceil(n / (2 * vec))
+    c = m * n * 8 * math.ceil(k / kc)
+    a_rate = l2_bw if (min(mc, m) + min(nc, n)) * min(kc, k) * 4 <= l2 else stream / team
+    memory = (b + a_packed) / l2_bw + a_reads / a_rate + c / max(l2_bw, stream / team)
+    if how == "depth" and team > 1:
+        memory += (team - 1) * g.m * g.n * 12 / stream
+    return fma, memory
+
+
+def _candidates(start: int, cover: int, limit: int = 8) -> list[int]:
+    """start, doubling, up to the first value that covers `cover` (at most `limit` values)."""
+    out, v = [start], start
+    while v < cover and len(out) < limit:
+        v *= 2
+        out.append(v)
+    return out
+
+
+class LinearHost(HostKernel):
+    knob_docs = {"kc": "reduction depth of a packed panel (a kc x 2-vector strip of B stays in L1)",
+                 "nc": "columns of C per packed panel of B (the panel stays in L2)",
+                 "mc": "rows of A per block (a packed block stays in L2)", "threads": "OpenMP threads",
+                 "vec": "fp32 lanes per vector (the register blocks' width)"}
+    entries = {"fwd": Entry("ak_linear_fwd", ("ptr", "ptr", "ptr", "i64", "ptr")),
+               "bwd": Entry("ak_linear_bwd", ("ptr", "ptr", "ptr", "ptr", "ptr", "i64", "ptr")),
+               "scratch": Entry("ak_linear_scratch", (), "i64")}
+
+    def tiling_problem(self, problem: Problem, hw):
+        _, d_in, d_out = problem.shape
+        vec = max(hw.simd_bytes // 4, 4)
+        phases = gemms(problem)
+        every = [g for phase in phases.values() for g in phase]
+        domains = {"kc": _candidates(64, max(g.k for g in every), 5), "nc": _candidates(4 * vec, max(g.n for g in every)),
+                   "mc": _candidates(ROW_BLOCK, max(g.m for g in every), 6), "threads": thread_candidates(hw.cores),
+                   "vec": [vec]}
+        l1, l2 = hw.memory["L1"].capacity / 2, hw.memory["L2"].capacity / 2   # half: the other half streams
+        constraints = [
+            Constraint("L1 capacity (a strip of B)", Term.of(("kc", "vec"), domains, lambda kc, v: kc * 2 * v * 4), l1,
+                       "kc x 2 vectors x 4 B"),
+            Constraint("L2 capacity (a panel of B and a block of A)",
+                       Term.of(("kc", "nc", "mc"), domains, lambda kc, nc, mc: kc * (nc + mc) * 4), l2,
+                       "kc x (nc + mc) x 4 B")]
+        rates = {"vec": vec, "peak": hw.peak_tflops.get("fp32", 0.1) * 1e12 / max(hw.cores, 1), "l2": l2,
+                 "l2_bw": hw.memory["L2"].bandwidth_gbps * 1e9, "stream": hw.stream_bandwidth(hw.cores)}
+
+        def seconds(phase: str, which: int):
+            def cost(kc: int, nc: int, mc: int, th: int) -> float:
+                return sum(gemm_seconds(g, kc, nc, mc, th, partials_fit=g.m * g.n <= d_in * d_out, **rates)[which]
+                           for g in phases[phase])
+            return cost
+
+        def calls_s(th: int) -> float:
+            return (hw.call_overhead_us + (hw.fork_overhead_us if th > 1 else 0.0)) * 1e-6
+
+        knobs = ("kc", "nc", "mc", "threads")
+        model_phases = [Phase(name, {"FMA": [Term.of(knobs, domains, seconds(name, 0))],
+                                     "memory": [Term.of(knobs, domains, seconds(name, 1))]},
+                              [Term.of(("threads",), domains, lambda th, n=len(phases[name]): n * calls_s(th))])
+                        for name in ("forward", "backward")]
+        return ChoiceModel(domains, constraints, model_phases)
+
+    def render_params(self, problem: Problem, knobs: dict[str, int]) -> dict:
+        return {"dtype": problem.dtype, "d_in": int(problem.shape[1]), "d_out": int(problem.shape[2]),
+                "kc": int(knobs["kc"]), "nc": int(knobs["nc"]), "mc": int(knobs["mc"]),
+                "threads": int(knobs["threads"]), "vec": int(knobs["vec"])}
+
+    def empty_outputs(self, problem: Problem, inputs: Tensors) -> Tensors:
+        x = inputs["x"]
+        return {"y": x.new_empty(x.shape[0], inputs["weight"].shape[0])}
+
+    def run_forward(self, kernel, inputs: Tensors, outputs: Tensors) -> None:
+        kernel.call("fwd", inputs["x"], inputs["weight"], outputs["y"], inputs["x"].shape[0], kernel.workspace("scratch"))
+
+    def run_backward(self, kernel, inputs: Tensors, outputs: Tensors, grad_outputs: Tensors, grads: Tensors) -> None:
+        kernel.call("bwd", grad_outputs["y"], inputs["x"], inputs["weight"], grads["x"], grads["weight"],
+                    inputs["x"].shape[0], kernel.workspace("scratch"))
+
+    def verification_problems(self, problem: Problem, knobs: dict[str, int], simd_elems: int) -> list[Problem]:
+        """The tuned shape; tokens that split unevenly over the threads' row blocks and over the
+        k-panels of dW (a short last panel); widths off the SIMD grid (the GEMMs' edge columns)."""
+        tokens, d_in, d_out = problem.shape
+        odd = knobs["kc"] + 2 * 6 * knobs["threads"] + 7
+        out = [problem, Problem(problem.op, problem.variant, (min(tokens, odd), d_in, d_out), problem.dtype)]
+        if d_in % simd_elems == 0 or d_out % simd_elems == 0:
+            out.append(Problem(problem.op, problem.variant, (min(tokens, odd), d_in + 3, d_out + 5), problem.dtype))
+        return out
+
+
+PARTS = (LinearHost(SPEC),)
