@@ -21,7 +21,7 @@ from trainer.config import load_config
 from trainer.model import build_model
 
 from conftest import TINY
-from test_swap import plan_for
+from test_swap import linear_loss_knobs, plan_for
 from aurakernel.patch.deepseek_v4 import patch_of
 
 STEPS = 3
@@ -134,7 +134,7 @@ def _linear_cross_entropy_call():
     """A linear_cross_entropy kernel (3 chunks of 16 tokens, the last short) and one call's args."""
     spec = get_op("linear_cross_entropy")
     problem = Problem("linear_cross_entropy", "default", (40, 32, 300), DType.fp32)
-    kernel = build_kernel(spec, problem, {"chunk_rows": 16, "col_chunk": 128, "threads": 2})
+    kernel = build_kernel(spec, problem, linear_loss_knobs(problem, chunk_rows=16, col_chunk=128, threads=2))
     inputs = spec.make_inputs(problem, 3)
     return (inputs["hidden"], inputs["weight"], inputs["labels"], kernel.source_hash)
 

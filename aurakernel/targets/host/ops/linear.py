@@ -41,43 +41,48 @@ PACK_A_STRIDE = 1024
 
 @dataclass(frozen=True)
 class Gemm:
-    """C[m, n] = A[m, k] B[k, n] as the kernel runs it: whether B is read down its columns (packed by
-    transposes) and the longer of A's two strides."""
+    """C[m, n] = A[m, k] B[k, n] as _gemm_driver.h.j2 runs it: whether B is read down its columns
+    (packed by transposes), the longer of A's two strides, and whether its C fits the partial sums
+    a depth split keeps (GEMM_PARTIAL_FLOATS)."""
 
     m: int
     n: int
     k: int
     b_transposed: bool
     a_stride: int
+    partials_fit: bool
 
 
 def gemms(problem: Problem) -> dict[str, list[Gemm]]:
-    """Each phase's GEMMs: the forward's y = x W^T; the backward's dx = dy W and dW = dy^T x."""
+    """Each phase's GEMMs: the forward's y = x W^T; the backward's dx = dy W and dW = dy^T x (the
+    partial sums hold one dW)."""
     tokens, d_in, d_out = problem.shape
-    return {"forward": [Gemm(tokens, d_out, d_in, True, d_in)],
-            "backward": [Gemm(tokens, d_in, d_out, False, d_out), Gemm(d_out, d_in, tokens, False, d_out)]}
+    fits = lambda m, n: m * n <= d_in * d_out   # noqa: E731
+    return {"forward": [Gemm(tokens, d_out, d_in, True, d_in, fits(tokens, d_out))],
+            "backward": [Gemm(tokens, d_in, d_out, False, d_out, fits(tokens, d_in)),
+                         Gemm(d_out, d_in, tokens, False, d_out, True)]}
 
 
-def split_of(g: Gemm, team: int, partials_fit: bool) -> str:
+def split_of(g: Gemm, team: int) -> str:
     """How the threads share a GEMM (the template's split_of): by the floats each way moves beyond
     one pass (rows: every thread packs all of B; columns: every thread reads all of A; depth: the
     partial sums of every thread but the first are written, read and added)."""
     rows, cols = (team - 1) * g.k * g.n * 2, (team - 1) * g.m * g.k
-    depth = (team - 1) * g.m * g.n * 3 if partials_fit else math.inf
+    depth = (team - 1) * g.m * g.n * 3 if g.partials_fit else math.inf
     return "rows" if rows <= cols and rows <= depth else "cols" if cols <= depth else "depth"
 
 
 def gemm_seconds(g: Gemm, kc: int, nc: int, mc: int, threads: int, *, vec: int, peak: float, l2: float,
-                 l2_bw: float, stream: float, partials_fit: bool) -> tuple[float, float]:
+                 l2_bw: float, stream: float) -> tuple[float, float]:
     """(FMA seconds, memory seconds) of one GEMM: the FMAs at the per-core `peak` with each k-panel's
     accumulator loads and stores and each block's call; B's packing, and its strips brought to L1
     once per block of A's rows; A's packing (where its strides are long) once per panel of B, and A
     read once per strip of B, from L2 where a block of it fits there beside the panel, else from
     memory; C in and out per k-panel; a depth split's partial sums."""
     units = {"rows": math.ceil(g.m / 6), "cols": math.ceil(g.n / (2 * vec)),
-             "depth": math.ceil(g.k / kc) if partials_fit else 1}
+             "depth": math.ceil(g.k / kc) if g.partials_fit else 1}
     team = max(1, min(threads, max(units.values())))
-    how = split_of(g, team, partials_fit)
+    how = split_of(g, team)
     if units[how] < team:
         how = max(units, key=units.get)
     share = {"rows": (g.m / team, g.n, g.k), "cols": (g.m, g.n / team, g.k), "depth": (g.m, g.n, g.k / team)}[how]
@@ -105,6 +110,25 @@ def _candidates(start: int, cover: int, limit: int = 8) -> list[int]:
     return out
 
 
+def blocking(every: list[Gemm], hw) -> tuple[dict[str, list[int]], list[Constraint], dict[str, float]]:
+    """The blocked GEMM's knobs (kc, nc, mc and the vector width) for GEMMs `every`, their cache
+    constraints (a strip of B in L1; a panel of B and a block of A in L2) and the rates gemm_seconds
+    takes: the knobs any kernel built on _gemm_driver.h.j2 plans."""
+    vec = max(hw.simd_bytes // 4, 4)
+    domains = {"kc": _candidates(64, max(g.k for g in every), 5), "nc": _candidates(4 * vec, max(g.n for g in every)),
+               "mc": _candidates(ROW_BLOCK, max(g.m for g in every), 6), "vec": [vec]}
+    l1, l2 = hw.memory["L1"].capacity / 2, hw.memory["L2"].capacity / 2   # half: the other half streams
+    constraints = [
+        Constraint("L1 capacity (a strip of B)", Term.of(("kc", "vec"), domains, lambda kc, v: kc * 2 * v * 4), l1,
+                   "kc x 2 vectors x 4 B"),
+        Constraint("L2 capacity (a panel of B and a block of A)",
+                   Term.of(("kc", "nc", "mc"), domains, lambda kc, nc, mc: kc * (nc + mc) * 4), l2,
+                   "kc x (nc + mc) x 4 B")]
+    rates = {"vec": vec, "peak": hw.peak_tflops.get("fp32", 0.1) * 1e12 / max(hw.cores, 1), "l2": l2,
+             "l2_bw": hw.memory["L2"].bandwidth_gbps * 1e9, "stream": hw.stream_bandwidth(hw.cores)}
+    return domains, constraints, rates
+
+
 class LinearHost(HostKernel):
     knob_docs = {"kc": "reduction depth of a packed panel (a kc x 2-vector strip of B stays in L1)",
                  "nc": "columns of C per packed panel of B (the panel stays in L2)",
@@ -115,27 +139,13 @@ class LinearHost(HostKernel):
                "scratch": Entry("ak_linear_scratch", (), "i64")}
 
     def tiling_problem(self, problem: Problem, hw):
-        _, d_in, d_out = problem.shape
-        vec = max(hw.simd_bytes // 4, 4)
         phases = gemms(problem)
-        every = [g for phase in phases.values() for g in phase]
-        domains = {"kc": _candidates(64, max(g.k for g in every), 5), "nc": _candidates(4 * vec, max(g.n for g in every)),
-                   "mc": _candidates(ROW_BLOCK, max(g.m for g in every), 6), "threads": thread_candidates(hw.cores),
-                   "vec": [vec]}
-        l1, l2 = hw.memory["L1"].capacity / 2, hw.memory["L2"].capacity / 2   # half: the other half streams
-        constraints = [
-            Constraint("L1 capacity (a strip of B)", Term.of(("kc", "vec"), domains, lambda kc, v: kc * 2 * v * 4), l1,
-                       "kc x 2 vectors x 4 B"),
-            Constraint("L2 capacity (a panel of B and a block of A)",
-                       Term.of(("kc", "nc", "mc"), domains, lambda kc, nc, mc: kc * (nc + mc) * 4), l2,
-                       "kc x (nc + mc) x 4 B")]
-        rates = {"vec": vec, "peak": hw.peak_tflops.get("fp32", 0.1) * 1e12 / max(hw.cores, 1), "l2": l2,
-                 "l2_bw": hw.memory["L2"].bandwidth_gbps * 1e9, "stream": hw.stream_bandwidth(hw.cores)}
+        domains, constraints, rates = blocking([g for phase in phases.values() for g in phase], hw)
+        domains["threads"] = thread_candidates(hw.cores)
 
         def seconds(phase: str, which: int):
             def cost(kc: int, nc: int, mc: int, th: int) -> float:
-                return sum(gemm_seconds(g, kc, nc, mc, th, partials_fit=g.m * g.n <= d_in * d_out, **rates)[which]
-                           for g in phases[phase])
+                return sum(gemm_seconds(g, kc, nc, mc, th, **rates)[which] for g in phases[phase])
             return cost
 
         def calls_s(th: int) -> float:
