@@ -297,11 +297,13 @@ def _report(times: dict[str, float], counts: dict[str, int], total: float, steps
             for problem, n in problems:
                 shapes.append({"op": problem.op, "variant": problem.variant, "shape": list(problem.shape),
                                "dtype": problem.dtype.value, "calls": n / steps})
-                if whole and (problem, n) not in whole or OPS[problem.op].fuses:   # another way to compute
-                    continue                                                        # the group: not added
+                # another way to compute the group: not added; the matmul bucket holds GEMMs no kernel
+                # of the library plans (the experts'), so it has no planned time to compare with
+                if whole and (problem, n) not in whole or OPS[problem.op].fuses or kind == "matmul":
+                    continue
                 p = _planned_us(problem, hw)
                 planned += (p if p is not None else 0.0) * n / steps
-            if kind != "matmul":   # the bucket holds GEMMs no kernel of the library plans (the experts')
+            if kind != "matmul":
                 saving, basis = max(0.0, per_step - planned), "planned"
         elif kind == "fusable" and name in hooks.bytes:
             bound_us = 3 * hooks.bytes[name] / steps / bw * 1e6

@@ -15,18 +15,22 @@ from .install import install
 from .torch_op import torch_op
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t's rows as one contiguous [rows, features] matrix (a view where t already is one)."""
+    return t.reshape(-1, t.shape[-1]).contiguous()
+
+
 def _forward(x: torch.Tensor, weight: torch.Tensor, kernel: str) -> torch.Tensor:
-    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    rows = _rows(x)
     y = rows.new_empty(rows.shape[0], weight.shape[0])
     built_kernel(kernel).run_forward({"x": rows, "weight": weight.detach().contiguous()}, {"y": y})
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
 def _backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
-    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    rows = _rows(x)
     grads = {"x": torch.empty_like(rows), "weight": torch.empty_like(weight, memory_format=torch.contiguous_format)}
-    built_kernel(kernel).run_backward({"x": rows, "weight": weight.detach().contiguous()}, {},
-                                      {"y": dy.reshape(-1, dy.shape[-1]).contiguous()}, grads)
+    built_kernel(kernel).run_backward({"x": rows, "weight": weight.detach().contiguous()}, {}, {"y": _rows(dy)}, grads)
     return grads["x"].view(x.shape), grads["weight"]
 
 

@@ -283,14 +283,15 @@ class MhcAscend(AscendKernel):
         cast = 1 if e < 4 else 0
         copy = 2 * lat + (hc + 1) * dct * e / p.mte_bytes_per_cycle
         loads = 2 if head else 4
-        rows = (hc + hc * hc) * self.ROW_BLOCK * 4 / 256   # d_post and d_comb's transposing Gather, in repeats
-        exposed = ((5 * hc + 2 * n + 12) * (issue + 1)                                  # the tail
-                   + loads * lat + (0 if head else 2 * issue + rows * (1 + p.vec_slow_factor))   # the load
-                   + 2 * lat + 10 * issue)                                              # the coefficients out
+        gather = (hc + hc * hc) * self.ROW_BLOCK * 4 / 256   # d_post and d_comb's transposing Gather, in repeats
+        tail = 5 * hc + 2 * n + 12                           # the tail's instructions (needs d_pre)
+        exposed = (tail * (issue + 1)
+                   + loads * lat + (0 if head else 2 * issue + gather * (1 + p.vec_slow_factor))   # the load
+                   + 2 * lat + 10 * issue)                                                          # the coefficients out
         cycles = {"MTE2": pairs * copy + blocks * loads * lat,
                   "MTE3": blocks * 2 * lat,
                   "Vector": pairs * ((cast + hc * (1 + cast) + 2) * issue + (cast + hc * (2 + cast)) * dct / 64)
-                            + blocks * (self.reverse_instrs() + 5 * hc + 2 * n + 12) * (issue + 1) + 2 * (n + 8) * issue}
+                            + blocks * (self.reverse_instrs() + tail) * (issue + 1) + 2 * (n + 8) * issue}
         clock = hw.clock_ghz * 1e9
 
         def constant(v: float) -> Term:

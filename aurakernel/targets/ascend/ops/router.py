@@ -56,10 +56,11 @@ class RouterAscend(AscendKernel):
         repeats = max(1.0, experts * 4 / 256)
         if problem.variant == "hash":   # the weights of the table's experts, from the logits; per row the
             # compact fp32 tile, four int32 gather tables, the gathered values (dtype) and the lane mask
+            fast, slow = 22, 5   # vector instructions over the compact tile, each issued once a tile
             fwd = AscendRowPhase("forward", 1, 0, idx_bytes + 5 * lanes * 4 + lanes * e + lanes, lanes * e, 0, 0,
-                                 fast_ops_per_elem=22 * lanes * 4 / 256 / repeats,
-                                 slow_ops_per_elem=5 * lanes * 4 / 256 / repeats, instrs_per_chunk=0,
-                                 instrs_per_tile=22 + 5)   # each of them issued once a tile
+                                 fast_ops_per_elem=fast * lanes * 4 / 256 / repeats,
+                                 slow_ops_per_elem=slow * lanes * 4 / 256 / repeats, instrs_per_chunk=0,
+                                 instrs_per_tile=fast + slow)
         else:   # per row v = s + bias (fp32), its 32 group maxima and their sorted structures, the CW
             # candidates (two tables, the expert, its byte offset, value and sorted structure), the merge
             # queues and final lists (4Q structures each); the compact tiles and tables of the tail
@@ -80,9 +81,11 @@ class RouterAscend(AscendKernel):
         # and per parity the experts (int32) and the gradients in the dtype, which the scatter reads;
         # and a third d logits tile (the kernel's DX_BUFFERS), counted whether or not buffers is 2
         compact = (2 + 6 + 2) * lanes * 4 + 2 * lanes * (4 + e) + experts * e
+        fast, slow = 30, 8   # the backward's over the compact tiles, each issued once a tile
         bwd = AscendRowPhase("backward", 1, 1, idx_bytes + lanes * e, 0, 0, 0,
-                             fast_ops_per_elem=30 * lanes * 4 / 256 / repeats + 1,
-                             slow_ops_per_elem=8 * lanes * 4 / 256 / repeats, instrs_per_chunk=0, instrs_per_tile=30 + 8,
+                             fast_ops_per_elem=fast * lanes * 4 / 256 / repeats + 1,
+                             slow_ops_per_elem=slow * lanes * 4 / 256 / repeats, instrs_per_chunk=0,
+                             instrs_per_tile=fast + slow,
                              extra_copies_in=1,   # the index and the weight gradients are copies of their own
                              f32_tiles=compact / (experts * 4))
         return [fwd, bwd]

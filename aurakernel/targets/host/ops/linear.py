@@ -50,25 +50,28 @@ PACK_A_STRIDE = 1024
 @dataclass(frozen=True)
 class Gemm:
     """C[m, n] = A[m, k] B[k, n] as _gemm_driver.h.j2 runs it: whether B is read down its columns
-    (packed by transposes), the longer of A's two strides, and whether its C fits the partial sums
-    a depth split keeps (GEMM_PARTIAL_FLOATS)."""
+    (packed by transposes), the longer of A's two strides, and the floats of the partial sums a
+    depth split may keep (the including kernel's GEMM_PARTIAL_FLOATS)."""
 
     m: int
     n: int
     k: int
     b_transposed: bool
     a_stride: int
-    partials_fit: bool
+    partial_floats: int
+
+    @property
+    def partials_fit(self) -> bool:
+        return self.m * self.n <= self.partial_floats
 
 
 def gemms(problem: Problem) -> dict[str, list[Gemm]]:
     """Each phase's GEMMs: the forward's y = x W^T; the backward's dx = dy W and dW = dy^T x (the
     partial sums hold one dW)."""
     tokens, d_in, d_out = problem.shape
-    fits = lambda m, n: m * n <= d_in * d_out   # noqa: E731
-    return {"forward": [Gemm(tokens, d_out, d_in, True, d_in, fits(tokens, d_out))],
-            "backward": [Gemm(tokens, d_in, d_out, False, d_out, fits(tokens, d_in)),
-                         Gemm(d_out, d_in, tokens, False, d_out, True)]}
+    dw = d_in * d_out
+    return {"forward": [Gemm(tokens, d_out, d_in, True, d_in, dw)],
+            "backward": [Gemm(tokens, d_in, d_out, False, d_out, dw), Gemm(d_out, d_in, tokens, False, d_out, dw)]}
 
 
 def split_of(g: Gemm, team: int) -> str:
@@ -87,7 +90,7 @@ def gemm_seconds(g: Gemm, kc: int, nc: int, mc: int, threads: int, *, vec: int, 
     once per block of A's rows; A's packing (where its strides are long) once per panel of B, and A
     read once per strip of B, from L2 where a block of it fits there beside the panel, else from
     memory; C in and out per k-panel; a depth split's partial sums."""
-    units = {"rows": math.ceil(g.m / 6), "cols": math.ceil(g.n / (2 * vec)),
+    units = {"rows": math.ceil(g.m / (6 if vec == 8 else 8)), "cols": math.ceil(g.n / (2 * vec)),   # _gemm.h.j2's AK_MB
              "depth": math.ceil(g.k / kc) if g.partials_fit else 1}
     team = max(1, min(threads, max(units.values())))
     how = split_of(g, team)

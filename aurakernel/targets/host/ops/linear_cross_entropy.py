@@ -47,17 +47,19 @@ def chunk_rows_candidates(tokens: int) -> list[int]:
         c *= 2
 
 
-def chunk_gemms(rows: int, hidden: int, vocab: int) -> list[Gemm]:
-    """A chunk's three GEMMs as the fp32 kernel runs them: logits = h W^T, d hidden = d logits W
-    (whose C the depth split's partial sums hold), d weight += d logits^T h."""
-    return [Gemm(rows, vocab, hidden, True, hidden, False), Gemm(rows, hidden, vocab, False, vocab, True),
-            Gemm(vocab, hidden, rows, False, vocab, False)]
+def chunk_gemms(rows: int, hidden: int, vocab: int, chunk_rows: int) -> list[Gemm]:
+    """A chunk of `rows` tokens' three GEMMs as the fp32 kernel runs them: logits = h W^T, d hidden =
+    d logits W, d weight += d logits^T h; a depth split's partial sums hold a whole chunk's d hidden."""
+    partial = chunk_rows * hidden
+    return [Gemm(rows, vocab, hidden, True, hidden, partial), Gemm(rows, hidden, vocab, False, vocab, partial),
+            Gemm(vocab, hidden, rows, False, vocab, partial)]
 
 
 def _mm(kernel, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> None:
     """out (+)= a @ b through the kernel's GEMM where its build has one (fp32), else torch's; a and b
-    may be transposed views (read through their strides), out is contiguous."""
-    if kernel.has("gemm"):
+    may be transposed views (read through their strides: one of each one's strides must be 1), out's
+    rows are contiguous."""
+    if kernel.has("gemm") and 1 in a.stride() and 1 in b.stride() and out.stride(1) == 1:
         kernel.call("gemm", a.shape[0], b.shape[1], a.shape[1], a, a.stride(0), a.stride(1), b, b.stride(0),
                     b.stride(1), out, out.stride(0), int(accumulate), kernel.workspace("gemm_scratch"))
     elif accumulate:
@@ -128,11 +130,10 @@ class LinearCrossEntropyHost(HostKernel):
         def calls_s(c: int, th: int) -> float:
             return chunks(c) * (4 * hw.call_overhead_us + (hw.fork_overhead_us if th > 1 else 0.0)) * 1e-6
 
-        pipes = {"GEMM": [Term.of(("chunk_rows",), domains, gemm_s)],
-                 "DRAM": [Term.of(("chunk_rows",), domains, weight_traffic_s)]}
+        pipes = {"DRAM": [Term.of(("chunk_rows",), domains, weight_traffic_s)]}
         if problem.dtype.value == "fp32":   # the kernel's own blocked GEMM: its knobs, caches and cost
-            gemm_domains, gemm_constraints, rates = blocking(chunk_gemms(min(tokens, max(domains["chunk_rows"])),
-                                                                         hidden, vocab), hw)
+            largest = max(domains["chunk_rows"])
+            gemm_domains, gemm_constraints, rates = blocking(chunk_gemms(min(tokens, largest), hidden, vocab, largest), hw)
             domains |= gemm_domains
             constraints += gemm_constraints
             knobs = ("chunk_rows", "kc", "nc", "mc", "threads")
@@ -140,10 +141,12 @@ class LinearCrossEntropyHost(HostKernel):
             def blocked_s(which: int):
                 def cost(c: int, kc: int, nc: int, mc: int, th: int) -> float:
                     return chunks(c) * sum(gemm_seconds(g, kc, nc, mc, th, **rates)[which]
-                                           for g in chunk_gemms(min(c, tokens), hidden, vocab))
+                                           for g in chunk_gemms(min(c, tokens), hidden, vocab, c))
                 return cost
             pipes["GEMM"] = [Term.of(knobs, domains, blocked_s(0))]
             pipes["L2"] = [Term.of(knobs, domains, blocked_s(1))]
+        else:   # torch's GEMMs
+            pipes["GEMM"] = [Term.of(("chunk_rows",), domains, gemm_s)]
         fwd = Phase("forward", pipes,
                     [Term.of(("threads", "col_chunk"), domains, loss_s),
                      Term.of(("chunk_rows", "threads"), domains, calls_s)])
