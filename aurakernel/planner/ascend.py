@@ -58,6 +58,16 @@ class AscendRowPhase:
     copies_out: int | None = None   # streams' rows); None: one per stream
     own_tile_rows: bool = False     # its tile rows are a knob of its own, `<name>_tile_rows` (the phase's
                                     # launch takes its own tiling): a phase with more UB to spare takes more rows
+    small_in_copies: int = 1        # copies that bring the per-row side inputs (one per tensor)
+    small_in_tiles: int = 1         # tiles' rows of side inputs a copy brings (queued that many tiles at a time)
+
+    def side_copies(self, tiles: int) -> int:
+        """The side inputs' copies over `tiles` tiles."""
+        return -(-tiles // self.small_in_tiles) * self.small_in_copies if self.small_in_bytes else 0
+
+    def side_in_bytes(self, tile_rows: int) -> int:
+        """UB of a queue buffer of side inputs."""
+        return align32(tile_rows * self.small_in_tiles * self.small_in_bytes)
 
 
 # planner-only scales (1.0: the model as written; fitted by planner/fit.py); every term is linear in them
@@ -124,7 +134,7 @@ def ascend_rowwise_model(rows: int, cols: int, elem_bytes: int, phases: list[Asc
         if ct < cols and tr > 1:
             return 1e12                                            # a split row is one row per tile
         pitch = math.ceil(ct * elem_bytes / 32) * 32               # UB row pitch in bytes
-        per_buf = ((p.streams_in + p.streams_out) * tr * pitch + align32(tr * p.small_in_bytes) + align32(tr * p.small_out_bytes)
+        per_buf = ((p.streams_in + p.streams_out) * tr * pitch + p.side_in_bytes(tr) + align32(tr * p.small_out_bytes)
                    + align32(p.tile_in_bytes))
         return (nb * per_buf + align32(p.resident_bytes) + p.work_buffers * ch * 4 + align32((8 + ch * 4 / 256) * 4)
                 + p.f32_tiles * tr * align32(ct * 4))
@@ -146,9 +156,10 @@ def ascend_rowwise_model(rows: int, cols: int, elem_bytes: int, phases: list[Asc
     for p in phases:
         knobs = (tr_knob(p), "buffers", "chunk", "col_tile")
         def mte2_parts(tr, ct, p=p):   # (copy latencies, transfer) cycles of the copies in
-            copies = ((p.streams_in if p.copies_in is None else p.copies_in) + (1 if p.small_in_bytes else 0)
-                      + (1 if p.tile_in_bytes else 0) + p.extra_copies_in)
-            return (tiles(tr, ct) * copies * latency,
+            n = tiles(tr, ct)
+            copies = n * ((p.streams_in if p.copies_in is None else p.copies_in) + (1 if p.tile_in_bytes else 0)
+                          + p.extra_copies_in) + p.side_copies(n)
+            return (copies * latency,
                     (rb * (p.streams_in * cols * elem_bytes + p.small_in_bytes) + tiles(tr, ct) * p.tile_in_bytes) / rate)
 
         def mte3_parts(tr, ct, p=p):   # ... and of the copies out

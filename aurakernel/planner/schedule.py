@@ -299,12 +299,13 @@ def ascend_row_pipeline(phase, rows: int, cols: int, elem_bytes: int, knobs: dic
     vector = repeats * (phase.fast_ops_per_elem + figures.vec_slow_factor * phase.slow_ops_per_elem) \
         + tr * math.ceil(width / min(ch, width)) * phase.instrs_per_chunk * figures.vec_issue \
         + phase.instrs_per_tile * figures.vec_issue
-    shared_in = (1 if phase.tile_in_bytes else 0) + phase.extra_copies_in   # per-tile side copies (planner/ascend.py)
+    shared_in = ((1 if phase.tile_in_bytes else 0) + phase.extra_copies_in   # per-tile side copies (planner/ascend.py)
+                 + phase.side_copies(tiles) / max(1, tiles))
     stages = [Stage("copy_in", "MTE2", mte(phase.streams_in + shared_in, phase.streams_in * tr * pitch + phase.tile_in_bytes),
                     max_lead=max_prefetch),
               Stage("compute", "Vector", int(math.ceil(vector)), inputs=("copy_in",),
                     blocks_issuer=compute_waits_scalar)]
-    in_bytes = phase.streams_in * tr * pitch + align32(tr * phase.small_in_bytes) + align32(phase.tile_in_bytes)
+    in_bytes = phase.streams_in * tr * pitch + phase.side_in_bytes(tr) + align32(phase.tile_in_bytes)
     queues = [Queue("in", "copy_in", ("compute",), in_bytes, max_buffers)]
     if phase.streams_out:
         stages.append(Stage("copy_out", "MTE3", mte(phase.streams_out, phase.streams_out * tr * pitch),

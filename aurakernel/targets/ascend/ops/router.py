@@ -33,6 +33,11 @@ from ....planner.ascend import AscendRowPhase, VectorWork, cast_passes, row_spli
 from ..kernel import AscendKernel
 
 
+# tiles' rows of the side inputs (the experts, the d weights) a copy brings: a copy's latency (~200 cycles)
+# once per SIDE_TILES tiles where each tile paid its own, for SIDE_TILES x their UB queue buffers
+SIDE_TILES = 8
+
+
 def _tiling(knobs: dict[str, int], x: torch.Tensor, from_logits: bool) -> bytearray:
     """AkRouterTiling for the rows of x (rows x experts)."""
     rows, experts = x.shape
@@ -54,13 +59,16 @@ class RouterAscend(AscendKernel):
         lanes = 32 // e
         idx_bytes = -(-top_k * 8 // 32) * 32
         repeats = max(1.0, experts * 4 / 256)
-        if problem.variant == "hash":   # the weights of the table's experts, from the logits; per row the
-            # compact fp32 tile, four int32 gather tables, the gathered values (dtype) and the lane mask
+        if problem.variant == "hash":   # the weights of the table's experts, from the logits; the experts
+            # SIDE_TILES tiles a copy; per row the compact fp32 tile, four int32 gather tables, the gathered
+            # values (dtype) and the lane mask
             fast, slow = 22, 5   # vector instructions over the compact tile, each issued once a tile
-            fwd = AscendRowPhase("forward", 1, 0, idx_bytes + 5 * lanes * 4 + lanes * e + lanes, lanes * e, 0, 0,
+            fwd = AscendRowPhase("forward", 1, 0, idx_bytes, lanes * e, 0, 0,
                                  fast_ops_per_elem=fast * lanes * 4 / 256 / repeats,
                                  slow_ops_per_elem=slow * lanes * 4 / 256 / repeats, instrs_per_chunk=0,
-                                 instrs_per_tile=fast + slow)
+                                 f32_tiles=(5 * lanes * 4 + lanes * e + lanes) / (experts * 4),
+                                 instrs_per_tile=fast + slow, small_in_tiles=SIDE_TILES,
+                                 own_tile_rows=True)   # its launch's UB holds no backward: larger tiles, fewer copies
         else:   # per row v = s + bias (fp32), its 32 group maxima and their sorted structures, the CW
             # candidates (two tables, the expert, its byte offset, value and sorted structure), the merge
             # queues and final lists (4Q structures each); the compact tiles and tables of the tail
@@ -76,7 +84,7 @@ class RouterAscend(AscendKernel):
                                  fast_ops_per_elem=4 + 4 * cw / experts + 30 * lanes * 4 / 256 / repeats,
                                  slow_ops_per_elem=(128 + 4 * cw + 8 * q) / experts, instrs_per_chunk=0,
                                  f32_tiles=-(-scratch // (experts * 4)), instrs_per_tile=50)
-        # logits in, d logits out; index and d weights in (queued); per row, beside the queues, the
+        # logits in, d logits out; index and d weights in (two copies, SIDE_TILES tiles each); per row, beside the queues, the
         # compact tiles: the gathered logits and the fp32 gradients (one per tile parity), six of work,
         # and per parity the experts (int32) and the gradients in the dtype, which the scatter reads;
         # and a third d logits tile (the kernel's DX_BUFFERS), counted whether or not buffers is 2
@@ -86,7 +94,7 @@ class RouterAscend(AscendKernel):
                              fast_ops_per_elem=fast * lanes * 4 / 256 / repeats + 1,
                              slow_ops_per_elem=slow * lanes * 4 / 256 / repeats, instrs_per_chunk=0,
                              instrs_per_tile=fast + slow,
-                             extra_copies_in=1,   # the index and the weight gradients are copies of their own
+                             small_in_copies=2, small_in_tiles=SIDE_TILES,
                              f32_tiles=compact / (experts * 4))
         return [fwd, bwd]
 
@@ -119,17 +127,20 @@ class RouterAscend(AscendKernel):
             raise UserError(f"router on AscendC: top-{top_k} of {experts} experts; the top-k kernel sorts the members "
                             f"of a row's top k + 1 groups (experts / 32 each), at most 128 (e.g. top-7 of 512, top-15 of 256)")
         return {"dtype": problem.dtype, "experts": int(experts), "top_k": int(top_k), "hash": problem.variant == "hash",
-                "scale": float(SCALE), "tile_rows": int(knobs["tile_rows"]), "buffers": int(knobs["buffers"]),
+                "scale": float(SCALE), "tile_rows": int(knobs["tile_rows"]), "side_tiles": SIDE_TILES,
+                "given_tile_rows": int(knobs.get("forward_tile_rows", knobs["tile_rows"])), "buffers": int(knobs["buffers"]),
                 "block_dim": int(knobs["block_dim"])}
 
     def verification_problems(self, problem: Problem, knobs: dict[str, int]) -> list[Problem]:
-        """Tokens that leave a tail core and a short last tile, a width of E + 3 experts (not a
-        multiple of 16), and (where the problem has that many tokens) two full tiles per core and a
-        short third, so the prefetch and the kernels' two-stage loops run."""
+        """Tokens that leave a tail core and a short last tile, a width of E - 3 experts (not a
+        multiple of 16; narrower, not wider, than the plan's: E + 3 rounds the top-k kernel's rows up to
+        the next 128 lanes, beyond the UB the plan sized for E), and (where the problem has that many
+        tokens) two full tiles per core and a short third, so the prefetch and the kernels' two-stage
+        loops run."""
         rows, experts, top_k = problem.shape
         bd, tr = knobs["block_dim"], knobs["tile_rows"]
-        shapes = [(min(rows, 2 * bd + 3), experts, top_k), (min(rows, bd + 5), experts + 3, top_k),
-                  (min(rows, bd * (2 * tr + 1) - 5), experts, top_k)]
+        shapes = [(min(rows, 2 * bd + 3), experts, top_k), (min(rows, bd + 5), max(experts - 3, top_k + 1), top_k)]
+        shapes += [(min(rows, bd * (2 * r + 1) - 5), experts, top_k) for r in (tr, knobs.get("forward_tile_rows", tr))]
         return [Problem(problem.op, problem.variant, s, problem.dtype) for s in dict.fromkeys(shapes)]
 
     def select(self, problem: Problem, knobs: dict[str, int], scores: torch.Tensor, bias: torch.Tensor, emu):
