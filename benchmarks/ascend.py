@@ -148,7 +148,9 @@ def main(argv=None) -> int:
                 f"{k['cube_buffers']}, AI cores {k['cube_blocks']}" if "cube_rows" in k else
                 f"; Cube: keys {k['kv_tile']} x D slices {k['d_chunk']} (backward {k['bwd_kv_tile']} x {k['bwd_d_chunk']}), "
                 f"AI cores {k['cube_blocks']}" if "kv_tile" in k else "")
-        return (f"rows {k['tile_rows']}, buffers {k['buffers']}, chunk {k['chunk']}, cores {k['block_dim']}"
+        own = "".join(f" ({name.removesuffix('_tile_rows')} {v})" for name, v in k.items()
+                      if name.endswith("_tile_rows") and name != "tile_rows")   # a phase's own tile rows
+        return (f"rows {k['tile_rows']}{own}, buffers {k['buffers']}, chunk {k['chunk']}, cores {k['block_dim']}"
                 + (f", col tile {k['col_tile']}" if k["col_tile"] < cols else "") + cube)
     def per_phase(phases):   # each phase against its own bound, and what bounds it
         return " / ".join(f"{v['ratio']:.2f}x {v['bound']}" for v in phases.values())

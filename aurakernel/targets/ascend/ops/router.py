@@ -15,6 +15,17 @@ instructions per row, 22.1 -> 20.6 us for forward + backward):
   from the compact tiles the vector unit leaves, 64 bits a read: for K = 6 in bf16 3 + 2 reads and 6
   writes a row (~44 cycles), where one value a read (6 + 6 + 6) took ~73. The writes are the floor.
   A third d logits tile lets the vector unit zero tile t + 2 while tile t is copied out (7.3 -> 7.1 us).
+  The experts and d weights come up to 8 tiles a copy (SIDE_TILES), where each tile paid two copies'
+  latency (~200 cycles each): 13.1k -> 11.9k cycles. What is left is the vector unit (~8.0k: ~40
+  instructions a tile on compact tiles, issue-bound) and the scalar scatter (~7.7k) overlapping
+  imperfectly: HBM alone would be ~10k.
+- hash forward (ak_router_given; 8.7k -> 7.8k cycles at its own 64-row tiles against ~5.3k of HBM):
+  MTE2-bound (6.1k: the logits, one copy of the experts, a latency per tile) plus ~1.7k at the ends
+  (the first tile and the core's experts before any compute). Its tile rows are a knob of their own
+  (forward_tile_rows): its launch holds no backward, so 40-64 rows fit where the backward takes 24.
+  The planner's row model ranks 16/40 (backward/forward rows) above 24/64, which emulates 0.56 us
+  faster (11.49 against 10.93 us): it misses the vector-scalar chain of the backward and the last
+  tiles' exposure.
 """
 
 from __future__ import annotations
