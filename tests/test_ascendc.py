@@ -159,6 +159,23 @@ def test_router_tiles_take_any_multiple_of_8_rows(tmp_path):
     assert result.passed, result.summary
 
 
+@pytest.mark.parametrize("buffers", [1, 2])
+def test_router_side_inputs_come_in_groups_of_tiles(buffers, tmp_path):
+    """The experts and d weights come SIDE_TILES tiles a copy: on cores that walk 18 tiles of 8 rows
+    (groups of 8, 8 and 2) and a tail core whose last group and last tile are short, the hash forward
+    (at tile rows of its own) and the backward verify against the reference, one buffer or two."""
+    from aurakernel.targets.ascend.ops.router import SIDE_TILES
+    spec = OPS["router"]
+    problem = spec.problem("2300x256x6", "bf16", "hash")
+    knobs = {**ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs").knobs,
+             "tile_rows": 8, "forward_tile_rows": 16, "buffers": buffers, "block_dim": 16}
+    per_core = -(-2300 // 16)
+    assert per_core // 8 > 2 * SIDE_TILES and (2300 - 15 * per_core) % 8   # three groups, a short last tile
+    emu = ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, tmp_path, HW), HW)
+    result = ascend.verify(spec, [problem], knobs, emu, seeds=(0,))
+    assert result.passed, result.summary
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_router_backward_scatters_packed_gradients_and_sums_a_repeated_expert(dtype, tmp_path):
     """The backward's scalar unit reads a row's experts and gradients 64 bits at a time from the compact
