@@ -73,7 +73,7 @@ def _ensure_calibrated(target: str) -> None:
 
 
 CANDIDATES_HELP = ("time the planner's N best tilings against each other and keep the fastest verified one "
-                   "(host; 1: its pick)")
+                   "(Ascend targets: estimated side by side in the emulator; 1: its pick)")
 
 
 def _check_solver(solver: str) -> None:
@@ -111,7 +111,7 @@ def tune(
     check_fits_in_memory(spec, problem)
     _check_solver(solver)
     hw = load_profile(target)
-    check_candidates(candidates, target, target_for(hw).kind)
+    check_candidates(candidates)
     if out_dir is not None and not target_for(hw).writes_projects:
         raise UserError(f"--out writes an AscendC op project: target {target!r} has none to write "
                         "(host kernels are built into the cache; `aurakernel show` lists them)")
@@ -220,7 +220,7 @@ def autotune(
     if seq_len is not None:
         cfg.data.seq_len = seq_len
     tgt = target_for(load_profile(target))   # unknown targets: one line naming the accepted ones
-    check_candidates(candidates, target, tgt.kind)
+    check_candidates(candidates)
     if tgt.writes_projects:   # a folder of op projects (AscendC), not a plan file
         out_path = "ascend_projects" if out_path == "plan.json" else out_path
     _check_solver(solver)   # every option and output path before the profile and the tuning, not after

@@ -7,7 +7,7 @@ true roofline bound (1.0 = at the bound): per pass the largest of the op's minim
 far from the true bound moves more than the op needs (partials per core, a second pass over x).
 The emulator runs go side by side, a thread per core.
 
-    python -m benchmarks.ascend [--target ascend910b2] [--rows 8192] [--ops OP,...] [--json]
+    python -m benchmarks.ascend [--target ascend910b2] [--rows 8192] [--ops OP,...] [--candidates N] [--json]
 """
 
 from __future__ import annotations
@@ -108,6 +108,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=8192)
     ap.add_argument("--ops", default="", help="comma-separated operators to run (default: every case)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--candidates", type=int, default=1,
+                    help="the plan column: the fastest in the emulator of the planner's N best tilings (1: its pick)")
     args = ap.parse_args(argv)
     only = {o for o in args.ops.split(",") if o}
     if only - {op for op, *_ in CASES}:
@@ -123,6 +125,8 @@ def main(argv=None) -> int:
         problem = spec.problem(shape.format(rows=args.rows), dtype, variant)
         console.log(problem.describe())
         plan = ascend.plan(spec, problem, hw, target=args.target, solver="highs")
+        if args.candidates > 1:   # the planner's N best, the fastest the emulator estimates
+            plan, _ = ascend.fastest_emulated(spec, problem, hw, plan, args.candidates, target=args.target, solver="highs")
         naive = {**naive_knobs(ascend.model(spec, problem, hw)),
                  **naive_cube_knobs(ascend.kernel_of(spec).cube_model(problem, hw))}
         cases.append((spec, problem, plan, naive))

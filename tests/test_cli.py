@@ -217,8 +217,6 @@ def _read_only(monkeypatch, path):
                                                             "({tmp}/afile is not a writable directory)"),
     (["tune", "rms_norm", "--db", "{tmp}/ro.sqlite"], "--db {tmp}/ro.sqlite: is read-only"),
     (["tune", "rms_norm", "--candidates", "0"], "--candidates 0: accepted is 1 (the planner's pick) to 16"),
-    (["tune", "rms_norm", "--target", "ascend910b2", "--candidates", "3"],
-     "--candidates 3: tilings are timed against each other on the host target"),
     (["autotune", "--candidates", "17"], "--candidates 17: accepted is 1"),
     (["autotune", "--solver", "gurobi"], "unknown solver 'gurobi'"),
     (["autotune", "--out", "{tmp}/afile/plan.json"], "--out {tmp}/afile/plan.json: cannot be written"),

@@ -45,7 +45,7 @@ from ..errors import UserError
 from ..hardware import HardwareProfile, host_profile
 from ..ops import OPS, OpSpec, Problem
 from ..planner import solve_tiling
-from ..planner.fit import feasible_choices
+from ..planner.model import feasible_choices
 from ..targets.host.candidates import Candidate, build_and_verify, time_side_by_side
 from ..targets.host.ops import kernel_of as host_kernel
 from .kernels import machine_info

@@ -38,7 +38,6 @@ MILP's pick depends on, where problem size cannot carry the correlation).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import math
 import random
@@ -53,7 +52,7 @@ import numpy as np
 
 from ..errors import UserError
 from ..hardware import HardwareProfile
-from .model import ChoiceModel
+from .model import ChoiceModel, feasible_choices
 from ..targets.host.ops import kernel_of as host_kernel
 
 LAMBDA = 1e-4          # weight of the pull to the prior: one unit away costs as much as a 1% error on one record
@@ -426,11 +425,6 @@ def calibration_problem(spec, hw: HardwareProfile):
     rest = math.prod(shape[1:])
     shape[0] = max(1, min(shape[0], ASCEND_MAX_ELEMS // max(rest, 1)))
     return spec.problem(shape_text(tuple(shape)), None, spec.variants[0])
-
-
-def feasible_choices(model: ChoiceModel) -> list[dict[str, int]]:
-    choices = (dict(zip(model.domains, c)) for c in itertools.product(*model.domains.values()))
-    return [c for c in choices if model.feasible(c)]
 
 
 def ascend_samples(target: str, n: int, seed: int = 0, progress=None) -> tuple[list[AscendSample], Counter]:

@@ -296,3 +296,17 @@ def _solve_scip(model: ChoiceModel, time_limit_s: float, drop: str | None) -> So
     best = m.getBestSol()
     choice = {k: v for (k, v), var in x.items() if m.getSolVal(best, var) > 0.5}
     return Solution("optimal" if status == "optimal" else "feasible", choice, None, 0.0)
+
+
+def feasible_choices(model: ChoiceModel) -> list[dict[str, int]]:
+    choices = (dict(zip(model.domains, c)) for c in itertools.product(*model.domains.values()))
+    return [c for c in choices if model.feasible(c)]
+
+
+def runners_up(model: ChoiceModel, pick: dict[str, int], n: int | None = None) -> list[tuple[dict[str, int], float]]:
+    """The model's n best feasible tilings after the pick (None: all of them), with their predicted
+    seconds (ties in domain order); the pick is told apart on the model's own knobs (a plan's may
+    carry more)."""
+    mine = {k: pick[k] for k in model.domains}
+    ranked = sorted(((c, model.evaluate(c)[0]) for c in feasible_choices(model) if c != mine), key=lambda cs: cs[1])
+    return ranked if n is None else ranked[:n]

@@ -36,8 +36,8 @@ class Target(Protocol):
              with_memory: bool = False, candidates: int = 1) -> TuneResult:
         """Plan, render, build, verify and measure (or estimate) one problem; with_memory, each
         measured candidate's peak memory too (TuneResult.peak_bytes); candidates > 1, the planner's
-        that many best tilings timed side by side, the fastest verified one kept (host only:
-        agent.check_candidates)."""
+        that many best tilings timed (on an Ascend target: estimated) side by side, the fastest
+        verified one kept."""
 
     def predicted_us(self, spec: OpSpec, problem: Problem, hw: HardwareProfile) -> float:
         """The planner's forward + backward time of the problem's kernel (no build, no run)."""

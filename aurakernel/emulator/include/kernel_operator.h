@@ -193,6 +193,7 @@ struct Core {
         for (Slot* s : reads) if (s) start = std::max(start, s->ready);
         for (Slot* s : writes) if (s) start = std::max({start, s->free_at, s->ready});
         const double end = start + cycles;
+        if (const char* tr = std::getenv("AK_TRACE")) { static FILE* f = std::fopen(tr, "a"); std::fprintf(f, "%p %s %.0f %.0f %.0f\n", (void*)this, pipe_name(pipe), c.at[SCALAR], start, end); }
         for (Slot* s : reads) if (s) s->free_at = std::max(s->free_at, end);
         for (Slot* s : writes) if (s) s->ready = end;
         c.at[pipe] = end;

@@ -19,11 +19,13 @@ import torch
 
 from ... import emulator
 from ...codegen import Source, render
-from ...errors import PlanInfeasible
+from ...concurrency import map_in_order
+from ...errors import BuildError, PlanInfeasible, UserError
 from ...hardware import HardwareProfile, load_profile
 from ...ops.base import OpSpec, Problem
 from ...paths import write_text_atomic
 from ...planner import Plan, solve_tiling
+from ...planner.model import runners_up
 from ...planner.ascend import CubeWork, VectorWork, ascend_rowwise_model, bound_us, hbm_us, largest_floor, roofline_us
 from ...planner.model import ChoiceModel
 from ...planner.schedule import Pipeline, Schedule, ascend_row_pipeline, schedule_knobs, simulate, solve_schedule
@@ -84,12 +86,32 @@ def plan(spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, so
     """Tiling (the UB-partition MILP), then, where the template renders one, the pipeline schedule
     of each phase at that tiling; a schedule that cannot be solved leaves the plain order."""
     rows = model(spec, problem, hw)
-    common = dict(op=problem.op, variant=problem.variant, shape=problem.shape, dtype=problem.dtype.value, target=target)
     if rows.phases:
-        the_plan = solve_tiling(rows, solver=solver, **common)
+        the_plan = solve_tiling(rows, solver=solver, **_plan_fields(problem, target))
     else:   # every phase runs on the Cube: the row-wise knobs only fill the template's unused vector part
         the_plan = Plan(knobs={k: v[0] for k, v in rows.domains.items()}, predicted_us=0.0, pipes_us={},
-                        binding_constraint="", solver=solver, solve_s=0.0, status="optimal", **common)
+                        binding_constraint="", solver=solver, solve_s=0.0, status="optimal", **_plan_fields(problem, target))
+    return _finish(spec, problem, hw, the_plan, target=target, solver=solver, scheduled=scheduled)
+
+
+def _plan_fields(problem: Problem, target: str) -> dict:
+    return dict(op=problem.op, variant=problem.variant, shape=problem.shape, dtype=problem.dtype.value, target=target)
+
+
+def plan_at(spec: OpSpec, problem: Problem, hw: HardwareProfile, row_knobs: dict[str, int], *, target: str,
+            solver: str, why: str) -> Plan:
+    """The plan at the row-wise model's `row_knobs` (a runner-up of the tiling MILP's pick), its Cube part
+    and pipeline schedules solved as plan() solves them; `why` is its binding constraint."""
+    seconds, detail = model(spec, problem, hw).evaluate(row_knobs)
+    the_plan = Plan(knobs=dict(row_knobs), predicted_us=seconds * 1e6,
+                    pipes_us={ph: {p: v * 1e6 for p, v in pipes.items()} for ph, pipes in detail.items()},
+                    binding_constraint=why, solver=solver, solve_s=0.0, status="optimal", **_plan_fields(problem, target))
+    return _finish(spec, problem, hw, the_plan, target=target, solver=solver, scheduled=True)
+
+
+def _finish(spec: OpSpec, problem: Problem, hw: HardwareProfile, the_plan: Plan, *, target: str, solver: str,
+            scheduled: bool) -> Plan:
+    """A row-wise tiling with the Cube phases' own plan merged in, then its pipeline schedules."""
     on_cube = cube_plan(spec, problem, hw, target=target, solver=solver)
     if on_cube is not None:   # the Cube phases' own tiling, solved apart and merged; a knob both models
         # name is the Cube model's (mHC's forward `chunk`: no row phase's time reads it)
@@ -225,12 +247,72 @@ def emulate(spec: OpSpec, problem: Problem, knobs: dict[str, int], emu: Emulated
     return kernel_of(spec).run(problem, knobs, inputs, grad_out, emu)[2]
 
 
+def emulated_us(spec: OpSpec, problem: Problem, knobs: dict[str, int], hw: HardwareProfile) -> tuple[float | None, str | None]:
+    """The emulator's estimate (us, forward + backward) of the kernel at `knobs` on `problem`, or None
+    and why not (a tiling the template refuses, a build or run error)."""
+    try:
+        with tempfile.TemporaryDirectory(prefix=f"ak-{spec.name}-") as tmp:
+            emu = Emulated(spec, render_project(spec, problem, knobs, Path(tmp), hw), hw)
+            reports = emulate(spec, problem, knobs, emu)
+    except (UserError, BuildError) as exc:
+        return None, str(exc).splitlines()[0][:200]
+    errors = [e for r in reports.values() for e in r.errors]
+    return (None, errors[0][:200]) if errors else (sum(r.cycles for r in reports.values()) / (hw.clock_ghz * 1e3), None)
+
+
+def fastest_emulated(spec: OpSpec, problem: Problem, hw: HardwareProfile, pick: Plan, n: int, *, target: str,
+                     solver: str) -> tuple[Plan, str]:
+    """The planner's pick and the row-wise model's n - 1 runners-up, each estimated in the emulator at the
+    problem's shape (side by side): the fastest that runs, and a note of every tiling's estimate. The
+    model ranks, the emulator decides (the NPU would, where CANN runs). An op whose phases all run on the
+    Cube has no row-wise runners-up: its pick stays."""
+    rows = model(spec, problem, hw)
+    if not rows.phases:
+        return pick, f"--candidates {n}: {spec.name}'s tilings are its Cube model's; the planner's pick alone"
+    kernel, seen, others = kernel_of(spec), set(), []
+
+    def rendered(knobs: dict[str, int]) -> str:   # tilings that render the same kernel are one candidate
+        return repr(sorted(kernel.params(problem, {**pick.knobs, **knobs}).items()))
+    seen.add(rendered(pick.knobs))
+    for knobs, _ in runners_up(rows, pick.knobs):
+        if len(others) == n - 1:
+            break
+        try:
+            key = rendered(knobs)
+        except UserError:   # a tiling the template refuses
+            continue
+        if key not in seen:
+            seen.add(key)
+            others.append(plan_at(spec, problem, hw, knobs, target=target, solver=solver,
+                                  why=f"emulated: the fastest of the planner's {n} best"))
+    cands = [pick, *others]
+    estimates = list(map_in_order(lambda p: emulated_us(spec, problem, p.knobs, hw), cands, side_by_side=True))
+    varied = [k for k in rows.domains if len({p.knobs[k] for p in cands}) > 1] or list(rows.domains)
+    shown = [{k: p.knobs[k] for k in varied} for p in cands]   # the knobs the candidates differ in
+    note = f"emulated the planner's {len(cands)} best tilings: " + "; ".join(
+        ", ".join(f"{k}={v}" for k, v in knobs.items()) + ": " + (f"{us:.2f} us" if us is not None else f"failed ({why})")
+        for knobs, (us, why) in zip(shown, estimates))
+    ran = [(us, i) for i, (us, _) in enumerate(estimates) if us is not None]
+    if not ran or min(ran)[1] == 0:
+        return pick, note
+    best_us, best = min(ran)
+    won = cands[best]
+    if estimates[0][0] is not None:
+        won.binding_constraint += f" (the pick, {', '.join(f'{k}={v}' for k, v in shown[0].items())}, ran {estimates[0][0] / best_us:.2f}x slower)"
+    return won, note
+
+
 def tune(spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, solver: str,
-         out_dir: Path | None = None) -> TuneResult:
+         out_dir: Path | None = None, candidates: int = 1) -> TuneResult:
     """Plan, render the op project, verify it in the emulator at tail shapes (3 seeds) and estimate
-    its cycles at the full shape (nothing runs here to time: measured_us stays None)."""
+    its cycles at the full shape (nothing runs here to time: measured_us stays None). With candidates
+    > 1 the planner's that many best tilings are estimated side by side and the fastest kept."""
     kernel = kernel_of(spec)
     the_plan = plan(spec, problem, hw, target=target, solver=solver)
+    notes = []
+    if candidates > 1:
+        the_plan, note = fastest_emulated(spec, problem, hw, the_plan, candidates, target=target, solver=solver)
+        notes.append(note)
     knobs = the_plan.knobs
     with tempfile.TemporaryDirectory(prefix=f"ak-{spec.name}-") as scratch:
         project = render_project(spec, problem, knobs, Path(out_dir) if out_dir is not None else Path(scratch), hw)
@@ -248,6 +330,7 @@ def tune(spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, so
                         project_dir=str(Path(out_dir)) if out_dir is not None else None)
     if not verification.passed:
         result.status, result.reasons = "verify_failed", [verification.summary]
+    result.reasons.extend(notes)
     return result
 
 
@@ -272,8 +355,8 @@ class AscendTarget:
     def tune(self, spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, solver: str,
              with_compiled: bool = False, with_compiled_kernel: bool = False, out_dir: Path | None = None,
              with_memory: bool = False, candidates: int = 1) -> TuneResult:
-        # (emulated: no host memory to measure, no tilings to time against each other: agent.check_candidates)
-        return tune(spec, problem, hw, target=target, solver=solver, out_dir=out_dir)
+        # (emulated: no host memory to measure; candidates are estimated side by side in the emulator)
+        return tune(spec, problem, hw, target=target, solver=solver, out_dir=out_dir, candidates=candidates)
 
 
 TARGET = AscendTarget()

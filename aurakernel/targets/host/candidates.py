@@ -18,7 +18,7 @@ from ...measure import compare
 from ...ops.base import OpSpec, Problem
 from ...patch.base import Patch
 from ...patch.deepseek_v4 import patch_of
-from ...planner.fit import feasible_choices
+from ...planner.model import runners_up as best_after
 from ...planner.model import ChoiceModel
 from ...verify import SEEDS, Verification, check_case
 from .build import build_kernel
@@ -48,11 +48,8 @@ def knobs_text(knobs: dict[str, int]) -> str:
 
 
 def runners_up(model: ChoiceModel, pick: dict[str, int], n: int) -> list[Candidate]:
-    """The model's n best feasible tilings after the pick, by predicted time (ties in domain order);
-    the pick is told apart on the model's own knobs (a plan's may carry more)."""
-    mine = {k: pick[k] for k in model.domains}
-    others = sorted((c for c in feasible_choices(model) if c != mine), key=lambda c: model.evaluate(c)[0])
-    return [Candidate(c, model.evaluate(c)[0] * 1e6) for c in others[:n]]
+    """The model's n best feasible tilings after the pick, as candidates (planner/fit.py's runners_up)."""
+    return [Candidate(c, seconds * 1e6) for c, seconds in best_after(model, pick, n)]
 
 
 def _run_host(spec: OpSpec, problem: Problem, kernel: Kernel):
