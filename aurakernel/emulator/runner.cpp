@@ -14,6 +14,7 @@
 
 #include <condition_variable>
 #include <csignal>
+#include <cstdlib>
 #include <functional>
 #include <mutex>
 #include <cstdio>
@@ -202,6 +203,8 @@ int main(int argc, char** argv) {
     if (argc != 4) { fprintf(stderr, "usage: runner <blockDim> <dir> <nargs>\n"); return 2; }
     const int block_dim = atoi(argv[1]);
     ak::set_launch_blocks(block_dim);
+    const char* trace = getenv("AK_TRACE");   // a file: every core's instructions appended, per pipe, start, end
+    ak::tracing = trace != nullptr && *trace;
     const std::string dir = argv[2];
     const int nargs = atoi(argv[3]);
     for (int i = 0; i < nargs; ++i) g_bufs.push_back(map_arg(dir + "/arg" + std::to_string(i) + ".bin"));
@@ -252,6 +255,18 @@ int main(int argc, char** argv) {
     for (int i = 0; i < nargs; ++i) {
         FILE* f = fopen((dir + "/arg" + std::to_string(i) + ".bin").c_str(), "wb");
         fwrite(g_bufs[i].data, 1, g_bufs[i].size, f);
+        fclose(f);
+    }
+    if (ak::tracing) {
+        FILE* f = fopen(trace, "a");
+        if (f == nullptr) { fprintf(stderr, "AK_TRACE=%s: cannot be written\n", trace); return 2; }
+        fprintf(f, "# %s, %d blocks: block core pipe start end (cycles)\n", argv[0], block_dim);
+        for (int t = 0; t < nthreads; ++t) {
+            const ak::Core& c = *cores[t];
+            const std::string core = c.kind == AscendC::AIC ? "AIC" : "AIV" + std::to_string(c.sub_idx);
+            for (const ak::Issued& i : c.c.timeline)
+                fprintf(f, "%lld %s %s %.1f %.1f\n", (long long)c.block_idx, core.c_str(), ak::pipe_name(i.pipe), i.start, i.end);
+        }
         fclose(f);
     }
     /* a block's makespan is at least its HBM traffic (reads and writes, every core of it) over its share */

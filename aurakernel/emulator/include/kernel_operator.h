@@ -91,7 +91,15 @@ inline const char* pipe_name(int p) {
     return n[p];
 }
 
+// one instruction's place on its pipe's timeline (kept only when the runner traces: AK_TRACE)
+struct Issued {
+    int pipe;
+    double start, end;
+};
+inline bool tracing = false;
+
 struct Counters {
+    std::vector<Issued> timeline;   // every instruction, when tracing
     double busy[NPIPES] = {};   // cycles each pipe worked
     double at[NPIPES] = {};     // when each pipe is next free
     uint64_t gm_read = 0, gm_written = 0, l2_read = 0, l2_written = 0, vec_repeats = 0, instrs[NPIPES] = {};
@@ -193,11 +201,11 @@ struct Core {
         for (Slot* s : reads) if (s) start = std::max(start, s->ready);
         for (Slot* s : writes) if (s) start = std::max({start, s->free_at, s->ready});
         const double end = start + cycles;
-        if (const char* tr = std::getenv("AK_TRACE")) { static FILE* f = std::fopen(tr, "a"); std::fprintf(f, "%p %s %.0f %.0f %.0f\n", (void*)this, pipe_name(pipe), c.at[SCALAR], start, end); }
         for (Slot* s : reads) if (s) s->free_at = std::max(s->free_at, end);
         for (Slot* s : writes) if (s) s->ready = end;
         c.at[pipe] = end;
         c.busy[pipe] += cycles;
+        if (tracing) c.timeline.push_back({pipe, start, end});
         c.instrs[pipe] += 1;
     }
 };

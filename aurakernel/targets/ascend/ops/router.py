@@ -25,7 +25,12 @@ instructions per row, 22.1 -> 20.6 us for forward + backward):
   (forward_tile_rows): its launch holds no backward, so 40-64 rows fit where the backward takes 24.
   The planner's row model ranks 16/40 (backward/forward rows) above 24/64, which emulates 0.56 us
   faster (11.49 against 10.93 us): it misses the vector-scalar chain of the backward and the last
-  tiles' exposure.
+  tiles' exposure; `tune --candidates 12` finds 24/64. Traced (AK_TRACE-style, per pipe): the forward
+  is MTE2-bound to its last copy, then the last tile's compute and copy out (~1.4k cycles) run alone;
+  the backward's scalar scatter is busy without a gap from the first tile's compute to the end, so
+  its startup (the first tile and the side inputs' copy, ~2.4k cycles before the scalar starts) and
+  the last copies out are what it adds to the scatter. A short first group of side inputs (two
+  tiles) moved the rest's copy onto the third tile's path: 6.59 -> 6.66 us, not kept.
 """
 
 from __future__ import annotations
