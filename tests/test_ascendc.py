@@ -837,8 +837,8 @@ def test_sync_all_needs_the_mix_type_and_batch_mode():
     assert report.ok, report.errors
 
 
-def test_correct_kernel_passes_and_counts_pipes():
-    source = KERNEL_HEAD + """
+# y = 2 x over 64 floats: a copy in, a vector op, a copy out
+DOUBLE = KERNEL_HEAD + """
     TQue<TPosition::VECIN, 1> q; pipe.InitBuffer(q, 1, 256);
     LocalTensor<float> t = q.AllocTensor<float>();
     DataCopy(t, xg, 64); q.EnQue(t);
@@ -848,8 +848,11 @@ def test_correct_kernel_passes_and_counts_pipes():
     DataCopy(yg, u, 64); q.FreeTensor(u);
 }
 """
+
+
+def test_correct_kernel_passes_and_counts_pipes():
     import struct
-    exe = emulator.build(source, entry="k", nargs=2, hw=HW)
+    exe = emulator.build(DOUBLE, entry="k", nargs=2, hw=HW)
     x = bytearray(struct.pack("<64f", *range(64)))
     y = bytearray(256)
     report = emulator.run(exe, 1, [x, y])
@@ -862,21 +865,10 @@ def test_correct_kernel_passes_and_counts_pipes():
 
 def test_a_traced_run_writes_every_instruction_on_its_pipe(tmp_path, monkeypatch):
     """AK_TRACE=<file>: every core's instructions, per pipe, in issue order on that pipe, no two
-    overlapping, summing to the pipe's busy cycles of the report (two blocks of the kernel above)."""
+    overlapping, summing to the pipe's busy cycles of the report (two blocks of DOUBLE)."""
     import struct
     from collections import defaultdict
-    source = KERNEL_HEAD + """
-    TQue<TPosition::VECIN, 1> q; pipe.InitBuffer(q, 1, 256);
-    LocalTensor<float> t = q.AllocTensor<float>();
-    DataCopy(t, xg, 64); q.EnQue(t);
-    LocalTensor<float> u = q.DeQue<float>();
-    Muls(u, u, 2.0f, 64);
-    Adds(u, u, 1.0f, 64);
-    TEventID id = GetTPipePtr()->FetchEventID(HardEvent::V_MTE3); SetFlag<HardEvent::V_MTE3>(id); WaitFlag<HardEvent::V_MTE3>(id);
-    DataCopy(yg, u, 64); q.FreeTensor(u);
-}
-"""
-    exe = emulator.build(source, entry="k", nargs=2, hw=HW)
+    exe = emulator.build(DOUBLE, entry="k", nargs=2, hw=HW)
     trace = tmp_path / "trace.txt"
     monkeypatch.setenv("AK_TRACE", str(trace))
     report = emulator.run(exe, 2, [bytearray(struct.pack("<64f", *range(64))), bytearray(256)])
