@@ -52,7 +52,6 @@ class AscendRowPhase:
     instrs_per_chunk: int      # vector instructions issued per chunk of a row
     f32_tiles: float = 0       # fp32 buffers of a whole tile (tile_rows x the row), beside the chunk buffers
     tile_in_bytes: int = 0     # copied in once per tile (a row its rows share, e.g. a mask), queued with it
-    extra_copies_in: int = 0   # further copies in per tile (e.g. side inputs split over several copies)
     instrs_per_tile: int = 0   # vector instructions (and scalar-sync drains) issued once per tile
     copies_in: int | None = None    # DataCopys per tile of the row tiles (one strided copy can bring several
     copies_out: int | None = None   # streams' rows); None: one per stream
@@ -157,8 +156,8 @@ def ascend_rowwise_model(rows: int, cols: int, elem_bytes: int, phases: list[Asc
         knobs = (tr_knob(p), "buffers", "chunk", "col_tile")
         def mte2_parts(tr, ct, p=p):   # (copy latencies, transfer) cycles of the copies in
             n = tiles(tr, ct)
-            copies = n * ((p.streams_in if p.copies_in is None else p.copies_in) + (1 if p.tile_in_bytes else 0)
-                          + p.extra_copies_in) + p.side_copies(n)
+            copies = n * ((p.streams_in if p.copies_in is None else p.copies_in) + (1 if p.tile_in_bytes else 0)) \
+                + p.side_copies(n)
             return (copies * latency,
                     (rb * (p.streams_in * cols * elem_bytes + p.small_in_bytes) + tiles(tr, ct) * p.tile_in_bytes) / rate)
 

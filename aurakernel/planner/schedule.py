@@ -299,8 +299,7 @@ def ascend_row_pipeline(phase, rows: int, cols: int, elem_bytes: int, knobs: dic
     vector = repeats * (phase.fast_ops_per_elem + figures.vec_slow_factor * phase.slow_ops_per_elem) \
         + tr * math.ceil(width / min(ch, width)) * phase.instrs_per_chunk * figures.vec_issue \
         + phase.instrs_per_tile * figures.vec_issue
-    shared_in = ((1 if phase.tile_in_bytes else 0) + phase.extra_copies_in   # per-tile side copies (planner/ascend.py)
-                 + phase.side_copies(tiles) / max(1, tiles))
+    shared_in = (1 if phase.tile_in_bytes else 0) + phase.side_copies(tiles) / max(1, tiles)   # as planner/ascend.py
     stages = [Stage("copy_in", "MTE2", mte(phase.streams_in + shared_in, phase.streams_in * tr * pitch + phase.tile_in_bytes),
                     max_lead=max_prefetch),
               Stage("compute", "Vector", int(math.ceil(vector)), inputs=("copy_in",),

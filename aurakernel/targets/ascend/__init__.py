@@ -25,9 +25,8 @@ from ...hardware import HardwareProfile, load_profile
 from ...ops.base import OpSpec, Problem
 from ...paths import write_text_atomic
 from ...planner import Plan, solve_tiling
-from ...planner.model import runners_up
 from ...planner.ascend import CubeWork, VectorWork, ascend_rowwise_model, bound_us, hbm_us, largest_floor, roofline_us
-from ...planner.model import ChoiceModel
+from ...planner.model import ChoiceModel, runners_up
 from ...planner.schedule import Pipeline, Schedule, ascend_row_pipeline, schedule_knobs, simulate, solve_schedule
 from ...verify import Check, Verification, check_case
 from ..result import TuneResult
