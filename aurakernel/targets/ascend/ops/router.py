@@ -12,14 +12,18 @@ instructions per row, 22.1 -> 20.6 us for forward + backward):
   comes first (only its copy runs before the vector unit starts): 20.1k -> 19.7k cycles.
 - backward (~13k cycles against ~10k; was ~17k): the scatter of each row's K gradients on the
   scalar unit. A2/A3 have no vector Scatter (the documented one is Ascend 950's), so the scalar unit
-  writes the K gradients one by one; it reads the row's experts (int32) and gradients (in the dtype)
-  from the compact tiles the vector unit leaves, 64 bits a read: for K = 6 in bf16 3 + 2 reads and 6
-  writes a row (~44 cycles), where one value a read (6 + 6 + 6) took ~73. The writes are the floor.
+  writes the K gradients one by one; it reads the row's experts and gradients (in the dtype) from the
+  compact tiles the vector unit leaves, 64 bits a read: for K = 6 in bf16 3 + 2 reads (int32 experts)
+  and 6 writes a row (~44 cycles), where one value a read (6 + 6 + 6) took ~73; 2 + 2 with 16-bit
+  experts (below). The writes are the floor.
   A third d logits tile lets the vector unit zero tile t + 2 while tile t is copied out (7.3 -> 7.1 us).
   The experts and d weights come up to 8 tiles a copy (SIDE_TILES), where each tile paid two copies'
-  latency (~200 cycles each): 13.1k -> 11.9k cycles. What is left is the vector unit (~8.0k: ~40
-  instructions a tile on compact tiles, issue-bound) and the scalar scatter (~7.7k) overlapping
-  imperfectly: HBM alone would be ~10k.
+  latency (~200 cycles each): 13.1k -> 11.9k cycles. The scalar scatter then set the pace (traced:
+  busy without a gap, ~1056 cycles a 24-row tile against the vector unit's ~1000 and the copies'
+  864): 16-bit dtypes now give it the experts as 16 bits too (one more Gather), four a read, so a
+  row is 2 + 2 reads and 6 writes (11.9k -> 11.5k, the vector unit then the pace), and sigmoid(x)
+  comes from softplus' exp(-|x|) with the routing scale folded into 2 s (one Exp, one Reciprocal
+  and a Muls fewer): 11.2k cycles against ~10k of HBM.
 - hash forward (ak_router_given; 8.7k -> 7.8k cycles at its own 64-row tiles against ~5.3k of HBM):
   MTE2-bound (6.1k: the logits, one copy of the experts, a latency per tile) plus ~1.7k at the ends
   (the first tile and the core's experts before any compute). Its tile rows are a knob of their own
@@ -105,7 +109,7 @@ class RouterAscend(AscendKernel):
         # compact tiles: the gathered logits and the fp32 gradients (one per tile parity), six of work,
         # and per parity the experts (int32) and the gradients in the dtype, which the scatter reads;
         # and a third d logits tile (the kernel's DX_BUFFERS), counted whether or not buffers is 2
-        compact = (2 + 6 + 2) * lanes * 4 + 2 * lanes * (4 + e) + experts * e
+        compact = (2 + 6 + 2) * lanes * 4 + 2 * lanes * (4 + 2 * e) + experts * e
         fast, slow = 30, 8   # the backward's over the compact tiles, each issued once a tile
         bwd = AscendRowPhase("backward", 1, 1, idx_bytes + lanes * e, 0, 0, 0,
                              fast_ops_per_elem=fast * lanes * 4 / 256 / repeats + 1,
