@@ -292,18 +292,17 @@ def _report(times: dict[str, float], counts: dict[str, int], total: float, steps
         problems = sorted(((p, n) for (g, p), n in hooks.problems.items() if g == name),
                           key=lambda pn: pn[0].describe())
         if problems:
-            planned = 0.0
-            whole = [(p, n) for p, n in problems if OPS[p.op].covers_group]
-            for problem, n in problems:
-                shapes.append({"op": problem.op, "variant": problem.variant, "shape": list(problem.shape),
-                               "dtype": problem.dtype.value, "calls": n / steps})
-                # another way to compute the group: not added; the matmul bucket holds GEMMs no kernel
-                # of the library plans (the experts'), so it has no planned time to compare with
-                if whole and (problem, n) not in whole or OPS[problem.op].fuses or kind == "matmul":
-                    continue
-                p = _planned_us(problem, hw)
-                planned += (p if p is not None else 0.0) * n / steps
-            if kind != "matmul":
+            shapes = [{"op": p.op, "variant": p.variant, "shape": list(p.shape), "dtype": p.dtype.value,
+                       "calls": n / steps} for p, n in problems]
+            if kind != "matmul":   # the matmul bucket holds GEMMs no kernel of the library plans (the
+                # experts'): it has no planned time to compare with
+                whole = [(p, n) for p, n in problems if OPS[p.op].covers_group]
+                planned = 0.0
+                for problem, n in problems:
+                    if whole and (problem, n) not in whole or OPS[problem.op].fuses:   # another way to compute
+                        continue                                                        # the group: not added
+                    p = _planned_us(problem, hw)
+                    planned += (p if p is not None else 0.0) * n / steps
                 saving, basis = max(0.0, per_step - planned), "planned"
         elif kind == "fusable" and name in hooks.bytes:
             bound_us = 3 * hooks.bytes[name] / steps / bw * 1e6

@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import tempfile
-from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
@@ -87,9 +85,7 @@ def naive_cube_knobs(model: ChoiceModel | None) -> dict[str, int]:
 
 def estimate(spec, problem, knobs, hw) -> dict[str, float]:
     """Emulated fwd and bwd time (us) and their roofline bound for one set of knobs."""
-    with tempfile.TemporaryDirectory() as tmp:
-        emu = ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, Path(tmp), hw), hw)
-        reports = ascend.emulate(spec, problem, knobs, emu)
+    reports = ascend.emulate_at(spec, problem, knobs, hw)
     errors = [e for r in reports.values() for e in r.errors]
     if errors:
         raise RuntimeError(errors[0])

@@ -321,12 +321,9 @@ def linear_loss_knobs(problem: Problem, **fixed) -> dict:
     """The planner's knobs for a linear_cross_entropy problem with `fixed` ones set (fp32 builds add
     their GEMMs' blocking to the chunk, sweep and thread knobs)."""
     from aurakernel.hardware import host_profile
-    from aurakernel.planner import solve_tiling
+    from aurakernel.targets.host.target import TARGET
 
-    model = host_kernel(get_op(problem.op)).tiling_problem(problem, host_profile())
-    plan = solve_tiling(model, op=problem.op, variant=problem.variant, shape=problem.shape, dtype=problem.dtype.value,
-                        target="host")
-    return {**plan.knobs, **fixed}
+    return {**TARGET.plan(get_op(problem.op), problem, host_profile(), target="host").knobs, **fixed}
 
 
 def _linear_loss_plan(model, tokens: int, dtype: str = "fp32") -> KernelPlan:

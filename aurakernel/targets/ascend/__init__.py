@@ -42,7 +42,7 @@ PROJECT_FILES = {   # template -> file written into the op project
 }
 SEEDS = (0, 1, 2)
 
-__all__ = ["TARGET", "cube_plan", "estimate_summary", "kernel_of", "minimum_traffic", "model", "plan", "render_project", "supported", "tune", "verify"]
+__all__ = ["TARGET", "cube_plan", "emulate_at", "estimate_summary", "kernel_of", "minimum_traffic", "model", "plan", "render_project", "supported", "tune", "verify"]
 
 
 def model(spec: OpSpec, problem: Problem, hw: HardwareProfile) -> ChoiceModel:
@@ -246,13 +246,18 @@ def emulate(spec: OpSpec, problem: Problem, knobs: dict[str, int], emu: Emulated
     return kernel_of(spec).run(problem, knobs, inputs, grad_out, emu)[2]
 
 
+def emulate_at(spec: OpSpec, problem: Problem, knobs: dict[str, int], hw: HardwareProfile) -> dict[str, emulator.RunReport]:
+    """The op project at `knobs`, rendered into a scratch folder, built against the emulator and run
+    once at `problem`'s full shape: its reports (emulate)."""
+    with tempfile.TemporaryDirectory(prefix=f"ak-{spec.name}-") as tmp:
+        return emulate(spec, problem, knobs, Emulated(spec, render_project(spec, problem, knobs, Path(tmp), hw), hw))
+
+
 def emulated_us(spec: OpSpec, problem: Problem, knobs: dict[str, int], hw: HardwareProfile) -> tuple[float | None, str | None]:
     """The emulator's estimate (us, forward + backward) of the kernel at `knobs` on `problem`, or None
     and why not (a tiling the template refuses, a build or run error)."""
     try:
-        with tempfile.TemporaryDirectory(prefix=f"ak-{spec.name}-") as tmp:
-            emu = Emulated(spec, render_project(spec, problem, knobs, Path(tmp), hw), hw)
-            reports = emulate(spec, problem, knobs, emu)
+        reports = emulate_at(spec, problem, knobs, hw)
     except (UserError, BuildError) as exc:
         return None, str(exc).splitlines()[0][:200]
     errors = [e for r in reports.values() for e in r.errors]
