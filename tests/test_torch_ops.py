@@ -242,3 +242,23 @@ def test_bench_times_the_kernel_inside_torch_compile(op, shape, monkeypatch):
     for a, b in zip(compiled_grads, candidates["aurakernel"]()):
         if a is not None:
             torch.testing.assert_close(a, b)
+
+
+def test_a_swapped_function_compiled_after_the_reference_still_runs_the_kernel(monkeypatch):
+    """rope reaches the attention by swapping its module-level function (swap_globals), whose code is
+    the reference's: compiled in one process after the reference module (as the bench does), the
+    patched module must run its own compiled frame, not the reference's (which ran the reference or
+    failed with a NameError)."""
+    spec = get_op("rope")
+    problem = spec.problem("24x4x32x16", "fp32")
+    knobs = linear_loss_knobs(problem)
+    kernel = build_kernel(spec, problem, knobs)
+    candidates, notes = patch_of(spec).timing_candidates(problem, kernel.source_hash, with_compiled=True,
+                                                         with_compiled_kernel=True)
+    assert set(candidates) == {"eager", "compiled", "aurakernel", "aurakernel_compiled"} and not notes
+    counts = _Counts(monkeypatch, ops=False)
+    compiled_grads = candidates["aurakernel_compiled"]()
+    assert {entry for _, entry in counts.kernel} == {"fwd", "bwd"}
+    for a, b in zip(compiled_grads, candidates["eager"]()):
+        if a is not None:
+            torch.testing.assert_close(a, b)

@@ -70,11 +70,27 @@ def _namespace(origin: dict, replacements: dict) -> dict:
     return module.__dict__
 
 
+_CODES: dict[tuple, types.CodeType] = {}
+
+
+def _own_code(code: types.CodeType, namespace: dict) -> types.CodeType:
+    """A copy of `code` for the functions that run over `namespace`. torch.compile keeps its compiled
+    frames on the code object, guarded but run with the caller's globals: had the swapped function
+    shared the original's code, a frame compiled for the unpatched module (its `__compiled_fn_*`
+    stored in the original globals) would be found for the patched one, and fail there or run the
+    reference."""
+    key = (code, namespace["__name__"])
+    if key not in _CODES:
+        _CODES[key] = code.replace()
+    return _CODES[key]
+
+
 def _with_globals(fn, replacements: dict):
-    """`fn`'s code over a copy of its globals updated with `replacements`."""
+    """`fn`'s code (a copy of its own) over a copy of its globals updated with `replacements`."""
     if not replacements:
         return fn
-    new = types.FunctionType(fn.__code__, _namespace(fn.__globals__, replacements), fn.__name__, fn.__defaults__,
+    namespace = _namespace(fn.__globals__, replacements)
+    new = types.FunctionType(_own_code(fn.__code__, namespace), namespace, fn.__name__, fn.__defaults__,
                              fn.__closure__)
     new.__kwdefaults__, new.__qualname__, new.__doc__ = fn.__kwdefaults__, fn.__qualname__, fn.__doc__
     new.__module__ = fn.__module__
