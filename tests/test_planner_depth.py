@@ -19,8 +19,10 @@ from aurakernel.ops import OPS, get_op
 from aurakernel.planner import solve_tiling
 from aurakernel.planner.layout import (LayoutProblem, OpNode, TensorGraph, TensorNode, ascend_costs,
                                        cross_entropy_graph, host_costs, join, mhc_pre_graph, solve_layout)
+from aurakernel.planner.ascend import pipelined
 from aurakernel.planner.model import SOLVERS, ChoiceModel, Constraint, Phase, Term, solve
 from aurakernel.planner.schedule import Pipeline, Queue, Stage, simulate, solve_schedule
+from aurakernel.targets.ascend import model as ascend_model
 from aurakernel.targets.host.ops import kernel_of as host_kernel
 
 ASCEND = load_profile("ascend910b2")
@@ -75,6 +77,33 @@ def test_solved_order_is_the_best_order_by_exhaustive_replay():
                    if bi + bo <= p.ub_budget and bi >= lead + 1)
         assert s.simulated == best, (d, p, s)
         assert s.simulated <= s.cycles
+
+
+def test_row_model_drains_the_last_tile_and_the_short_one_exposes_least():
+    """The row model's fill and drain (`pipelined`): a copy-bound loop exposes its first copy and its
+    last tile's vector work, so a core's short tile costs least last; per-tile parts (copy latency,
+    per-tile instructions) count the same as per-row ones for equal tiles; two buffers make a
+    vector-bound loop's copies wait for tile i - 2's vector work."""
+    copy_bound = ((0.0, 50.0), (0.0, 20.0))   # (per-tile part, per-row total): copy 10, vector 4 a tile
+    assert pipelined(copy_bound, [10] * 5, 50) == pytest.approx(54)
+    assert pipelined(((50.0, 0.0), (20.0, 0.0)), [10] * 5, 50) == pytest.approx(54)
+    assert pipelined(copy_bound, [12, 12, 12, 12, 2], 50) == pytest.approx(53.6)   # short last
+    assert pipelined(copy_bound, [2, 12, 12, 12, 12], 50) == pytest.approx(54.8)   # short first
+    assert pipelined(((0.0, 5.0), (0.0, 50.0)), [10] * 5, 50) == pytest.approx(51)
+
+
+def test_router_backward_model_counts_its_scalar_scatter():
+    """The router's backward scatters each row's K gradients on the scalar unit (reading experts and
+    gradients 64 bits at a time): the row model has that pipe, at the emulator's cycles per op."""
+    spec = get_op("router")
+    problem = spec.problem("8192x256x6", "bf16", "hash")
+    model = ascend_model(spec, problem, ASCEND)
+    knobs = {"block_dim": 48, "buffers": 2, "chunk": 64, "col_tile": 256, "tile_rows": 24, "forward_tile_rows": 64}
+    _, pipes = model.evaluate(knobs)
+    ops_per_row = 2 * 2 + 6   # experts and gradients (6 x 16 bits: two 64-bit reads each), six writes
+    cycles = -(-8192 // 48) * ops_per_row * ASCEND.ascend_pipes(48).scalar_op
+    assert pipes["backward"]["Scalar"] == pytest.approx(cycles / (ASCEND.clock_ghz * 1e9))
+    assert "Scalar" not in pipes["forward"]
 
 
 def test_cross_entropy_plan_carries_the_schedule():

@@ -16,7 +16,11 @@ cores share the rows.
     HBM       rb * (bytes in + bytes out) / (HBM / block_dim): the two MTE pipes draw on one share
     Vector    rb * (fp32 repeats per row * cycles + ceil(D / chunk) * instructions per chunk * issue)
               + tiles * instructions per tile * issue      (copies of per-tile inputs count in MTE2)
-    time      buffers = 2: the slowest pipe + fill x one tile's copy in and out (fill and drain);
+    Scalar    rb * scalar ops per row * cycles (a scatter's GetValue / SetValue)
+    time      buffers = 2: the slowest pipe + fill x what the loop's fill and drain add to it: its
+              tiles (the short one last, or first) run through the stages copy in, vector, scalar,
+              copy out as pipes of their own, two buffers deep (`pipelined`), beyond that pipe and
+              the HBM floor;
               buffers = 1: Vector + serial_mte x (MTE2 + MTE3): the pipes one after another, less
               what the separate in and out queues still overlap (a tile's copy-out under the next
               tile's copy-in).
@@ -59,6 +63,9 @@ class AscendRowPhase:
                                     # launch takes its own tiling): a phase with more UB to spare takes more rows
     small_in_copies: int = 1        # copies that bring the per-row side inputs (one per tensor)
     small_in_tiles: int = 1         # tiles' rows of side inputs a copy brings (queued that many tiles at a time)
+    scalar_ops_per_row: float = 0   # GetValue / SetValue per row on the scalar unit (a scatter), after the row's
+                                    # vector work and beside the next tile's
+    short_tile_first: bool = False  # a core's short tile (its rows' remainder) runs first, not last
 
     def side_copies(self, tiles: int) -> int:
         """The side inputs' copies over `tiles` tiles."""
@@ -101,6 +108,24 @@ def ub_pitch(cols: int, itemsize: int) -> int:
 def align32(b: float) -> int:
     """Bytes rounded up to the 32 B a UB buffer (and a DataCopy) must span."""
     return int(math.ceil(b / 32) * 32)
+
+
+def pipelined(stages: tuple[tuple[float, float], ...], rows_of: list[float], rows: float) -> float:
+    """Cycles of a double-buffered tile loop through `stages` in order (copy in, compute..., copy out),
+    each a pipe of its own: stage s of tile i starts once stage s - 1 of tile i and stage s of tile
+    i - 1 are done; a tile's copy in once the vector stage is done with tile i - 2 (its buffer), its
+    vector stage once tile i - 2 is copied out. A stage's (per-tile part, total of the per-row part)."""
+    n, k = len(rows_of), len(stages)
+    end = [[0.0] * k for _ in range(n)]
+    for i, r in enumerate(rows_of):
+        for s, (per_tile, per_rows) in enumerate(stages):
+            start = max(end[i][s - 1] if s else 0.0, end[i - 1][s] if i else 0.0)
+            if i >= 2 and s == 0:
+                start = max(start, end[i - 2][1])
+            if i >= 2 and s == 1:
+                start = max(start, end[i - 2][k - 1])
+            end[i][s] = start + per_tile / n + per_rows * r / rows
+    return end[-1][-1]
 
 
 def ascend_rowwise_model(rows: int, cols: int, elem_bytes: int, phases: list[AscendRowPhase],
@@ -170,12 +195,18 @@ def ascend_rowwise_model(rows: int, cols: int, elem_bytes: int, phases: list[Asc
             copies, transfer = parts
             return copies * sc["mte_copy_scale"] + transfer * sc["mte_byte_scale"]
 
-        def vector(tr, ch, ct, p=p):
+        def vector_parts(tr, ch, ct, p=p, s=sc):   # (per-tile instructions, per-row passes) cycles
             repeats = cols * 4 / 256
-            return (rb * (repeats * (p.fast_ops_per_elem * sc["vec_repeat_scale"]
-                                     + slow * p.slow_ops_per_elem * sc["vec_slow_scale"])
-                          + math.ceil(cols / min(ch, ct)) * p.instrs_per_chunk * issue * sc["vec_issue_scale"])
-                    + tiles(tr, ct) * p.instrs_per_tile * issue * sc["vec_issue_scale"])
+            return (tiles(tr, ct) * p.instrs_per_tile * issue * s["vec_issue_scale"],
+                    rb * (repeats * (p.fast_ops_per_elem * s["vec_repeat_scale"]
+                                     + slow * p.slow_ops_per_elem * s["vec_slow_scale"])
+                          + math.ceil(cols / min(ch, ct)) * p.instrs_per_chunk * issue * s["vec_issue_scale"]))
+
+        def vector(tr, ch, ct, f=vector_parts):
+            return sum(f(tr, ch, ct))
+
+        def scalar(tr, ch, ct, p=p):
+            return rb * p.scalar_ops_per_row * figures.scalar_op
 
         def copies(tr, ct, m2=mte2_parts, m3=mte3_parts):   # unscaled copy cycles in and out
             return sum(m2(tr, ct)) + sum(m3(tr, ct))
@@ -183,21 +214,37 @@ def ascend_rowwise_model(rows: int, cols: int, elem_bytes: int, phases: list[Asc
         def overlapped(fn):   # a pipe's seconds when double buffering overlaps the pipes (else 0)
             return Term.of(knobs, domains, lambda tr, nb, ch, ct: fn(tr, ch, ct) / clock if nb == 2 else 0.0)
 
-        serial = Term.of(knobs, domains, lambda tr, nb, ch, ct, v=vector, cp=copies:
-                         (v(tr, ch, ct) + sc["serial_mte_scale"] * cp(tr, ct)) / clock if nb == 1 else 0.0)
-        fill = Term.of(knobs, domains, lambda tr, nb, ch, ct, cp=copies:
-                       sc["fill_scale"] * cp(tr, ct) / tiles(tr, ct) / clock if nb == 2 else 0.0)
+        serial = Term.of(knobs, domains, lambda tr, nb, ch, ct, v=vector, sp=scalar, cp=copies:
+                         (v(tr, ch, ct) + sp(tr, ch, ct) + sc["serial_mte_scale"] * cp(tr, ct)) / clock if nb == 1 else 0.0)
+
         def traffic(tr, ct, p=p):   # the bytes in and out: MTE2 and MTE3 each run at `rate`, but both draw on
             # the core's one share of HBM, so together they take no less than their sum at it (the emulator's floor)
             return (rb * ((p.streams_in + p.streams_out) * cols * elem_bytes + p.small_in_bytes + p.small_out_bytes)
                     + tiles(tr, ct) * p.tile_in_bytes) / figures.hbm_share_per_cycle
 
+        def exposed(tr, ch, ct, m2=mte2_parts, m3=mte3_parts, v=vector_parts, sp=scalar, p=p):
+            """What a double-buffered loop adds to its slowest stage: its tiles run through the stages
+            (copy in, vector, scalar, copy out; each a pipe of its own, a tile's input buffer free once its
+            vector work is done, its output buffer once copied out), a stage's per-tile part (copy
+            latencies, per-tile instructions) the same for every tile, the rest by the tile's rows.
+            Unscaled figures, as the copies' (fill_scale alone scales it: the model stays linear in them)."""
+            stages = (m2(tr, ct), v(tr, ch, ct, s=SCALES), (0.0, sp(tr, ch, ct)), m3(tr, ct))
+            n = tiles(tr, ct)
+            rows_of = [rb / n] * n if ct < cols else [tr] * (n - 1) + [rb - (n - 1) * tr]
+            if p.short_tile_first:
+                rows_of.reverse()
+            return max(0.0, pipelined(stages, rows_of, rb) - max(max(sum(st) for st in stages), traffic(tr, ct)))
+
+        fill = Term.of(knobs, domains, lambda tr, nb, ch, ct, f=exposed:
+                       sc["fill_scale"] * f(tr, ch, ct) / clock if nb == 2 else 0.0)
         mte2 = overlapped(lambda tr, ch, ct, f=mte2_parts: scaled(f(tr, ct)))
         mte3 = overlapped(lambda tr, ch, ct, f=mte3_parts: scaled(f(tr, ct)))
         hbm = overlapped(lambda tr, ch, ct, f=traffic: f(tr, ct) * sc["mte_byte_scale"])
         launch = Term.of(("block_dim",), domains, lambda bd: hw.call_overhead_us * 1e-6)
         model_phases.append(Phase(p.name, {"MTE2": [mte2], "MTE3": [mte3], "HBM": [hbm],
                                            "Vector": [overlapped(lambda tr, ch, ct, f=vector: f(tr, ch, ct))],
+                                           **({"Scalar": [overlapped(lambda tr, ch, ct, f=scalar: f(tr, ch, ct))]}
+                                              if p.scalar_ops_per_row else {}),
                                            "serial": [serial]}, [fill, launch]))
     return ChoiceModel(domains, constraints, model_phases)
 

@@ -104,11 +104,13 @@ class RouterAscend(AscendKernel):
             fwd = AscendRowPhase("forward", 1, 0, 0, idx_bytes + lanes * e + 1, vp * 4 + 288, 0,
                                  fast_ops_per_elem=4 + 4 * cw / experts + 30 * lanes * 4 / 256 / repeats,
                                  slow_ops_per_elem=(128 + 4 * cw + 8 * q) / experts, instrs_per_chunk=0,
-                                 f32_tiles=-(-scratch // (experts * 4)), instrs_per_tile=50)
+                                 f32_tiles=-(-scratch // (experts * 4)), instrs_per_tile=50,
+                                 short_tile_first=True)   # vector-bound: its short tile's copy is all that waits
         # logits in, d logits out; index and d weights in (two copies, SIDE_TILES tiles each); per row, beside the queues, the
         # compact tiles: the gathered logits and the fp32 gradients (one per tile parity), six of work,
         # and per parity the experts (int32) and the gradients in the dtype, which the scatter reads;
-        # and a third d logits tile (the kernel's DX_BUFFERS), counted whether or not buffers is 2
+        # and a third d logits tile (the kernel's DX_BUFFERS), counted whether or not buffers is 2. The scatter
+        # (scalar unit) reads a row's experts and gradients 64 bits at a time and writes its K gradients
         compact = (2 + 6 + 2) * lanes * 4 + 2 * lanes * (4 + 2 * e) + experts * e
         fast, slow = 30, 8   # the backward's over the compact tiles, each issued once a tile
         bwd = AscendRowPhase("backward", 1, 1, idx_bytes + lanes * e, 0, 0, 0,
@@ -116,7 +118,7 @@ class RouterAscend(AscendKernel):
                              slow_ops_per_elem=slow * lanes * 4 / 256 / repeats, instrs_per_chunk=0,
                              instrs_per_tile=fast + slow,
                              small_in_copies=2, small_in_tiles=SIDE_TILES,
-                             f32_tiles=compact / (experts * 4))
+                             f32_tiles=compact / (experts * 4), scalar_ops_per_row=2 * -(-top_k * e // 8) + top_k)
         return [fwd, bwd]
 
     @staticmethod
