@@ -317,9 +317,9 @@ def test_patched_experts_dispatch_is_bitwise_the_reference(dtype):
         assert torch.equal(a, b)
 
 
-def linear_loss_knobs(problem: Problem, **fixed) -> dict:
-    """The planner's knobs for a linear_cross_entropy problem with `fixed` ones set (fp32 builds add
-    their GEMMs' blocking to the chunk, sweep and thread knobs)."""
+def planned_knobs(problem: Problem, **fixed) -> dict:
+    """The host planner's knobs for `problem` with `fixed` ones set (linear_cross_entropy's fp32 builds
+    add their GEMMs' blocking to the chunk, sweep and thread knobs)."""
     from aurakernel.hardware import host_profile
     from aurakernel.targets.host.target import TARGET
 
@@ -330,7 +330,7 @@ def _linear_loss_plan(model, tokens: int, dtype: str = "fp32") -> KernelPlan:
     c = model.config
     spec = get_op("linear_cross_entropy")
     problem = Problem("linear_cross_entropy", "default", (tokens, c.hidden_size, c.vocab_size), DType.parse(dtype))
-    knobs = linear_loss_knobs(problem, chunk_rows=64, col_chunk=256, threads=2)   # several chunks a step
+    knobs = planned_knobs(problem, chunk_rows=64, col_chunk=256, threads=2)   # several chunks a step
     kernel = build_kernel(spec, problem, knobs)
     return KernelPlan(target="host", kernels=[PlanEntry("linear_cross_entropy", "default", [c.hidden_size, c.vocab_size],
                                                         dtype, problem.shape_text, knobs, kernel.source_hash)])
@@ -400,7 +400,7 @@ def test_fused_linear_loss_reuses_its_residuals_and_refuses_a_second_backward():
 
     spec = get_op("linear_cross_entropy")
     problem = Problem("linear_cross_entropy", "default", (50, 32, 300), DType.fp32)
-    kernel = build_kernel(spec, problem, linear_loss_knobs(problem, chunk_rows=16, col_chunk=128, threads=2)).source_hash
+    kernel = build_kernel(spec, problem, planned_knobs(problem, chunk_rows=16, col_chunk=128, threads=2)).source_hash
     inputs = spec.make_inputs(problem, 0)
     ours = {k: inputs[k].clone().requires_grad_() for k in ("hidden", "weight")}
     ref = {k: inputs[k].clone().requires_grad_() for k in ("hidden", "weight")}

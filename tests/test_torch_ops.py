@@ -21,7 +21,7 @@ from trainer.config import load_config
 from trainer.model import build_model
 
 from conftest import TINY
-from test_swap import linear_loss_knobs, plan_for
+from test_swap import planned_knobs, plan_for
 from aurakernel.patch.deepseek_v4 import patch_of
 
 STEPS = 3
@@ -134,7 +134,7 @@ def _linear_cross_entropy_call():
     """A linear_cross_entropy kernel (3 chunks of 16 tokens, the last short) and one call's args."""
     spec = get_op("linear_cross_entropy")
     problem = Problem("linear_cross_entropy", "default", (40, 32, 300), DType.fp32)
-    kernel = build_kernel(spec, problem, linear_loss_knobs(problem, chunk_rows=16, col_chunk=128, threads=2))
+    kernel = build_kernel(spec, problem, planned_knobs(problem, chunk_rows=16, col_chunk=128, threads=2))
     inputs = spec.make_inputs(problem, 3)
     return (inputs["hidden"], inputs["weight"], inputs["labels"], kernel.source_hash)
 
@@ -226,39 +226,24 @@ def test_fused_adamw_updates_the_local_shards_under_fsdp2(tmp_path):
         assert calls == 3 and tensors == 3 * 4 and elements == 3 * local   # 4 parameters' shards, one call a step
 
 
-@pytest.mark.parametrize("op,shape", [("swiglu", "64x128"), ("rms_norm", "64x256")])
-def test_bench_times_the_kernel_inside_torch_compile(op, shape, monkeypatch):
+@pytest.mark.parametrize("op,shape,with_reference", [("swiglu", "64x128", False), ("rms_norm", "64x256", False),
+                                                     ("rope", "24x4x32x16", True)])
+def test_bench_times_the_kernel_inside_torch_compile(op, shape, with_reference, monkeypatch):
     """The bench's fourth column: the patched module under torch.compile runs the kernel (forward
-    and backward) and computes what the patched module computes eagerly."""
+    and backward) and computes what the patched module computes eagerly. rope reaches the attention
+    by swapping its module-level function (swap_globals), whose code is the reference's: compiled
+    after the reference module (the bench's second column), the patched module must run a compiled
+    frame of its own, not the reference's (which ran the reference or failed with a NameError)."""
     spec = get_op(op)
     problem = spec.problem(shape, "fp32")
-    kernel = build_kernel(spec, problem, {"tile_rows": 4, "col_chunk": 64, "threads": 2})
-    candidates, notes = patch_of(spec).timing_candidates(problem, kernel.source_hash, with_compiled=False,
-                                               with_compiled_kernel=True)
-    assert set(candidates) == {"eager", "aurakernel", "aurakernel_compiled"} and not notes
+    kernel = build_kernel(spec, problem, planned_knobs(problem))
+    candidates, notes = patch_of(spec).timing_candidates(problem, kernel.source_hash, with_compiled=with_reference,
+                                                         with_compiled_kernel=True)
+    assert set(candidates) == {"eager", "aurakernel", "aurakernel_compiled"} | ({"compiled"} if with_reference else set())
+    assert not notes
     counts = _Counts(monkeypatch, ops=False)
     compiled_grads = candidates["aurakernel_compiled"]()
     assert {entry for _, entry in counts.kernel} == {"fwd", "bwd"}
     for a, b in zip(compiled_grads, candidates["aurakernel"]()):
-        if a is not None:
-            torch.testing.assert_close(a, b)
-
-
-def test_a_swapped_function_compiled_after_the_reference_still_runs_the_kernel(monkeypatch):
-    """rope reaches the attention by swapping its module-level function (swap_globals), whose code is
-    the reference's: compiled in one process after the reference module (as the bench does), the
-    patched module must run its own compiled frame, not the reference's (which ran the reference or
-    failed with a NameError)."""
-    spec = get_op("rope")
-    problem = spec.problem("24x4x32x16", "fp32")
-    knobs = linear_loss_knobs(problem)
-    kernel = build_kernel(spec, problem, knobs)
-    candidates, notes = patch_of(spec).timing_candidates(problem, kernel.source_hash, with_compiled=True,
-                                                         with_compiled_kernel=True)
-    assert set(candidates) == {"eager", "compiled", "aurakernel", "aurakernel_compiled"} and not notes
-    counts = _Counts(monkeypatch, ops=False)
-    compiled_grads = candidates["aurakernel_compiled"]()
-    assert {entry for _, entry in counts.kernel} == {"fwd", "bwd"}
-    for a, b in zip(compiled_grads, candidates["eager"]()):
         if a is not None:
             torch.testing.assert_close(a, b)
