@@ -28,9 +28,12 @@ instructions per row, 22.1 -> 20.6 us for forward + backward):
   MTE2-bound (6.1k: the logits, one copy of the experts, a latency per tile) plus ~1.7k at the ends
   (the first tile and the core's experts before any compute). Its tile rows are a knob of their own
   (forward_tile_rows): its launch holds no backward, so 40-64 rows fit where the backward takes 24.
-  The planner's row model ranks 16/40 (backward/forward rows) above 24/64, which emulates 0.56 us
-  faster (11.49 against 10.93 us): it misses the vector-scalar chain of the backward and the last
-  tiles' exposure; `tune --candidates 12` finds 24/64. Traced (AK_TRACE-style, per pipe): the forward
+  The planner's row model ranked 16/40 (backward/forward rows) above 24/64, which emulates 0.85 us
+  faster (11.42 against 10.57 us): it had no scalar stage and added one tile's copies for the fill
+  and drain, whatever the slowest stage and the short tile. It now has the scatter's scalar ops
+  (scalar_ops_per_row) and runs a core's tiles through the stages (planner/ascend.py `pipelined`):
+  it picks 32/64 (10.82 us, 1.28x); `tune --candidates 12` still finds 24/64 (backward 6.23 against
+  6.48 us at 32 rows, which the model ranks the other way: 6.84 against 6.76). Traced (AK_TRACE-style, per pipe): the forward
   is MTE2-bound to its last copy, then the last tile's compute and copy out (~1.4k cycles) run alone;
   the backward's scalar scatter is busy without a gap from the first tile's compute to the end, so
   its startup (the first tile and the side inputs' copy, ~2.4k cycles before the scalar starts) and
