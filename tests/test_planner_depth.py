@@ -83,13 +83,19 @@ def test_row_model_drains_the_last_tile_and_the_short_one_exposes_least():
     """The row model's fill and drain (`pipelined`): a copy-bound loop exposes its first copy and its
     last tile's vector work, so a core's short tile costs least last; per-tile parts (copy latency,
     per-tile instructions) count the same as per-row ones for equal tiles; two buffers make a
-    vector-bound loop's copies wait for tile i - 2's vector work."""
+    vector-bound loop's copies wait for tile i - 2's vector work, and its vector work for tile
+    i - out_buffers' copy out."""
     copy_bound = ((0.0, 50.0), (0.0, 20.0))   # (per-tile part, per-row total): copy 10, vector 4 a tile
     assert pipelined(copy_bound, [10] * 5, 50) == pytest.approx(54)
     assert pipelined(((50.0, 0.0), (20.0, 0.0)), [10] * 5, 50) == pytest.approx(54)
     assert pipelined(copy_bound, [12, 12, 12, 12, 2], 50) == pytest.approx(53.6)   # short last
     assert pipelined(copy_bound, [2, 12, 12, 12, 12], 50) == pytest.approx(54.8)   # short first
     assert pipelined(((0.0, 5.0), (0.0, 50.0)), [10] * 5, 50) == pytest.approx(51)
+    # vector, scalar and copy out alike: with two output tiles the vector unit waits for tile i - 2's
+    # copy out, which waits for its scalar stage; a third output tile (out_buffers) removes the wait
+    chained = ((0.0, 5.0), (0.0, 30.0), (0.0, 30.0), (0.0, 30.0))
+    assert pipelined(chained, [10] * 5, 50) == pytest.approx(55)
+    assert pipelined(chained, [10] * 5, 50, out_buffers=3) == pytest.approx(43)
 
 
 def test_router_backward_model_counts_its_scalar_scatter():

@@ -66,6 +66,8 @@ class AscendRowPhase:
     scalar_ops_per_row: float = 0   # GetValue / SetValue per row on the scalar unit (a scatter), after the row's
                                     # vector work and beside the next tile's
     short_tile_first: bool = False  # a core's short tile (its rows' remainder) runs first, not last
+    out_buffers: int = 2            # output tiles double buffering rotates through (a third lets the vector
+                                    # unit fill tile t + 2 while tile t is copied out)
 
     def side_copies(self, tiles: int) -> int:
         """The side inputs' copies over `tiles` tiles."""
@@ -110,11 +112,12 @@ def align32(b: float) -> int:
     return int(math.ceil(b / 32) * 32)
 
 
-def pipelined(stages: tuple[tuple[float, float], ...], rows_of: list[float], rows: float) -> float:
+def pipelined(stages: tuple[tuple[float, float], ...], rows_of: list[float], rows: float, out_buffers: int = 2) -> float:
     """Cycles of a double-buffered tile loop through `stages` in order (copy in, compute..., copy out),
     each a pipe of its own: stage s of tile i starts once stage s - 1 of tile i and stage s of tile
     i - 1 are done; a tile's copy in once the vector stage is done with tile i - 2 (its buffer), its
-    vector stage once tile i - 2 is copied out. A stage's (per-tile part, total of the per-row part)."""
+    vector stage once tile i - out_buffers is copied out. A stage's (per-tile part, total of the
+    per-row part)."""
     n, k = len(rows_of), len(stages)
     end = [[0.0] * k for _ in range(n)]
     for i, r in enumerate(rows_of):
@@ -122,8 +125,8 @@ def pipelined(stages: tuple[tuple[float, float], ...], rows_of: list[float], row
             start = max(end[i][s - 1] if s else 0.0, end[i - 1][s] if i else 0.0)
             if i >= 2 and s == 0:
                 start = max(start, end[i - 2][1])
-            if i >= 2 and s == 1:
-                start = max(start, end[i - 2][k - 1])
+            if i >= out_buffers and s == 1:
+                start = max(start, end[i - out_buffers][k - 1])
             end[i][s] = start + per_tile / n + per_rows * r / rows
     return end[-1][-1]
 
@@ -233,7 +236,7 @@ def ascend_rowwise_model(rows: int, cols: int, elem_bytes: int, phases: list[Asc
             rows_of = [rb / n] * n if ct < cols else [tr] * (n - 1) + [rb - (n - 1) * tr]
             if p.short_tile_first:
                 rows_of.reverse()
-            return max(0.0, pipelined(stages, rows_of, rb) - max(max(sum(st) for st in stages), traffic(tr, ct)))
+            return max(0.0, pipelined(stages, rows_of, rb, p.out_buffers) - max(max(sum(st) for st in stages), traffic(tr, ct)))
 
         fill = Term.of(knobs, domains, lambda tr, nb, ch, ct, f=exposed:
                        sc["fill_scale"] * f(tr, ch, ct) / clock if nb == 2 else 0.0)

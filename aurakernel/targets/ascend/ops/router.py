@@ -31,9 +31,9 @@ instructions per row, 22.1 -> 20.6 us for forward + backward):
   The planner's row model ranked 16/40 (backward/forward rows) above 24/64, which emulates 0.85 us
   faster (11.42 against 10.57 us): it had no scalar stage and added one tile's copies for the fill
   and drain, whatever the slowest stage and the short tile. It now has the scatter's scalar ops
-  (scalar_ops_per_row) and runs a core's tiles through the stages (planner/ascend.py `pipelined`):
-  it picks 32/64 (10.82 us, 1.28x); `tune --candidates 12` still finds 24/64 (backward 6.23 against
-  6.48 us at 32 rows, which the model ranks the other way: 6.84 against 6.76). Traced (AK_TRACE-style, per pipe): the forward
+  (scalar_ops_per_row) and runs a core's tiles through the stages (planner/ascend.py `pipelined`),
+  with the backward's third d logits tile (out_buffers): it picks 24/64 itself (10.57 us, 1.25x of
+  the bound; 32/64 without the third tile, 10.82 us). Traced (AK_TRACE-style, per pipe): the forward
   is MTE2-bound to its last copy, then the last tile's compute and copy out (~1.4k cycles) run alone;
   the backward's scalar scatter is busy without a gap from the first tile's compute to the end, so
   its startup (the first tile and the side inputs' copy, ~2.4k cycles before the scalar starts) and
@@ -121,7 +121,8 @@ class RouterAscend(AscendKernel):
                              slow_ops_per_elem=slow * lanes * 4 / 256 / repeats, instrs_per_chunk=0,
                              instrs_per_tile=fast + slow,
                              small_in_copies=2, small_in_tiles=SIDE_TILES,
-                             f32_tiles=compact / (experts * 4), scalar_ops_per_row=2 * -(-top_k * e // 8) + top_k)
+                             f32_tiles=compact / (experts * 4), scalar_ops_per_row=2 * -(-top_k * e // 8) + top_k,
+                             out_buffers=3)
         return [fwd, bwd]
 
     @staticmethod
