@@ -117,6 +117,35 @@ def test_sparse_attention_kernels_tile_keys_each_their_own_way(tiles, tmp_path):
     assert {c.tensor for c in result.checks} >= {"y", "grad_q", "grad_kv", "grad_compressed_kv"}
 
 
+def test_sparse_attention_key_gradients_add_in_l2_where_they_fit(tmp_path, monkeypatch):
+    """The backward's fp32 key-gradient accumulators take every position's atomic adds. Where they fit
+    in half the L2 beside kv (V4-Flash at 1024 tokens; not at 65536) those adds are L2 traffic and only
+    the converted gradients reach HBM; the emulated run counts them so, and the gradients are the same."""
+    import torch
+    from aurakernel.targets.ascend.ops.sparse_attention import SparseAttentionAscend
+    spec, kernel = OPS["sparse_attention"], ascend.kernel_of(OPS["sparse_attention"])
+    assert SparseAttentionAscend.gradients_stay_in_l2(spec.problem("1x64x1024x512x128x128", "bf16", "csa"), HW)
+    assert not SparseAttentionAscend.gradients_stay_in_l2(spec.problem("1x64x65536x512x128x512", "bf16", "csa"), HW)
+    problem = spec.problem("1x16x40x128x128x8", "bf16", "csa")
+    knobs = ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs").knobs
+    emu = ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, tmp_path, HW), HW)
+    inputs = spec.make_inputs(problem, 0)
+    grad_out = {"y": torch.randn(*spec.reference(problem, inputs)["y"].shape, generator=torch.Generator().manual_seed(1))}
+
+    def backward():
+        _, grads, reports = kernel.run(problem, knobs, inputs, grad_out, emu)
+        blocks = reports["backward"].blocks
+        return grads, sum(b.gm_read + b.gm_written for b in blocks), sum(b.l2_bytes for b in blocks)
+
+    in_l2, hbm_in_l2, l2_in_l2 = backward()
+    monkeypatch.setattr(SparseAttentionAscend, "gradients_stay_in_l2", staticmethod(lambda problem, hw: False))
+    in_hbm, hbm, l2 = backward()
+    moved = hbm - hbm_in_l2   # the same bytes, from HBM to L2: about every position's fp32 key-gradient rows
+    assert moved == l2_in_l2 - l2 and moved > 0.9 * 40 * spec.keys_per_query(problem) * 128 * 4
+    for name in in_hbm:   # the atomic adds' order varies between runs: equal to bf16 rounding
+        torch.testing.assert_close(in_l2[name], in_hbm[name])
+
+
 def test_router_flags_exactly_the_rows_whose_kth_and_next_scores_tie(tmp_path):
     """With a zero bias, bf16 scores tie at the k-th place in many rows: the sorting kernel flags those
     rows (and only those: every other row's experts and weights are the reference's), so torch.topk

@@ -21,7 +21,11 @@ csa is 2.6x, hca 2.4x.
   term; positions are dealt to the AI cores round-robin (contiguous ranges left the last core the
   longest windows and the most picks, 6x the first one's gather).
 - backward (csa 556 us, hca 421 us: at its own HBM traffic, 546 / 421 us): q, dy, y, y_lo, and the fp32
-  key gradients added at their rows (atomic adds into HBM), beyond the op's minimum. S and dP run two
+  key gradients added at their rows (atomic adds into HBM), beyond the op's minimum. Where those
+  accumulators fit in half the L2 beside kv (`gradients_stay_in_l2`: 1024 tokens, not 65536) the NPU's
+  atomic adds stay in L2: hca 421 -> 332 us (1.3x its own traffic; the op 2.41x -> 2.06x of its
+  bound); csa unchanged at 555 us, now latency-bound, not by HBM: its AIC's MTE2 is busy 609k of
+  ~1.0M cycles gathering each position's keys a copy per run (as in the forward), the Cube 410k. S and dP run two
   tiles ahead across positions and a position's dq goes out after the next one's first tile: with
   the Cube waiting at every position's start and the AIVs at its end it took 677 / 477 us. Its tiles
   are its own knobs (bwd_*): its L1 holds dy and dS too and its L0C S, dP and the gradient slices, so
@@ -179,6 +183,8 @@ class SparseAttentionAscend(AscendKernel):
         cores, p, hbm, per, keys, copies = self._figures(problem, hw)
         lat, l2, issue = p.mte_latency, p.l2_bytes_per_cycle, p.vec_issue
         mine = heads // 2
+        in_l2 = self.gradients_stay_in_l2(problem, hw)
+        add_rate = p.fix_bytes_per_cycle if in_l2 else hbm   # the dKV slices' atomic adds: L2 or the HBM share
 
         @functools.cache
         def per_core(kn, dc, vc, qb, gb):
@@ -191,10 +197,12 @@ class SparseAttentionAscend(AscendKernel):
             vec = issue * (24 + 4 * kn // 64) + mine * kn / 64 * 10
             wait = tiles * (lat + 2 * mine * kn * 4 / l2)   # one S and dP tile each (the queues' events run out at two)
             # the block's share of HBM: q, y, y_lo, dy, lse in; dq out, the keys' fp32 gradients added at
-            # their rows; the accumulators zeroed, read back and converted (its share of them). The keys
-            # themselves are L2 hits (run keeps kv and the compressed kv in L2, as the NPU would)
-            acc = (batch * seq + batch * entries_of(problem)) * dim * (8 + e) / cores
-            hbm_bytes = per * (5 * heads * dim * e + heads * 4 + keys * dim * 4) + acc
+            # their rows; the accumulators zeroed, read back and converted (its share of them), or, where
+            # they stay in L2, only the converted gradients written. The keys themselves are L2 hits (run
+            # keeps kv and the compressed kv in L2, as the NPU would)
+            rows = (batch * seq + batch * entries_of(problem)) * dim / cores
+            acc = rows * e + (0 if in_l2 else per * keys * dim * 4 + rows * 8)
+            hbm_bytes = per * (5 * heads * dim * e + heads * 4) + acc
             return {"HBM": hbm_bytes / hbm,
                     "MTE2": per * gather + tiles * (2 * lat + 2 * heads * kn * e / l2),
                     "MTE1": tiles * (chunks * (2 * s.mte1_a + s.mte1_b + dq.mte1_b + 2 * dkv.mte1_b) + 3 * heads * kn * e / p.mte1_bytes_per_cycle),
@@ -223,16 +231,27 @@ class SparseAttentionAscend(AscendKernel):
         ]
         pipes = cells.pipes(("HBM", "MTE2", "MTE1", "Cube", "FIX", "AIV MTE2", "Vector", "AIV MTE3"))
         # one q / dy buffer: the next position's copies exposed; two dQ / dKV slices in L0C: the Cube waits
-        # for each slice's Fixpipes before the one after next. The dKV slices' atomic adds into GM run at
-        # the core's HBM share (FIX above counts them at the Fixpipe's own rate): their excess over the
+        # for each slice's Fixpipes before the one after next. The dKV slices' atomic adds into HBM run at
+        # the core's share of it (FIX above counts them at the Fixpipe's own rate): their excess over the
         # Cube's slice time is exposed
         def exposed_cycles(kn, dc, vc, qb, gb):
             c = per_core(kn, dc, vc, qb, gb)
-            scatter = c["tile"] * (dim // dc) * min(kn, keys) * dc * 4 / hbm
+            scatter = c["tile"] * (dim // dc) * min(kn, keys) * dc * 4 / add_rate
             return ((0 if qb == 2 else per * (2 * lat + 2 * heads * dim * e / hbm))
                     + (0 if gb == 3 else max(0.0, scatter - c["Cube"])))
         exposed = cells.seconds(exposed_cycles)
         return Phase("backward", pipes, [cells.tile_fill(), cells.launch(), exposed]), constraints
+
+    @staticmethod
+    def gradients_stay_in_l2(problem: Problem, hw: HardwareProfile) -> bool:
+        """Whether the backward's fp32 key-gradient accumulators stay in the L2 beside kv and the
+        compressed kv (which the kernels keep there): where the three fit in half of it (V4-Flash at
+        1024 tokens: 4 of 192 MB; not at 65536: 252 MB). The NPU adds atomic stores in the memory
+        system, so the Cube's per-position adds into them are then L2 traffic: only the gradients'
+        final 16-bit copies reach HBM."""
+        batch, heads, seq, dim, _, _ = problem.shape
+        l2_bytes = hw.memory["L2"].capacity if "L2" in hw.memory else 0
+        return (batch * seq + batch * entries_of(problem)) * dim * (problem.dtype.itemsize + 4) <= l2_bytes / 2
 
     def cube_floor(self, problem: Problem) -> dict[str, CubeWork]:
         batch, heads, seq, dim, _, _ = problem.shape
@@ -321,7 +340,9 @@ class SparseAttentionAscend(AscendKernel):
         acc = bytearray((batch * seq + batch * entries_of(problem)) * dim * 4)   # fp32 dkv and dckv, added into
         bwd_bufs = [*reads, to_bytes(y), to_bytes(y_lo), to_bytes(lse), to_bytes(dy), to_bytes(dq), to_bytes(dkv), to_bytes(dckv),
                     to_bytes(dsinks), slots, acc, bytearray(tiling)]
-        bwd = emulator.run(emu.exe("ak_sparse_attention_bwd", 17, cores="mix_1_2", l2_args=(1, 2, 14)), blocks, bwd_bufs)
+        acc_in_l2 = (15,) if self.gradients_stay_in_l2(problem, emu.hw) else ()
+        bwd = emulator.run(emu.exe("ak_sparse_attention_bwd", 17, cores="mix_1_2", l2_args=(1, 2, 14, *acc_in_l2)),
+                           blocks, bwd_bufs)
         grads = {"q": from_bytes(bwd_bufs[10], dq).transpose(1, 2), "kv": from_bytes(bwd_bufs[11], dkv),
                  "sinks": from_bytes(bwd_bufs[13], dsinks)}
         if problem.variant != "sliding":
