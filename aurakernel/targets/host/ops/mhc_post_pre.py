@@ -14,7 +14,7 @@ fused forward what the saved read gives back. Autotune keeps the kernel only whe
 faster than the two apart (agent._drop_fusions_not_faster_than_apart).
 Tried and dropped: mhc_post's backward inside mhc_pre's column-chunk loop, on each chunk's dx while
 it is in cache (dx never written). At 4096 rows it ran 125-290 ms against 142.6 depending on the
-chunk (best with 512-2048 columns, where mhc_pre's own part prefers 128): a chunk of a row is four
+chunk (best with 512-2048 columns; mhc_pre's plan then took 128, an L2 rule since dropped): a chunk of a row is four
 short segments of h, g_x, d_h and x per row, and the per-chunk partial row sums add a reduction.
 """
 
