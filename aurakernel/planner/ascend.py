@@ -117,7 +117,8 @@ def pipelined(stages: tuple[tuple[float, float], ...], rows_of: list[float], row
     each a pipe of its own: stage s of tile i starts once stage s - 1 of tile i and stage s of tile
     i - 1 are done; a tile's copy in once the vector stage is done with tile i - 2 (its buffer), its
     vector stage once tile i - out_buffers is copied out. A stage's (per-tile part, total of the
-    per-row part)."""
+    per-row part). (schedule.simulate replays a loop's issue order at equal tiles; this one's tiles
+    differ in rows: the short one.)"""
     n, k = len(rows_of), len(stages)
     end = [[0.0] * k for _ in range(n)]
     for i, r in enumerate(rows_of):
@@ -255,6 +256,12 @@ def ascend_rowwise_model(rows: int, cols: int, elem_bytes: int, phases: list[Asc
 def cube_cores(hw: HardwareProfile) -> int:
     """The profile's AI cores (one Cube core each; its `cores` are the vector cores)."""
     return int(hw.extra.get("cube_cores", hw.cores))
+
+
+def l2_half(hw: HardwareProfile) -> float:
+    """Half the profile's L2 (0 without one): the data a launch may keep there and still find at its next
+    read, the other half left to what streams through."""
+    return hw.memory["L2"].capacity / 2 if "L2" in hw.memory else 0.0
 
 
 def hbm_us(total_bytes: float, hw: HardwareProfile) -> float:

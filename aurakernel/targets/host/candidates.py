@@ -18,7 +18,7 @@ from ...measure import compare
 from ...ops.base import OpSpec, Problem
 from ...patch.base import Patch
 from ...patch.deepseek_v4 import patch_of
-from ...planner.model import runners_up as best_after
+from ...planner import model as planner_model
 from ...planner.model import ChoiceModel
 from ...verify import SEEDS, Verification, check_case
 from .build import build_kernel
@@ -48,8 +48,8 @@ def knobs_text(knobs: dict[str, int]) -> str:
 
 
 def runners_up(model: ChoiceModel, pick: dict[str, int], n: int) -> list[Candidate]:
-    """The model's n best feasible tilings after the pick, as candidates (planner/fit.py's runners_up)."""
-    return [Candidate(c, seconds * 1e6) for c, seconds in best_after(model, pick, n)]
+    """The model's n best feasible tilings after the pick (planner/model.py's runners_up), as candidates."""
+    return [Candidate(c, seconds * 1e6) for c, seconds in planner_model.runners_up(model, pick, n)]
 
 
 def _run_host(spec: OpSpec, problem: Problem, kernel: Kernel):

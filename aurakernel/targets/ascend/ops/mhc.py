@@ -56,7 +56,7 @@ from ....hardware import AscendPipes, HardwareProfile
 from ....ops.base import Problem, Tensors
 from ....ops.mhc import EPS, HEAD, ITERS, PRE
 from ....planner.ascend import (AscendRowPhase, CubeCells, CubeWork, VectorWork, cast_passes, align32 as a32, cube_cores,
-                                row_split)
+                                l2_half, row_split)
 from ....planner.model import ChoiceModel, Constraint, Phase, Term
 from ....planner.schedule import phase_schedule
 from ..kernel import AscendKernel
@@ -212,7 +212,6 @@ class MhcAscend(AscendKernel):
 
         cells = CubeCells(("cube_groups", "cube_k", "cube_k0"), domains, per_core, hw)
         cap = cells.cap
-        l2_bytes = hw.memory["L2"].capacity if "L2" in hw.memory else 0
         fwd_ub = self._ub(problem)[0]
         constraints = [
             cap("L1 capacity", lambda g, k1, k0: 2 * (parts * n16 + g * tr) * k1 * e, p.l1_usable,
@@ -226,7 +225,7 @@ class MhcAscend(AscendKernel):
                 "cube_k0 <= cube_k; cube_groups x cube_k0 / C0 <= 255 (x^T's fractals in one LoadData)"),
             # the AIVs read x again from L2: what every AI core's AIC reads between (two super-tiles)
             # stays within half of it
-            cap("L2 reuse", lambda g, k1, k0: 2 * cores * g * tr * w * e, l2_bytes / 2,
+            cap("L2 reuse", lambda g, k1, k0: 2 * cores * g * tr * w * e, l2_half(hw),
                 "2 x AI cores x cube_groups x 16 x W x elem <= L2 / 2"),
             Constraint("forward UB capacity",
                        Term.of(("chunk",), domains, lambda ch: fwd_ub + self._pass2_ub(ch, f.hc, e)), p.ub_usable,
@@ -375,8 +374,7 @@ class MhcAscend(AscendKernel):
         whole; where the two fit in half the L2 (V4-Flash at 1024 tokens: 40 of 192 MB) nothing evicts
         x between the launches. At more tokens the backward reads x from HBM a second time."""
         rows, hc, d = problem.shape
-        l2_bytes = hw.memory["L2"].capacity if "L2" in hw.memory else 0
-        return rows * (hc + 1) * d * problem.dtype.itemsize <= l2_bytes / 2
+        return rows * (hc + 1) * d * problem.dtype.itemsize <= l2_half(hw)
 
     @staticmethod
     def bwd_k0(nout: int, groups: int, bwd_k: int) -> int:

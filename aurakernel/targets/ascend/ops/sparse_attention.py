@@ -45,7 +45,7 @@ from ....errors import PlanInfeasible
 from ....hardware import HardwareProfile
 from ....ops.base import Problem, Tensors
 from ....ops.sparse_attention import CSA_RATIO, SPEC, entries_of
-from ....planner.ascend import CubeCells, CubeWork, align32, cube_cores, cube_tile_cycles
+from ....planner.ascend import CubeCells, CubeWork, align32, cube_cores, cube_tile_cycles, l2_half
 from ....planner.model import ChoiceModel, Constraint, Phase
 from ..kernel import AscendKernel
 
@@ -250,8 +250,7 @@ class SparseAttentionAscend(AscendKernel):
         system, so the Cube's per-position adds into them are then L2 traffic: only the gradients'
         final 16-bit copies reach HBM."""
         batch, heads, seq, dim, _, _ = problem.shape
-        l2_bytes = hw.memory["L2"].capacity if "L2" in hw.memory else 0
-        return (batch * seq + batch * entries_of(problem)) * dim * (problem.dtype.itemsize + 4) <= l2_bytes / 2
+        return (batch * seq + batch * entries_of(problem)) * dim * (problem.dtype.itemsize + 4) <= l2_half(hw)
 
     def cube_floor(self, problem: Problem) -> dict[str, CubeWork]:
         batch, heads, seq, dim, _, _ = problem.shape
