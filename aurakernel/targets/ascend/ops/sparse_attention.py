@@ -30,6 +30,21 @@ csa is 2.6x, hca 2.4x.
   the Cube waiting at every position's start and the AIVs at its end it took 677 / 477 us. Its tiles
   are its own knobs (bwd_*): its L1 holds dy and dS too and its L0C S, dP and the gradient slices, so
   64-key tiles suit it where 128 suit the forward.
+- csa's gather (merge_gap): with the same keys in consecutive entries (one run a position) the csa
+  forward and backward took 380k and 821k cycles, against 553k and 1.0M with random picks, so the
+  copies' latency was a third of the forward. Picks at most `merge_gap` entries apart are now
+  gathered in one copy, the entries between them as holes: the binding lists them among the slots
+  (-2 - entry), the Cube copies each run of consecutive entries whatever they are, and the vector
+  cores mask the holes out (KeyMask: a position's slots come in once, as a row of values laid out
+  like its key tiles). A hole costs a key's work (Cube, L0 loads, softmax, a zero gradient added),
+  a run a copy's latency: at 1024 tokens, where half the ready entries are picked, merge_gap 2 took
+  485k / 957k cycles (fwd+bwd 1553k -> 1442k); the planner prices both sides per gap (`position_keys`:
+  runs and holes of random picks) and merges where picks are dense. The model had priced the vector
+  cores' pipes as one serial sequence and a position's tiles as the mean keys over kv_tile; emulated
+  runs showed a vector core's busiest two pipes, the backward's gather and L0 loads mostly taking
+  turns (AIC_TURNS), and each position's own tile count: it now predicts csa within 5% of the
+  emulator at every gap (817 us at gap 0 against 863 emulated; it had been 876 by two errors that
+  cancelled) and hca within 12%.
 """
 
 from __future__ import annotations
@@ -52,38 +67,85 @@ from ..kernel import AscendKernel
 TILING = "<8If"   # AkSparseAttentionTiling
 # the forward's knobs: keys per tile, D columns per Mmad, O columns per vector step, score tiles per
 # vector core, q buffers in L1 (two: the next position's copy runs under this one's tiles)
-KNOBS = ("kv_tile", "d_chunk", "o_chunk", "s_buffers", "q_buffers")
+KNOBS = ("kv_tile", "d_chunk", "o_chunk", "s_buffers", "q_buffers", "merge_gap")
 # the backward's own (its L1 holds dy and dS too, its L0C S, dP and the gradient slices, so its best
 # tiles differ): keys per tile, D columns per Mmad, dq columns per vector step, q / dy buffers in L1,
 # dQ / dKV slices in L0C (three: the Cube's next slices do not wait for the Fixpipes scattering one)
-BWD_KNOBS = ("bwd_kv_tile", "bwd_d_chunk", "bwd_o_chunk", "bwd_q_buffers", "g_buffers")
-TAIL_MASK = 256 * 4 + 32   # UB of the tail tiles' mask: 256 column numbers, and at least a block of bits
+BWD_KNOBS = ("bwd_kv_tile", "bwd_d_chunk", "bwd_o_chunk", "bwd_q_buffers", "g_buffers", "merge_gap")
+TAIL_MASK = 256 * 4 + 32   # UB of a tile's key mask: 256 column numbers, and at least a block of bits
+AIC_TURNS = 0.9            # the backward's share of its Cube core's gathers and L0 loads that do not overlap
+FIX_WAIT = 20              # cycles the backward's Cube waits a dQ / dKV slice with two slices in L0C (emulated at
+                           # 1024 tokens, three against two: csa 921k / 957k, hca 597k / 616k cycles)
+HOLE_MASK_TILE, HOLE_MASK_POS = 4, 2   # with holes, vector instructions of KeyMask per tile and per position
+
+# csa's merge_gap: the widest gap between two picks gathered as one run, none or two entries. Emulated at
+# V4-Flash widths, 1024 tokens (picks 128 of up to 256 ready: half of them), 0 / 1 / 2 / 3 / 4 took
+# 1553k / 1490k / 1442k / 1445k / ~1449k cycles fwd+bwd; each value more costs the MILP ~1.5 s
+GAPS = (0, 2)
+SLOT_PAD = 8               # -1s before the first position's slots (the kernels' SLOT_PAD)
 CVT = 2048                 # floats per step of the backward's key-gradient conversion
 
 
-def compact_picks(indices: torch.Tensor, entries: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The indexer's picks [B, S, K] as the kernel reads them: each row's distinct valid entries in
-    ascending order, then -1s (int32), and their count per row [B, S] (int32). The dense mask the
-    reference builds sees a repeated pick once; so does the kernel, which gathers each listed entry."""
+def hole_mask_ub(window: int, picks: int, gap: int, kn: int) -> int:
+    """UB of KeyMask's holes (0 without): a tile's 256 values, and a position's slots as int32 and as
+    fp32 in whole tiles (window + slots at most: picks and (picks - 1) x gap holes)."""
+    return 0 if gap == 0 else 256 * 4 + 8 * -(-(window + picks + (picks - 1) * gap) // kn) * kn
+
+
+def compact_picks(indices: torch.Tensor, entries: int, gap: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The indexer's picks [B, S, K] as the kernels read them: each row's slots, then -1s (int32), and
+    their count per row [B, S] (int32). A slot is a distinct valid pick, in ascending order; with gap > 0
+    the entries between two picks at most `gap` apart are slots too, as holes (-2 - entry): the Cube
+    gathers a run of consecutive entries in one copy and the vector cores mask the holes out of the
+    softmax, so a hole costs a key's work where a new run costs a copy's latency. The dense mask the
+    reference builds sees a repeated pick once; so do the kernels."""
     none = entries + 1
     x = torch.where(indices >= 0, indices, torch.full_like(indices, none)).sort(-1).values
     repeat = torch.zeros_like(x, dtype=torch.bool)
     repeat[..., 1:] = x[..., 1:] == x[..., :-1]
-    x = torch.where(repeat, torch.full_like(x, none), x).sort(-1).values
+    x = torch.where(repeat, torch.full_like(x, none), x).sort(-1).values.long()
     count = (x < none).sum(-1)
-    return torch.where(x < none, x, torch.full_like(x, -1)).to(torch.int32), count.to(torch.int32)
+    if gap <= 0 or x.shape[-1] < 2:
+        return torch.where(x < none, x, torch.full_like(x, -1)).to(torch.int32), count.to(torch.int32)
+    holes = x[..., 1:] - x[..., :-1] - 1                            # after pick i, before pick i + 1
+    holes = torch.where((holes <= gap) & (x[..., 1:] < none), holes, torch.zeros_like(holes))
+    holes = torch.cat([torch.zeros_like(x[..., :1]), holes], -1)    # before pick i
+    slot = torch.arange(x.shape[-1]) + holes.cumsum(-1)             # pick i's slot
+    total = count + torch.where(x < none, holes, torch.zeros_like(holes)).sum(-1)
+    width = max(int(total.max()), 1)
+    first = torch.zeros(*x.shape[:-1], width + 1, dtype=torch.long)   # 1 + the pick at or before each slot
+    first.scatter_(-1, torch.where(x < none, slot, torch.full_like(slot, width)),   # no pick: past the end
+                   torch.arange(1, x.shape[-1] + 1).expand_as(x).contiguous())
+    pick = first[..., :width].cummax(-1).values.clamp(min=1) - 1
+    col = torch.arange(width)
+    at = slot.gather(-1, pick)
+    entry = x.gather(-1, pick) + (col - at)
+    out = torch.where(col == at, entry, -2 - entry)
+    out = torch.where(col < total.unsqueeze(-1), out, torch.full_like(out, -1))
+    return out.to(torch.int32), total.to(torch.int32)
 
 
-def pick_runs(seq: int, topk: int) -> float:
-    """Runs of consecutive entries among a csa position's picks, the mean over the positions (the copies
-    that gather them): k picks drawn at random among r ready entries leave k (k - 1) / r of them right
-    after another pick. Real indexer picks cluster more; this is what random picks cost."""
-    total = 0.0
+@functools.cache
+def position_keys(variant: str, seq: int, window: int, extra: int, gap: int = 0) -> tuple[tuple[float, ...], float]:
+    """Per position s of a batch row the keys it attends to (its window, then the compressed entries:
+    csa's slots, hca's ready entries), and the mean copies over the positions that gather the compressed
+    ones. csa's k picks are drawn at random among its r ready entries, each entry after a pick another
+    pick with odds k / r: a run ends at a gap of more than `gap` entries (at gap 0: k - k (k - 1) / r
+    runs) and the entries of the gaps it spans are holes among the slots. Real indexer picks cluster
+    more; this is what random picks cost."""
+    keys, runs = [], 0.0
     for s in range(seq):
-        ready = (s + 1) // CSA_RATIO
-        k = min(topk, ready)
-        total += k - k * (k - 1) / ready if ready else 0.0
-    return total / seq
+        ready = (s + 1) // (CSA_RATIO if variant == "csa" else max(extra, 1))
+        entries = 0.0
+        if variant == "csa" and ready:
+            k = min(extra, ready)
+            q = 1.0 - k / ready                                      # an entry after a pick is no pick
+            runs += k - (k - 1) * (1.0 - q ** (gap + 1))
+            entries = k + (k - 1) * sum(h * q**h * (1.0 - q) for h in range(1, gap + 1))
+        elif variant == "hca":
+            entries, runs = ready, runs + (ready > 0)
+        keys.append(min(s + 1, window) + entries)
+    return tuple(keys), runs / seq
 
 
 def position_split(positions: int, cores: int) -> tuple[int, int]:
@@ -108,14 +170,19 @@ class SparseAttentionAscend(AscendKernel):
 
     def _figures(self, problem: Problem, hw: HardwareProfile):
         """What both models start from: the AI cores, their pipe figures, a core's HBM rate (bytes per
-        cycle), the positions per core, the mean keys per position and the copies that gather them."""
+        cycle), the positions per core, and per merge_gap and key tile the mean keys and key tiles per
+        position (csa's holes included: each is a key's work) and the copies that gather them."""
         batch, heads, seq, dim, window, extra = problem.shape
         cores = cube_cores(hw)
         p = hw.ascend_pipes(cores)
         hbm = p.mte_bytes_per_cycle   # its own limit or its share of HBM
-        keys = SPEC.keys_per_query(problem)
-        copies = 1 + (pick_runs(seq, extra) if problem.variant == "csa" else 1 if problem.variant == "hca" else 0)
-        return cores, p, hbm, position_split(batch * seq, cores)[0], keys, copies
+
+        @functools.cache
+        def keys_copies(gap: int, kn: int) -> tuple[float, float, float]:
+            """Mean keys and key tiles of kn per position, and the copies that gather its keys."""
+            keys, runs = position_keys(problem.variant, seq, window, extra, gap)
+            return sum(keys) / seq, sum(-(-k // kn) for k in keys) / seq, 1 + runs
+        return cores, p, hbm, position_split(batch * seq, cores)[0], keys_copies
 
     def cube_model(self, problem: Problem, hw: HardwareProfile) -> ChoiceModel:
         """The forward's tiling per AI core: per position its key tiles (gather, Q K^T, P V on the AIC;
@@ -123,10 +190,10 @@ class SparseAttentionAscend(AscendKernel):
         pipe of the busiest core plus one tile's fill and the launch (the backward's phase beside it)."""
         batch, heads, seq, dim, window, extra = problem.shape
         e = problem.dtype.itemsize
-        cores, p, hbm, per, keys, copies = self._figures(problem, hw)
+        cores, p, hbm, per, keys_copies = self._figures(problem, hw)
         lat, l2, issue = p.mte_latency, p.l2_bytes_per_cycle, p.vec_issue
         mine = heads // 2
-        domains = {"kv_tile": [64, 128, 256],
+        domains = {"merge_gap": list(GAPS) if problem.variant == "csa" else [0],"kv_tile": [64, 128, 256],
                    "d_chunk": [c for c in (32, 64, 128, 256, 512) if c <= dim and dim % c == 0] or [dim],
                    "o_chunk": [c for c in (16, 32, 64, 128) if dim % c == 0],
                    "s_buffers": [1, 2],
@@ -135,42 +202,46 @@ class SparseAttentionAscend(AscendKernel):
         domains |= {f"bwd_{k}": domains[k] for k in ("kv_tile", "d_chunk", "o_chunk", "q_buffers")} | {"g_buffers": [2, 3]}
 
         @functools.cache
-        def per_core(kn, dc, vc, sb, qb):
-            tiles, n, chunks, vchunks = per * -(-keys // kn), min(kn, keys), dim // dc, dim // vc
+        def per_core(kn, dc, vc, sb, qb, gap):
+            keys, position_tiles, copies = keys_copies(gap, kn)
+            tiles, n, chunks, vchunks = per * position_tiles, min(kn, keys), dim // dc, dim // vc
             s = cube_tile_cycles(heads, n, dc, e, hw, cores, a_loads=heads // 16, b_loads=dc // 16)
             pv = cube_tile_cycles(heads, dc, n, e, hw, cores, a_loads=heads // 16, b_loads=-(-n // 16))
             gather = (1 + copies) * lat + heads * dim * e / hbm + keys * dim * e / l2   # q; the keys, L2 hits
             vec = issue * (22 + 4 * kn // 64) + mine * kn / 64 * 9 + vchunks * (issue * (1 + -(-vc // 64)) + mine * vc / 64 * 2)
             wait = 0 if sb == 2 else tiles * (lat + mine * kn * 4 / l2)   # one score tile: its copy in is not hidden
+            holes = gap > 0   # KeyMask: a position's slots in (one copy, a cast), each tile's mask made from them
             return {"HBM": per * (3 * heads * dim * e + heads * 4) / hbm,   # the block's share: q; y, y_lo, lse
                     "MTE2": per * gather + tiles * (lat + heads * kn * e / l2),
                     "MTE1": tiles * (chunks * (s.mte1_a + s.mte1_b + pv.mte1_b) + pv.mte1_a),
                     "Cube": tiles * chunks * (s.cube + pv.cube),
                     "FIX": tiles * (s.fix + chunks * pv.fix),
-                    "AIV MTE2": tiles * (lat + mine * kn * 4 / l2 + vchunks * (lat + mine * vc * 4 / l2)),
-                    "Vector": tiles * vec + wait,
+                    "AIV MTE2": tiles * (lat + mine * kn * 4 / l2 + vchunks * (lat + mine * vc * 4 / l2)) + holes * per * lat,
+                    "Vector": tiles * (vec + holes * HOLE_MASK_TILE * issue) + wait + holes * per * HOLE_MASK_POS * issue,
                     "AIV MTE3": tiles * (lat + mine * kn * e / l2) + per * 2 * vchunks * (lat + mine * vc * e / hbm),
                     "tile": tiles}
         cells = CubeCells(KNOBS, domains, per_core, hw)
         cap = cells.cap
         constraints = [
-            cap("L1 capacity", lambda kn, dc, vc, sb, qb: (qb * heads * dim + 2 * kn * dim + heads * kn) * e, p.l1_usable,
+            cap("L1 capacity", lambda kn, dc, vc, sb, qb, gap: (qb * heads * dim + 2 * kn * dim + heads * kn) * e, p.l1_usable,
                 "(q_buffers x H x D + 2 x kv_tile x D + H x kv_tile) x elem (q, two key tiles, P)"),
-            cap("L0A capacity", lambda kn, dc, vc, sb, qb: (2 * heads * dc + heads * kn) * e, p.l0a_bytes,
+            cap("L0A capacity", lambda kn, dc, vc, sb, qb, gap: (2 * heads * dc + heads * kn) * e, p.l0a_bytes,
                 "(2 x H x d_chunk + H x kv_tile) x elem (q's slices, P)"),
-            cap("L0B capacity", lambda kn, dc, vc, sb, qb: 2 * kn * dc * e, p.l0b_bytes, "2 x kv_tile x d_chunk x elem (K / V slices)"),
-            cap("L0C capacity", lambda kn, dc, vc, sb, qb: (heads * kn + 2 * heads * dc) * 4, p.l0c_bytes,
+            cap("L0B capacity", lambda kn, dc, vc, sb, qb, gap: 2 * kn * dc * e, p.l0b_bytes, "2 x kv_tile x d_chunk x elem (K / V slices)"),
+            cap("L0C capacity", lambda kn, dc, vc, sb, qb, gap: (heads * kn + 2 * heads * dc) * 4, p.l0c_bytes,
                 "(H x kv_tile + 2 x H x d_chunk) x fp32 (S, two P V slices)"),
-            cap("UB capacity", lambda kn, dc, vc, sb, qb: (sb * mine * kn * 4 + 2 * mine * kn * e + 2 * mine * vc * (4 + e)
-                                                       + mine * dim * 4 + TAIL_MASK + mine * kn // 8 + 9 * mine * 4 + 3 * mine * 32),
-                p.ub_usable, "per AIV (H/2 heads): s_buffers S tiles, P tiles, P V and y slices of o_chunk, O (fp32), the tail mask"),
+            cap("UB capacity", lambda kn, dc, vc, sb, qb, gap: (sb * mine * kn * 4 + 2 * mine * kn * e + 2 * mine * vc * (4 + e)
+                                                       + mine * dim * 4 + TAIL_MASK + hole_mask_ub(window, extra, gap, kn) + mine * kn // 8
+                                                       + 9 * mine * 4 + 3 * mine * 32),
+                p.ub_usable, "per AIV (H/2 heads): s_buffers S tiles, P tiles, P V and y slices of o_chunk, O (fp32), the key mask (with holes: a position's slots)"),
         ]
         # one q buffer: the next position's q is copied in only after this one's last L1 -> L0 load
-        exposed = cells.seconds(lambda kn, dc, vc, sb, qb: 0 if qb == 2 else per * (lat + heads * dim * e / hbm))
-        # a vector core's copies and steps follow one another (S in, softmax, P out, then O_t in and the
-        # update): with two tiles in flight the Cube waits on that sequence, not on one of its pipes
-        # (emulated csa / hca at 1024 tokens: within 3-10% of this sum at 64- and 128-key tiles)
-        aiv = cells.seconds(lambda *cell: sum(per_core(*cell)[pipe] for pipe in ("AIV MTE2", "Vector", "AIV MTE3")))
+        exposed = cells.seconds(lambda kn, dc, vc, sb, qb, gap: 0 if qb == 2 else per * (lat + heads * dim * e / hbm))
+        # a vector core's copies and steps wait on one another (S in, softmax, P out, then O_t in and the
+        # update), so its three pipes overlap only in part: emulated (csa at 1024 tokens, with random and
+        # with consecutive picks, merge_gap 0 to 4), a vector core's time is that of its busiest two
+        # pipes' sum, within 3% where the Cube does not wait on its gather; the Cube waits on that
+        aiv = cells.seconds(lambda *cell: sum(sorted(per_core(*cell)[pipe] for pipe in ("AIV MTE2", "Vector", "AIV MTE3"))[1:]))
         forward = Phase("forward", cells.pipes(("HBM", "MTE2", "MTE1", "Cube", "FIX", "AIV MTE2", "Vector", "AIV MTE3"))
                         | {"AIV sequence": [aiv]}, [cells.tile_fill(), cells.launch(), exposed])
         return self.cube_choice_model(problem, hw, domains, forward, constraints)
@@ -180,28 +251,29 @@ class SparseAttentionAscend(AscendKernel):
         AIVs' accumulators, dKV added into GM at its keys' rows (a Fixpipe per pick for csa)."""
         batch, heads, seq, dim, window, extra = problem.shape
         e = problem.dtype.itemsize
-        cores, p, hbm, per, keys, copies = self._figures(problem, hw)
+        cores, p, hbm, per, keys_copies = self._figures(problem, hw)
         lat, l2, issue = p.mte_latency, p.l2_bytes_per_cycle, p.vec_issue
         mine = heads // 2
         in_l2 = self.gradients_stay_in_l2(problem, hw)
         add_rate = p.fix_bytes_per_cycle if in_l2 else hbm   # the dKV slices' atomic adds: L2 or the HBM share
 
         @functools.cache
-        def per_core(kn, dc, vc, qb, gb):
-            tiles, n, chunks, vchunks = per * -(-keys // kn), min(kn, keys), dim // dc, dim // vc
+        def per_core(kn, dc, vc, qb, gb, gap):
+            keys, position_tiles, copies = keys_copies(gap, kn)
+            tiles, n, chunks, vchunks = per * position_tiles, min(kn, keys), dim // dc, dim // vc
             s = cube_tile_cycles(heads, n, dc, e, hw, cores, a_loads=heads // 16, b_loads=dc // 16)
             dq = cube_tile_cycles(heads, dc, n, e, hw, cores, a_loads=0, b_loads=-(-n // 16))
             dkv = cube_tile_cycles(n, dc, heads, e, hw, cores, a_loads=0, b_loads=heads // 16)
             scatter = copies * n / keys + 1   # Fixpipes per dKV slice: the window's run, the entries' runs or rows
             gather = (2 + copies) * lat + 2 * heads * dim * e / hbm + keys * dim * e / l2   # q, dy; the keys, L2 hits
-            vec = issue * (24 + 4 * kn // 64) + mine * kn / 64 * 10
+            vec = issue * (24 + 4 * kn // 64) + mine * kn / 64 * 10 + (gap > 0) * HOLE_MASK_TILE * issue   # holes: KeyMask
             wait = tiles * (lat + 2 * mine * kn * 4 / l2)   # one S and dP tile each (the queues' events run out at two)
             # the block's share of HBM: q, y, y_lo, dy, lse in; dq out, the keys' fp32 gradients added at
             # their rows; the accumulators zeroed, read back and converted (its share of them), or, where
             # they stay in L2, only the converted gradients written. The keys themselves are L2 hits (run
             # keeps kv and the compressed kv in L2, as the NPU would)
             rows = (batch * seq + batch * entries_of(problem)) * dim / cores
-            acc = rows * e + (0 if in_l2 else per * keys * dim * 4 + rows * 8)
+            acc = rows * e + (0 if in_l2 else per * keys * dim * 4 + rows * 8)   # holes add their zeros too
             hbm_bytes = per * (5 * heads * dim * e + heads * 4) + acc
             return {"HBM": hbm_bytes / hbm,
                     "MTE2": per * gather + tiles * (2 * lat + 2 * heads * kn * e / l2),
@@ -209,36 +281,43 @@ class SparseAttentionAscend(AscendKernel):
                     "Cube": tiles * chunks * (2 * s.cube + dq.cube + 2 * dkv.cube),
                     "FIX": tiles * (2 * s.fix + chunks * (dq.fix + dkv.fix + (scatter - 1) * issue)),
                     "AIV MTE2": tiles * (2 * lat + 2 * mine * kn * 4 / l2)
-                                + per * vchunks * (4 * lat + 3 * mine * vc * e / hbm + mine * vc * 4 / l2),
-                    "Vector": tiles * vec + wait + per * vchunks * (issue * 7 + mine * vc / 64 * 6),
+                                + per * vchunks * (4 * lat + 3 * mine * vc * e / hbm + mine * vc * 4 / l2) + (gap > 0) * per * lat,
+                    "Vector": tiles * vec + wait + per * vchunks * (issue * 7 + mine * vc / 64 * 6) + (gap > 0) * per * HOLE_MASK_POS * issue,
                     "AIV MTE3": tiles * 2 * (lat + mine * kn * e / l2) + per * vchunks * (2 * lat + mine * vc * (e / hbm + 4 / l2)),
                     "tile": tiles}
         cells = CubeCells(BWD_KNOBS, domains, per_core, hw)
         cap = cells.cap
         constraints = [
-            cap("backward L1 capacity", lambda kn, dc, vc, qb, gb: (2 * qb * heads * dim + 2 * kn * dim + 2 * heads * kn) * e,
+            cap("backward L1 capacity", lambda kn, dc, vc, qb, gb, gap: (2 * qb * heads * dim + 2 * kn * dim + 2 * heads * kn) * e,
                 p.l1_usable, "(2 x q_buffers x H x D + 2 x kv_tile x D + 2 x H x kv_tile) x elem (q, dy, two key tiles, P, dS)"),
-            cap("backward L0A capacity", lambda kn, dc, vc, qb, gb: (2 * heads * dc + 3 * heads * kn) * e, p.l0a_bytes,
+            cap("backward L0A capacity", lambda kn, dc, vc, qb, gb, gap: (2 * heads * dc + 3 * heads * kn) * e, p.l0a_bytes,
                 "(2 x H x d_chunk + 3 x H x kv_tile) x elem (q's / dy's slices, dS, dS^T, P^T)"),
-            cap("backward L0B capacity", lambda kn, dc, vc, qb, gb: 2 * max(heads, kn) * dc * e, p.l0b_bytes,
+            cap("backward L0B capacity", lambda kn, dc, vc, qb, gb, gap: 2 * max(heads, kn) * dc * e, p.l0b_bytes,
                 "2 x max(H, kv_tile) x d_chunk x elem (K, V, q^T, dy^T slices)"),
-            cap("backward L0C capacity", lambda kn, dc, vc, qb, gb: (2 * heads * kn + gb * max(heads, kn) * dc) * 4,
+            cap("backward L0C capacity", lambda kn, dc, vc, qb, gb, gap: (2 * heads * kn + gb * max(heads, kn) * dc) * 4,
                 p.l0c_bytes, "(2 x H x kv_tile + g_buffers x max(H, kv_tile) x d_chunk) x fp32 (S, dP, dQ / dKV slices)"),
-            cap("backward UB capacity", lambda kn, dc, vc, qb, gb: (2 * mine * kn * 4 + 2 * mine * kn * e + 2 * mine * vc * (4 + 2 * e)
-                                                                + 3 * mine * vc * 4 + CVT * (4 + e) + TAIL_MASK + mine * kn // 8
+            cap("backward UB capacity", lambda kn, dc, vc, qb, gb, gap: (2 * mine * kn * 4 + 2 * mine * kn * e + 2 * mine * vc * (4 + 2 * e)
+                                                                + 3 * mine * vc * 4 + CVT * (4 + e) + TAIL_MASK
+                                                                + hole_mask_ub(window, extra, gap, kn) + mine * kn // 8
                                                                 + 7 * mine * 4 + 2 * mine * 32),
-                p.ub_usable, "per AIV: S and dP tiles, P and dS out, dq / y slices of o_chunk, the conversion step, the tail mask"),
+                p.ub_usable, "per AIV: S and dP tiles, P and dS out, dq / y slices of o_chunk, the conversion step, the key mask (with holes: a position's slots)"),
         ]
         pipes = cells.pipes(("HBM", "MTE2", "MTE1", "Cube", "FIX", "AIV MTE2", "Vector", "AIV MTE3"))
+        # L1 holds two key tiles, and a tile's L0 loads (MTE1) span its S, dP, dQ and dKV: the gather of
+        # tile t + 2 (MTE2) waits for them, so the two pipes mostly take turns. Emulated at 1024 tokens
+        # (csa with random and consecutive picks, merge_gap 0 to 4; hca) the backward takes 0.85-0.93 of
+        # their sum: AIC_TURNS of it, within 5%
+        pipes["AIC sequence"] = [cells.seconds(lambda *cell: AIC_TURNS * (per_core(*cell)["MTE2"] + per_core(*cell)["MTE1"]))]
         # one q / dy buffer: the next position's copies exposed; two dQ / dKV slices in L0C: the Cube waits
-        # for each slice's Fixpipes before the one after next. The dKV slices' atomic adds into HBM run at
-        # the core's share of it (FIX above counts them at the Fixpipe's own rate): their excess over the
-        # Cube's slice time is exposed
-        def exposed_cycles(kn, dc, vc, qb, gb):
-            c = per_core(kn, dc, vc, qb, gb)
-            scatter = c["tile"] * (dim // dc) * min(kn, keys) * dc * 4 / add_rate
+        # for each slice's Fixpipes before the one after next (FIX_WAIT a slice, emulated), and the dKV
+        # slices' atomic adds into HBM run at the core's share of it (FIX above counts them at the
+        # Fixpipe's own rate): their excess over the Cube's slice time is exposed
+        def exposed_cycles(kn, dc, vc, qb, gb, gap):
+            c = per_core(kn, dc, vc, qb, gb, gap)
+            slices = c["tile"] * (dim // dc)
+            scatter = slices * min(kn, keys_copies(gap, kn)[0]) * dc * 4 / add_rate
             return ((0 if qb == 2 else per * (2 * lat + 2 * heads * dim * e / hbm))
-                    + (0 if gb == 3 else max(0.0, scatter - c["Cube"])))
+                    + (0 if gb == 3 else 2 * slices * FIX_WAIT + max(0.0, scatter - c["Cube"])))
         exposed = cells.seconds(exposed_cycles)
         return Phase("backward", pipes, [cells.tile_fill(), cells.launch(), exposed]), constraints
 
@@ -284,9 +363,13 @@ class SparseAttentionAscend(AscendKernel):
             raise PlanInfeasible("s_buffers", f"{s_buffers} score tiles: 1 or 2")
         if g_buffers not in (2, 3):
             raise PlanInfeasible("g_buffers", f"{g_buffers} dQ / dKV slices in L0C: 2 or 3")
+        merge_gap = int(knobs.get("merge_gap", 0))   # plans from before the knob gathered picks only
+        if merge_gap not in (GAPS if problem.variant == "csa" else (0,)):
+            raise PlanInfeasible("merge_gap", f"{merge_gap}: one of {GAPS} for csa (entries between picks gathered "
+                                              "as holes), 0 for hca and sliding")
         return {"dtype": problem.dtype, "csa": problem.variant == "csa", "hca": problem.variant == "hca", "heads": int(heads),
                 "dim": int(dim), "window": int(window), **tiles, "s_buffers": s_buffers, "g_buffers": g_buffers,
-                "cube_blocks": int(knobs["cube_blocks"])}
+                "cube_blocks": int(knobs["cube_blocks"]), "merge_gap": merge_gap}
 
     def verification_problems(self, problem: Problem, knobs: dict[str, int]) -> list[Problem]:
         """Short sequences at the plan's heads and width: one batch row of 40 positions at the problem's
@@ -309,8 +392,9 @@ class SparseAttentionAscend(AscendKernel):
         q = inputs["q"].transpose(1, 2).contiguous()                    # [B, S, H, D]: a position's heads together
         ckv = inputs["compressed_kv"].contiguous() if entries else torch.zeros(batch, 1, dim, dtype=q.dtype)
         if problem.variant == "csa":
-            idx, cnt = compact_picks(inputs["indices"], entries)
+            idx, cnt = compact_picks(inputs["indices"], entries, int(knobs.get("merge_gap", 0)))
             width = idx.shape[-1]
+            idx = torch.cat([torch.full((SLOT_PAD,), -1, dtype=torch.int32), idx.flatten()])
         else:
             idx, cnt, width = torch.zeros(8, dtype=torch.int32), torch.zeros(8, dtype=torch.int32), extra
         per, blocks = position_split(batch * seq, knobs["cube_blocks"])
