@@ -39,12 +39,14 @@ csa is 2.6x, hca 2.4x.
   like its key tiles). A hole costs a key's work (Cube, L0 loads, softmax, a zero gradient added),
   a run a copy's latency: at 1024 tokens, where half the ready entries are picked, merge_gap 2 took
   485k / 957k cycles (fwd+bwd 1553k -> 1442k); the planner prices both sides per gap (`position_keys`:
-  runs and holes of random picks) and merges where picks are dense. The model had priced the vector
+  runs and holes of random picks) and merges where picks are dense: merge_gap 2 with three dQ / dKV
+  slices, csa 863 -> 782 us fwd+bwd (2.62x -> 2.37x of the bound). The model had priced the vector
   cores' pipes as one serial sequence and a position's tiles as the mean keys over kv_tile; emulated
-  runs showed a vector core's busiest two pipes, the backward's gather and L0 loads mostly taking
-  turns (AIC_TURNS), and each position's own tile count: it now predicts csa within 5% of the
-  emulator at every gap (817 us at gap 0 against 863 emulated; it had been 876 by two errors that
-  cancelled) and hca within 12%.
+  runs showed each position's own tile count, a vector core's busiest two pipes, and the Cube core's
+  gather and L0 loads mostly taking turns in both kernels (AIC_TURNS: L1 holds two key tiles, and a
+  tile's is read until its last product; wider O slices, with fewer vector-core copies, left the
+  forward at 484k cycles), so it prices those: at the plans it predicts csa within 6% (826 against
+  782 us) and hca within 13% (592 against 522), both high.
 """
 
 from __future__ import annotations
@@ -242,8 +244,13 @@ class SparseAttentionAscend(AscendKernel):
         # with consecutive picks, merge_gap 0 to 4), a vector core's time is that of its busiest two
         # pipes' sum, within 3% where the Cube does not wait on its gather; the Cube waits on that
         aiv = cells.seconds(lambda *cell: sum(sorted(per_core(*cell)[pipe] for pipe in ("AIV MTE2", "Vector", "AIV MTE3"))[1:]))
+        # L1 holds two key tiles and tile t's is read (MTE1) until P_t V_t: the gather of tile t + 2
+        # (MTE2) follows it, so the two pipes mostly take turns, as in the backward (emulated at 1024
+        # tokens: 0.81-0.95 of their sum; with wider O slices and fewer vector copies the forward took
+        # the same time, 484k cycles)
+        cube = cells.seconds(lambda *cell: AIC_TURNS * (per_core(*cell)["MTE2"] + per_core(*cell)["MTE1"]))
         forward = Phase("forward", cells.pipes(("HBM", "MTE2", "MTE1", "Cube", "FIX", "AIV MTE2", "Vector", "AIV MTE3"))
-                        | {"AIV sequence": [aiv]}, [cells.tile_fill(), cells.launch(), exposed])
+                        | {"AIV sequence": [aiv], "AIC sequence": [cube]}, [cells.tile_fill(), cells.launch(), exposed])
         return self.cube_choice_model(problem, hw, domains, forward, constraints)
 
     def backward_model(self, problem: Problem, hw: HardwareProfile, domains: dict) -> tuple[Phase, list[Constraint]]:
