@@ -46,7 +46,9 @@ csa is 2.6x, hca 2.4x.
   gather and L0 loads mostly taking turns in both kernels (AIC_TURNS: L1 holds two key tiles, and a
   tile's is read until its last product; wider O slices, with fewer vector-core copies, left the
   forward at 484k cycles), so it prices those: at the plans it predicts csa within 6% (826 against
-  782 us) and hca within 13% (592 against 522), both high.
+  782 us) and hca within 13% (592 against 522), both high. A third key tile in L1 (the gather one
+  tile further ahead of P V) does not fit beside two q buffers at 128-key tiles (528 KB): with one q
+  buffer it took 536k cycles against 485k, and at 64-key tiles 664k against 690k, both behind.
 """
 
 from __future__ import annotations
