@@ -48,7 +48,10 @@ csa is 2.6x, hca 2.4x.
   forward at 484k cycles), so it prices those: at the plans it predicts csa within 6% (826 against
   782 us) and hca within 13% (592 against 522), both high. A third key tile in L1 (the gather one
   tile further ahead of P V) does not fit beside two q buffers at 128-key tiles (528 KB): with one q
-  buffer it took 536k cycles against 485k, and at 64-key tiles 664k against 690k, both behind.
+  buffer it took 536k cycles against 485k, and at 64-key tiles 664k against 690k, both behind. In
+  the backward (P and dS in one L1 buffer, to stay within the 8 MTE1 -> MTE2 event IDs) it took the
+  same 920k cycles: the turns there come from the Cube's MTE2 queue, in order, where each tile's P
+  and dS copies wait on the vector cores' flag before the gathers queued after them.
 """
 
 from __future__ import annotations
