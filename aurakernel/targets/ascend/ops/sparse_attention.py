@@ -40,7 +40,8 @@ csa is 2.6x, hca 2.4x.
   a run a copy's latency: at 1024 tokens, where half the ready entries are picked, merge_gap 2 took
   485k / 957k cycles (fwd+bwd 1553k -> 1442k); the planner prices both sides per gap (`position_keys`:
   runs and holes of random picks) and merges where picks are dense: merge_gap 2 with three dQ / dKV
-  slices, csa 863 -> 782 us fwd+bwd (2.62x -> 2.37x of the bound). The model had priced the vector
+  slices, csa 863 -> 782 us fwd+bwd (2.62x -> 2.37x of the bound); at 4096 tokens (top-512 of up to
+  1024 ready) 8.60 -> 7.09 ms (the model: 8.24 -> 6.87). The model had priced the vector
   cores' pipes as one serial sequence and a position's tiles as the mean keys over kv_tile; emulated
   runs showed each position's own tile count, a vector core's busiest two pipes, and the Cube core's
   gather and L0 loads mostly taking turns in both kernels (AIC_TURNS: L1 holds two key tiles, and a
