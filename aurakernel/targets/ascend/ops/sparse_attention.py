@@ -100,6 +100,19 @@ def hole_mask_ub(window: int, picks: int, gap: int, kn: int) -> int:
     return 0 if gap == 0 else 256 * 4 + 8 * -(-(window + picks + (picks - 1) * gap) // kn) * kn
 
 
+def key_mask_cycles(gap: int, tiles: float, positions: float, lat: float, issue: float) -> tuple[float, float]:
+    """A vector core's KeyMask work for csa's holes (none at gap 0): its copies (a position's slots, one
+    copy each) and its vector cycles (a cast per position, each tile's mask made from that row)."""
+    if gap == 0:
+        return 0.0, 0.0
+    return positions * lat, (tiles * HOLE_MASK_TILE + positions * HOLE_MASK_POS) * issue
+
+
+def aic_turns(pipes: dict[str, float]) -> float:
+    """The Cube core's gathers (MTE2) and L0 loads (MTE1) mostly taking turns: AIC_TURNS of their sum."""
+    return AIC_TURNS * (pipes["MTE2"] + pipes["MTE1"])
+
+
 def compact_picks(indices: torch.Tensor, entries: int, gap: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The indexer's picks [B, S, K] as the kernels read them: each row's slots, then -1s (int32), and
     their count per row [B, S] (int32). A slot is a distinct valid pick, in ascending order; with gap > 0
@@ -218,14 +231,14 @@ class SparseAttentionAscend(AscendKernel):
             gather = (1 + copies) * lat + heads * dim * e / hbm + keys * dim * e / l2   # q; the keys, L2 hits
             vec = issue * (22 + 4 * kn // 64) + mine * kn / 64 * 9 + vchunks * (issue * (1 + -(-vc // 64)) + mine * vc / 64 * 2)
             wait = 0 if sb == 2 else tiles * (lat + mine * kn * 4 / l2)   # one score tile: its copy in is not hidden
-            holes = gap > 0   # KeyMask: a position's slots in (one copy, a cast), each tile's mask made from them
+            mask_copies, mask_vec = key_mask_cycles(gap, tiles, per, lat, issue)
             return {"HBM": per * (3 * heads * dim * e + heads * 4) / hbm,   # the block's share: q; y, y_lo, lse
                     "MTE2": per * gather + tiles * (lat + heads * kn * e / l2),
                     "MTE1": tiles * (chunks * (s.mte1_a + s.mte1_b + pv.mte1_b) + pv.mte1_a),
                     "Cube": tiles * chunks * (s.cube + pv.cube),
                     "FIX": tiles * (s.fix + chunks * pv.fix),
-                    "AIV MTE2": tiles * (lat + mine * kn * 4 / l2 + vchunks * (lat + mine * vc * 4 / l2)) + holes * per * lat,
-                    "Vector": tiles * (vec + holes * HOLE_MASK_TILE * issue) + wait + holes * per * HOLE_MASK_POS * issue,
+                    "AIV MTE2": tiles * (lat + mine * kn * 4 / l2 + vchunks * (lat + mine * vc * 4 / l2)) + mask_copies,
+                    "Vector": tiles * vec + wait + mask_vec,
                     "AIV MTE3": tiles * (lat + mine * kn * e / l2) + per * 2 * vchunks * (lat + mine * vc * e / hbm),
                     "tile": tiles}
         cells = CubeCells(KNOBS, domains, per_core, hw)
@@ -254,7 +267,7 @@ class SparseAttentionAscend(AscendKernel):
         # (MTE2) follows it, so the two pipes mostly take turns, as in the backward (emulated at 1024
         # tokens: 0.81-0.95 of their sum; with wider O slices and fewer vector copies the forward took
         # the same time, 484k cycles)
-        cube = cells.seconds(lambda *cell: AIC_TURNS * (per_core(*cell)["MTE2"] + per_core(*cell)["MTE1"]))
+        cube = cells.seconds(lambda *cell: aic_turns(per_core(*cell)))
         forward = Phase("forward", cells.pipes(("HBM", "MTE2", "MTE1", "Cube", "FIX", "AIV MTE2", "Vector", "AIV MTE3"))
                         | {"AIV sequence": [aiv], "AIC sequence": [cube]}, [cells.tile_fill(), cells.launch(), exposed])
         return self.cube_choice_model(problem, hw, domains, forward, constraints)
@@ -279,7 +292,8 @@ class SparseAttentionAscend(AscendKernel):
             dkv = cube_tile_cycles(n, dc, heads, e, hw, cores, a_loads=0, b_loads=heads // 16)
             scatter = copies * n / keys + 1   # Fixpipes per dKV slice: the window's run, the entries' runs or rows
             gather = (2 + copies) * lat + 2 * heads * dim * e / hbm + keys * dim * e / l2   # q, dy; the keys, L2 hits
-            vec = issue * (24 + 4 * kn // 64) + mine * kn / 64 * 10 + (gap > 0) * HOLE_MASK_TILE * issue   # holes: KeyMask
+            vec = issue * (24 + 4 * kn // 64) + mine * kn / 64 * 10
+            mask_copies, mask_vec = key_mask_cycles(gap, tiles, per, lat, issue)
             wait = tiles * (lat + 2 * mine * kn * 4 / l2)   # one S and dP tile each (the queues' events run out at two)
             # the block's share of HBM: q, y, y_lo, dy, lse in; dq out, the keys' fp32 gradients added at
             # their rows; the accumulators zeroed, read back and converted (its share of them), or, where
@@ -294,8 +308,8 @@ class SparseAttentionAscend(AscendKernel):
                     "Cube": tiles * chunks * (2 * s.cube + dq.cube + 2 * dkv.cube),
                     "FIX": tiles * (2 * s.fix + chunks * (dq.fix + dkv.fix + (scatter - 1) * issue)),
                     "AIV MTE2": tiles * (2 * lat + 2 * mine * kn * 4 / l2)
-                                + per * vchunks * (4 * lat + 3 * mine * vc * e / hbm + mine * vc * 4 / l2) + (gap > 0) * per * lat,
-                    "Vector": tiles * vec + wait + per * vchunks * (issue * 7 + mine * vc / 64 * 6) + (gap > 0) * per * HOLE_MASK_POS * issue,
+                                + per * vchunks * (4 * lat + 3 * mine * vc * e / hbm + mine * vc * 4 / l2) + mask_copies,
+                    "Vector": tiles * vec + wait + per * vchunks * (issue * 7 + mine * vc / 64 * 6) + mask_vec,
                     "AIV MTE3": tiles * 2 * (lat + mine * kn * e / l2) + per * vchunks * (2 * lat + mine * vc * (e / hbm + 4 / l2)),
                     "tile": tiles}
         cells = CubeCells(BWD_KNOBS, domains, per_core, hw)
@@ -320,7 +334,7 @@ class SparseAttentionAscend(AscendKernel):
         # tile t + 2 (MTE2) waits for them, so the two pipes mostly take turns. Emulated at 1024 tokens
         # (csa with random and consecutive picks, merge_gap 0 to 4; hca) the backward takes 0.85-0.93 of
         # their sum: AIC_TURNS of it, within 5%
-        pipes["AIC sequence"] = [cells.seconds(lambda *cell: AIC_TURNS * (per_core(*cell)["MTE2"] + per_core(*cell)["MTE1"]))]
+        pipes["AIC sequence"] = [cells.seconds(lambda *cell: aic_turns(per_core(*cell)))]
         # one q / dy buffer: the next position's copies exposed; two dQ / dKV slices in L0C: the Cube waits
         # for each slice's Fixpipes before the one after next (FIX_WAIT a slice, emulated), and the dKV
         # slices' atomic adds into HBM run at the core's share of it (FIX above counts them at the
