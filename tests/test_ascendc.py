@@ -1181,3 +1181,28 @@ def test_indexer_backward_streams_keys_that_do_not_fit_l1():
         result = ascend.verify(spec, [problem], knobs, emu, seeds=(0,))
     assert result.passed, result.summary
     assert {c.tensor for c in result.checks} >= {"y", "grad_q", "grad_k", "grad_hidden", "grad_proj"}
+
+
+def test_indexer_cube_starts_on_the_first_keys_while_the_rest_arrive(monkeypatch):
+    """The keys resident in L1 come in two parts, each with its own event: the Cube starts on the first
+    part's tiles while the rest is copied. Verified with a split that leaves the rest a short last tile,
+    and both kernels then run in fewer emulated cycles than with every key in one part (the first tile
+    waiting for the last key). The head the planner sizes is a proper part of the keys."""
+    import tempfile
+    spec = OPS["indexer_score"]
+    kernel = ascend.kernel_of(spec)
+    problem = spec.problem("1x8x64x128x517", "bf16")
+    knobs = ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs").knobs
+    planned = kernel.profile_params(problem, knobs, HW)
+    assert 0 < planned["fwd_key_head"] < min(knobs["key_chunk"], 517) and 0 < planned["bwd_key_head"] < 517
+
+    def cycles(heads):
+        monkeypatch.setattr(type(kernel), "profile_params", lambda self, p, k, hw: heads)
+        with tempfile.TemporaryDirectory() as tmp:
+            emu = ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, Path(tmp), HW), HW)
+            result = ascend.verify(spec, [problem], knobs, emu, seeds=(0,))
+            assert result.passed, result.summary
+            return {phase: r.cycles for phase, r in ascend.emulate(spec, problem, knobs, emu).items()}
+    split = cycles(planned)
+    whole = cycles({"fwd_key_head": knobs["key_chunk"], "bwd_key_head": 528})
+    assert split["forward"] < whole["forward"] and split["backward"] < whole["backward"], (split, whole)

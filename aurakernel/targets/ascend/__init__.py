@@ -141,7 +141,7 @@ def render_project(spec: OpSpec, problem: Problem, knobs: dict[str, int], out_di
     (vec_issue_cycles, vec_slow_factor: the planner's and the emulator's figures)."""
     kernel = kernel_of(spec)
     figures = hw.ascend_pipes(hw.cores)
-    params = {**kernel.params(problem, knobs), "batch_mode": kernel.syncs_cores,
+    params = {**kernel.params(problem, knobs), **kernel.profile_params(problem, knobs, hw), "batch_mode": kernel.syncs_cores,
               "vec_issue_cycles": max(1, round(figures.vec_issue)), "vec_slow_factor": max(1, round(figures.vec_slow_factor))}
     out_dir.mkdir(parents=True, exist_ok=True)
     written = {}

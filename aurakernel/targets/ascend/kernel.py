@@ -51,6 +51,10 @@ class AscendKernel(Part, ABC):
     def params(self, problem: Problem, knobs: dict[str, int]) -> dict:
         """Typed values (int, float, bool, DType) handed to the templates."""
 
+    def profile_params(self, problem: Problem, knobs: dict[str, int], hw) -> dict:
+        """Template values that also depend on the profile's pipe figures (beside `params`); none by default."""
+        return {}
+
     @abstractmethod
     def run(self, problem: Problem, knobs: dict[str, int], inputs: Tensors, grad_out: Tensors, emu):
         """Forward and backward kernels in the emulator: (outputs, grads, {phase: RunReport})."""

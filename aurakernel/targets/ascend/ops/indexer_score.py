@@ -6,6 +6,19 @@ and coef_j back. With two slots (P one tile ahead) the AI core idled on it: ~64.
 busiest pipe's ~27k (the AIC's MTE2; the Cube ~26k). With BWD_SLOTS = 4 (P three tiles ahead) it is
 ~46k (3 slots: ~51k). The rest is the AIC's own chain per tile: single-buffered L0 operands (L0A is
 full at two rows: q, coef and coef^T) serialise MTE1 -> Cube -> FIX.
+
+The keys' first pass (both kernels; the benchmark's 2 query tiles per AI core make it half the work):
+each key tile was copied into the one L1 buffer of resident keys between the previous tile's LoadData
+and its own (a buffer's copy and its reads need events between them), at the AI core's HBM share, so
+the first query tile ran at the copies' pace: backward ~1450 cycles a key tile against ~884 on the
+second, forward ~1309 against the AIVs' 712. k, read by every AI core, is now found in L2 (as mhc's fn
+and sparse attention's kv: forward 20.4k -> 17.4k, backward 46.2k -> 43.6k cycles), and the resident
+keys come in two parts with an event each (ResidentKeys, the first part sized to cover the rest's
+copy: `key_head`), so the Cube starts on the first part while the rest arrives: forward 16.8k,
+backward 40.4k (11.3 + 25.6 -> 9.3 + 22.4 us, 2.03x -> 1.74x of the bound). What is left there: the
+forward's start (q and the first part, ~4.6k cycles before the AIVs' first read, then their 712 a
+tile), and in the backward the coef copies queued behind the rest's copy in the AIC's in-order MTE2
+(~2k cycles at the start).
 """
 
 from __future__ import annotations
@@ -32,6 +45,15 @@ def _cube_figures(problem: Problem, hw: HardwareProfile):
     key count rounded up to the 64-key granule of the tiles."""
     cores = cube_cores(hw)
     return problem.dtype.itemsize, cores, hw.ascend_pipes(cores), -(-problem.shape[4] // 64) * 64
+
+
+def key_head(keys: int, tile_keys: int, dim: int, elem: int, tile_cycles: float, p) -> int:
+    """Keys of the resident keys' first part (the kernel's ResidentKeys): the fewest whole tiles whose
+    work (`tile_cycles` each, the slowest pipe's) covers the copy of the rest from L2, so the first pass
+    over the keys waits only for that first part."""
+    tiles = -(-keys // tile_keys)
+    copy = tile_keys * dim * elem / p.l2_bytes_per_cycle
+    return min(tiles, max(1, math.ceil((tiles * copy + p.mte_latency) / (tile_cycles + copy)))) * tile_keys
 
 
 def cube_split(tiles: int, cores: int) -> tuple[int, int]:
@@ -111,7 +133,8 @@ class IndexerScoreAscend(AscendKernel):
             t = cube_tile_cycles(m, kn, dim, e, hw, cores, a_loads=-(-m // 16), b_loads=dim * e // 32)
             batches = min(batch, 1 + math.ceil((tc * rows - 1) / seq))    # batch rows one core's tiles touch
             vec = (heads * kn / 64 * 2 + heads / 64 + 2 * kn / 64 + heads / 8) + issue * (kn / 64 + math.log2(heads) + 5)
-            return {"MTE2": len(chunks) * tc * (lat + m * dim * e / rate) + batches * sum(lat + nk * dim * e / rate for nk in chunks),
+            keys_in = batches * sum(2 * lat + nk * dim * e / l2 for nk in chunks)   # k from L2, in two parts a chunk
+            return {"MTE2": len(chunks) * tc * (lat + m * dim * e / rate) + keys_in,
                     "MTE1": tc * (len(chunks) * t.mte1_a + key_tiles * t.mte1_b),
                     "Cube": tc * key_tiles * t.cube, "FIX": tc * key_tiles * t.fix,
                     "AIV MTE2": tc * key_tiles * (lat + mine * heads * kn * 4 / l2) + tc * len(chunks) * (lat + mine * heads * 4 / rate),
@@ -165,7 +188,7 @@ class IndexerScoreAscend(AscendKernel):
             batches = min(batch, 1 + math.ceil((tc * rows - 1) / seq))
             vec = 9 * heads * kn / 64 + issue * (3 * kn / 64 + 12)
             n = tc * kt
-            key_loads = n * (lat + kn * dim * e / rate) if stream else batches * (lat * kt + keys * dim * e / rate)
+            key_loads = n * (lat + kn * dim * e / l2) if stream else batches * (2 * lat + keys * dim * e / l2)   # from L2
             return {"MTE2": tc * (lat + m * dim * e / rate) + key_loads + n * (lat + m * kn * e / l2),
                     "MTE1": tc * (pt.mte1_a + dk.mte1_b) + n * (pt.mte1_b + dq.mte1_a + dk.mte1_a + dq.mte1_b),
                     "Cube": n * (pt.cube + dq.cube + dk.cube),
@@ -226,6 +249,20 @@ class IndexerScoreAscend(AscendKernel):
                 "bwd_rows": int(knobs.get("bwd_rows", 1)), "bwd_keys": int(knobs.get("bwd_keys", 64)),
                 "bwd_stream": int(knobs.get("bwd_stream", 0)), "bwd_slots": self.BWD_SLOTS}
 
+    def profile_params(self, problem: Problem, knobs: dict[str, int], hw: HardwareProfile) -> dict:
+        """The resident keys' first part, forward (per chunk) and backward: its tiles' work (forward: the
+        AIVs' read of a product slot, or the Cube's Mmad and Fixpipe; backward: the Cube's three Mmads)
+        hides the copy of the rest."""
+        _, _, heads, dim, keys = problem.shape
+        e, cores, p, _ = _cube_figures(problem, hw)
+        rows, kn = int(knobs["cube_rows"]), int(knobs["cube_keys"])
+        fwd = cube_tile_cycles(rows * heads, kn, dim, e, hw, cores)
+        fwd_tile = max(p.mte_latency + -(-rows // 2) * heads * kn * 4 / p.l2_bytes_per_cycle, fwd.cube, fwd.fix)
+        m, bkn = int(knobs.get("bwd_rows", 1)) * heads, int(knobs.get("bwd_keys", 64))
+        bwd_tile = sum(cube_tile_cycles(*mnk, e, hw, cores).cube for mnk in ((m, bkn, dim), (m, dim, bkn), (bkn, dim, m)))
+        return {"fwd_key_head": key_head(min(int(knobs["key_chunk"]), keys), kn, dim, e, fwd_tile, p),
+                "bwd_key_head": key_head(keys, bkn, dim, e, bwd_tile, p)}
+
     def verification_problems(self, problem: Problem, knobs: dict[str, int]) -> list[Problem]:
         """One batch row of (at most 64) queries over the cores, leaving a tail core; and two batch rows
         whose query rows straddle cores (dk partials from several cores per batch row) with a key
@@ -259,16 +296,17 @@ class IndexerScoreAscend(AscendKernel):
                                        knobs.get("bwd_stream", 0)))
         w = self.spec.weights(hidden, proj, heads).contiguous()
         score = torch.full((batch, seq, entries), float("nan"))
-        # the forward's workspace: two fp32 product slots per AI core, kept in L2
+        # k, read by every AI core, is found in L2 (as mhc's fn and sparse attention's kv); the forward's
+        # workspace: two fp32 product slots per AI core, kept in L2
         workspace = bytearray(cube_blocks * 2 * knobs["cube_rows"] * heads * knobs["cube_keys"] * 4)
         fwd_bufs = [to_bytes(q), to_bytes(k), to_bytes(w), to_bytes(score), workspace, tiling]
-        fwd = emulator.run(emu.exe("ak_indexer_score_fwd", 6, cores="mix_1_2", l2_args=(4,)),
+        fwd = emulator.run(emu.exe("ak_indexer_score_fwd", 6, cores="mix_1_2", l2_args=(1, 4)),
                            cube_blocks, fwd_bufs)
         dq, dk, dw = (torch.full_like(t, float("nan")) for t in (q, k, w))
         g = grad_out["y"].float().contiguous()
         if self.cube_backward(problem):   # per AI core BWD_SLOTS P slots (fp32) and coef slots, then the fp32 dk (in L2)
             ws = bytearray(bwd_blocks * self.BWD_SLOTS * bwd_rows * heads * bwd_keys * (4 + q.element_size()) + batch * entries * dim * 4)
-            exe, blocks = emu.exe("ak_indexer_score_bwd", 9, cores="mix_1_2", l2_args=(7,)), bwd_blocks
+            exe, blocks = emu.exe("ak_indexer_score_bwd", 9, cores="mix_1_2", l2_args=(1, 7)), bwd_blocks
         else:
             ws, exe, blocks = bytearray(block_dim * batch * entries * dim * 4), emu.exe("ak_indexer_score_bwd", 9), block_dim
         bwd_bufs = [to_bytes(q), to_bytes(k), to_bytes(w), to_bytes(g), to_bytes(dq), to_bytes(dk), to_bytes(dw), ws,
