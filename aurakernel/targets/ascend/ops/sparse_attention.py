@@ -53,6 +53,17 @@ csa is 2.6x, hca 2.4x.
   the backward (P and dS in one L1 buffer, to stay within the 8 MTE1 -> MTE2 event IDs) it took the
   same 920k cycles: the turns there come from the Cube's MTE2 queue, in order, where each tile's P
   and dS copies wait on the vector cores' flag before the gathers queued after them.
+- the backward's turns, taken apart: the gather of tile t + 1 waited for tile t - 1's gradients (its
+  L1 buffer), tile t's P and dS copies queued behind that gather in the in-order MTE2, and tile t's L0
+  loads behind tile t + 1's S (which waits for the gather) in the in-order MTE1, so per tile the
+  gather and the L0 loads ran one after the other. Now L1 holds three key tiles (P and dS share one
+  buffer, for the 8 MTE2 -> MTE1 event IDs), a tile's gather goes one tile before its S (a queue
+  entry taken at its S, not at the copy), the next tile's P and dS copies go ahead of the gather, and
+  a position's q and dy follow the gather as soon as their buffer is free (ahead of it they held it
+  back at every position start: 846k -> 862k): csa's backward 921k -> 815k cycles (512 -> 453 us;
+  fwd+bwd 782 -> 723 us, 2.37x -> 2.19x of the bound), hca's 597k -> 516k (522 -> 477 us, 2.06x ->
+  1.88x). The model's backward share of MTE2 + MTE1 that does not overlap is now 0.77 (BWD_AIC_TURNS;
+  emulated 0.80 csa, 0.73 hca).
 """
 
 from __future__ import annotations
@@ -81,7 +92,8 @@ KNOBS = ("kv_tile", "d_chunk", "o_chunk", "s_buffers", "q_buffers", "merge_gap")
 # dQ / dKV slices in L0C (three: the Cube's next slices do not wait for the Fixpipes scattering one)
 BWD_KNOBS = ("bwd_kv_tile", "bwd_d_chunk", "bwd_o_chunk", "bwd_q_buffers", "g_buffers", "merge_gap")
 TAIL_MASK = 256 * 4 + 32   # UB of a tile's key mask: 256 column numbers, and at least a block of bits
-AIC_TURNS = 0.9            # the backward's share of its Cube core's gathers and L0 loads that do not overlap
+AIC_TURNS = 0.9            # the forward's share of its Cube core's gathers and L0 loads that do not overlap
+BWD_AIC_TURNS = 0.77       # the backward's, gathering two tiles ahead of its gradients (emulated: csa 0.80, hca 0.73)
 FIX_WAIT = 20              # cycles the backward's Cube waits a dQ / dKV slice with two slices in L0C (emulated at
                            # 1024 tokens, three against two: csa 921k / 957k, hca 597k / 616k cycles)
 HOLE_MASK_TILE, HOLE_MASK_POS = 4, 2   # with holes, vector instructions of KeyMask per tile and per position
@@ -108,9 +120,9 @@ def key_mask_cycles(gap: int, tiles: float, positions: float, lat: float, issue:
     return positions * lat, (tiles * HOLE_MASK_TILE + positions * HOLE_MASK_POS) * issue
 
 
-def aic_turns(pipes: dict[str, float]) -> float:
-    """The Cube core's gathers (MTE2) and L0 loads (MTE1) mostly taking turns: AIC_TURNS of their sum."""
-    return AIC_TURNS * (pipes["MTE2"] + pipes["MTE1"])
+def aic_turns(pipes: dict[str, float], share: float = AIC_TURNS) -> float:
+    """The Cube core's gathers (MTE2) and L0 loads (MTE1) taking turns in part: `share` of their sum."""
+    return share * (pipes["MTE2"] + pipes["MTE1"])
 
 
 def compact_picks(indices: torch.Tensor, entries: int, gap: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -315,8 +327,8 @@ class SparseAttentionAscend(AscendKernel):
         cells = CubeCells(BWD_KNOBS, domains, per_core, hw)
         cap = cells.cap
         constraints = [
-            cap("backward L1 capacity", lambda kn, dc, vc, qb, gb, gap: (2 * qb * heads * dim + 2 * kn * dim + 2 * heads * kn) * e,
-                p.l1_usable, "(2 x q_buffers x H x D + 2 x kv_tile x D + 2 x H x kv_tile) x elem (q, dy, two key tiles, P, dS)"),
+            cap("backward L1 capacity", lambda kn, dc, vc, qb, gb, gap: (2 * qb * heads * dim + 3 * kn * dim + 2 * heads * kn) * e,
+                p.l1_usable, "(2 x q_buffers x H x D + 3 x kv_tile x D + 2 x H x kv_tile) x elem (q, dy, three key tiles, P, dS)"),
             cap("backward L0A capacity", lambda kn, dc, vc, qb, gb, gap: (2 * heads * dc + 3 * heads * kn) * e, p.l0a_bytes,
                 "(2 x H x d_chunk + 3 x H x kv_tile) x elem (q's / dy's slices, dS, dS^T, P^T)"),
             cap("backward L0B capacity", lambda kn, dc, vc, qb, gb, gap: 2 * max(heads, kn) * dc * e, p.l0b_bytes,
@@ -330,11 +342,11 @@ class SparseAttentionAscend(AscendKernel):
                 p.ub_usable, "per AIV: S and dP tiles, P and dS out, dq / y slices of o_chunk, the conversion step, the key mask (with holes: a position's slots)"),
         ]
         pipes = cells.pipes(("HBM", "MTE2", "MTE1", "Cube", "FIX", "AIV MTE2", "Vector", "AIV MTE3"))
-        # L1 holds two key tiles, and a tile's L0 loads (MTE1) span its S, dP, dQ and dKV: the gather of
-        # tile t + 2 (MTE2) waits for them, so the two pipes mostly take turns. Emulated at 1024 tokens
-        # (csa with random and consecutive picks, merge_gap 0 to 4; hca) the backward takes 0.85-0.93 of
-        # their sum: AIC_TURNS of it, within 5%
-        pipes["AIC sequence"] = [cells.seconds(lambda *cell: aic_turns(per_core(*cell)))]
+        # L1 holds three key tiles: the gather of tile t + 3 (MTE2) runs under tile t + 2's S and dP and
+        # tile t + 1's gradients (MTE1), behind tile t + 1's P and dS copies. With two, it waited for tile
+        # t's gradients and the L0 loads queued behind it waited for the gather: 0.85-0.93 of the two
+        # pipes' sum (emulated at 1024 tokens, csa and hca), now 0.80 (csa) and 0.73 (hca): BWD_AIC_TURNS
+        pipes["AIC sequence"] = [cells.seconds(lambda *cell: aic_turns(per_core(*cell), BWD_AIC_TURNS))]
         # one q / dy buffer: the next position's copies exposed; two dQ / dKV slices in L0C: the Cube waits
         # for each slice's Fixpipes before the one after next (FIX_WAIT a slice, emulated), and the dKV
         # slices' atomic adds into HBM run at the core's share of it (FIX above counts them at the
