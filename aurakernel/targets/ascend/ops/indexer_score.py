@@ -56,6 +56,11 @@ def key_head(keys: int, tile_keys: int, dim: int, elem: int, tile_cycles: float,
     return min(tiles, max(1, math.ceil((tiles * copy + p.mte_latency) / (tile_cycles + copy)))) * tile_keys
 
 
+def slot_read_cycles(rows: int, heads: int, keys: int, p) -> float:
+    """A vector core's copy of its rows (half a tile's) of a forward product slot, fp32 from L2."""
+    return p.mte_latency + -(-rows // 2) * heads * keys * 4 / p.l2_bytes_per_cycle
+
+
 def cube_split(tiles: int, cores: int) -> tuple[int, int]:
     """Query tiles per AI core and the AI cores used (as the tiling's AkIndexerScoreMakeTiling)."""
     block_tiles = -(-tiles // max(1, min(tiles, cores)))
@@ -137,7 +142,7 @@ class IndexerScoreAscend(AscendKernel):
             return {"MTE2": len(chunks) * tc * (lat + m * dim * e / rate) + keys_in,
                     "MTE1": tc * (len(chunks) * t.mte1_a + key_tiles * t.mte1_b),
                     "Cube": tc * key_tiles * t.cube, "FIX": tc * key_tiles * t.fix,
-                    "AIV MTE2": tc * key_tiles * (lat + mine * heads * kn * 4 / l2) + tc * len(chunks) * (lat + mine * heads * 4 / rate),
+                    "AIV MTE2": tc * key_tiles * slot_read_cycles(rows, heads, kn, p) + tc * len(chunks) * (lat + mine * heads * 4 / rate),
                     "Vector": tc * key_tiles * mine * vec,
                     "AIV MTE3": tc * key_tiles * (lat + mine * kn * 4 / rate),
                     "tile": key_tiles * tc}
@@ -257,7 +262,7 @@ class IndexerScoreAscend(AscendKernel):
         e, cores, p, _ = _cube_figures(problem, hw)
         rows, kn = int(knobs["cube_rows"]), int(knobs["cube_keys"])
         fwd = cube_tile_cycles(rows * heads, kn, dim, e, hw, cores)
-        fwd_tile = max(p.mte_latency + -(-rows // 2) * heads * kn * 4 / p.l2_bytes_per_cycle, fwd.cube, fwd.fix)
+        fwd_tile = max(slot_read_cycles(rows, heads, kn, p), fwd.cube, fwd.fix)
         m, bkn = int(knobs.get("bwd_rows", 1)) * heads, int(knobs.get("bwd_keys", 64))
         bwd_tile = sum(cube_tile_cycles(*mnk, e, hw, cores).cube for mnk in ((m, bkn, dim), (m, dim, bkn), (bkn, dim, m)))
         return {"fwd_key_head": key_head(min(int(knobs["key_chunk"]), keys), kn, dim, e, fwd_tile, p),

@@ -102,7 +102,8 @@ HOLE_MASK_TILE, HOLE_MASK_POS = 4, 2   # with holes, vector instructions of KeyM
 # V4-Flash widths, 1024 tokens (picks 128 of up to 256 ready: half of them), 0 / 1 / 2 / 3 / 4 took
 # 1553k / 1490k / 1442k / 1445k / ~1449k cycles fwd+bwd; each value more costs the MILP ~1.5 s
 GAPS = (0, 2)
-SLOT_PAD = 8               # -1s before the first position's slots (the kernels' SLOT_PAD)
+SLOT_PAD = 8               # -1s before the first position's slots (rendered into the kernels and the binding)
+BWD_KEY_TILES = 3          # key tiles in the backward's L1: a tile's gather one tile before its S, two before its gradients
 CVT = 2048                 # floats per step of the backward's key-gradient conversion
 
 
@@ -226,7 +227,7 @@ class SparseAttentionAscend(AscendKernel):
         cores, p, hbm, per, keys_copies = self._figures(problem, hw)
         lat, l2, issue = p.mte_latency, p.l2_bytes_per_cycle, p.vec_issue
         mine = heads // 2
-        domains = {"merge_gap": list(GAPS) if problem.variant == "csa" else [0],"kv_tile": [64, 128, 256],
+        domains = {"merge_gap": list(GAPS) if problem.variant == "csa" else [0], "kv_tile": [64, 128, 256],
                    "d_chunk": [c for c in (32, 64, 128, 256, 512) if c <= dim and dim % c == 0] or [dim],
                    "o_chunk": [c for c in (16, 32, 64, 128) if dim % c == 0],
                    "s_buffers": [1, 2],
@@ -327,8 +328,9 @@ class SparseAttentionAscend(AscendKernel):
         cells = CubeCells(BWD_KNOBS, domains, per_core, hw)
         cap = cells.cap
         constraints = [
-            cap("backward L1 capacity", lambda kn, dc, vc, qb, gb, gap: (2 * qb * heads * dim + 3 * kn * dim + 2 * heads * kn) * e,
-                p.l1_usable, "(2 x q_buffers x H x D + 3 x kv_tile x D + 2 x H x kv_tile) x elem (q, dy, three key tiles, P, dS)"),
+            cap("backward L1 capacity", lambda kn, dc, vc, qb, gb, gap: (2 * qb * heads * dim + BWD_KEY_TILES * kn * dim
+                                                                         + 2 * heads * kn) * e,
+                p.l1_usable, f"(2 x q_buffers x H x D + {BWD_KEY_TILES} x kv_tile x D + 2 x H x kv_tile) x elem (q, dy, key tiles, P, dS)"),
             cap("backward L0A capacity", lambda kn, dc, vc, qb, gb, gap: (2 * heads * dc + 3 * heads * kn) * e, p.l0a_bytes,
                 "(2 x H x d_chunk + 3 x H x kv_tile) x elem (q's / dy's slices, dS, dS^T, P^T)"),
             cap("backward L0B capacity", lambda kn, dc, vc, qb, gb, gap: 2 * max(heads, kn) * dc * e, p.l0b_bytes,
@@ -408,7 +410,8 @@ class SparseAttentionAscend(AscendKernel):
                                               "as holes), 0 for hca and sliding")
         return {"dtype": problem.dtype, "csa": problem.variant == "csa", "hca": problem.variant == "hca", "heads": int(heads),
                 "dim": int(dim), "window": int(window), **tiles, "s_buffers": s_buffers, "g_buffers": g_buffers,
-                "cube_blocks": int(knobs["cube_blocks"]), "merge_gap": merge_gap}
+                "cube_blocks": int(knobs["cube_blocks"]), "merge_gap": merge_gap, "slot_pad": SLOT_PAD,
+                "bwd_key_tiles": BWD_KEY_TILES}
 
     def verification_problems(self, problem: Problem, knobs: dict[str, int]) -> list[Problem]:
         """Short sequences at the plan's heads and width: one batch row of 40 positions at the problem's
