@@ -43,7 +43,7 @@ def test_summary_cli_prints_the_tables_and_rejects_bad_input_in_one_line(tmp_pat
     cli = [sys.executable, "-m", "aurakernel.emulator.timeline"]
     out = subprocess.run([*cli, str(path), "--pipe", "AIC.MTE2", "--gap", "40"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    assert "block 1, 500 cycles" in out.stdout and "2 stretches, 350 cycles" in out.stdout
+    assert "ak_demo_fwd-0123: block 1, 500 cycles" in out.stdout and "2 stretches, 350 cycles" in out.stdout
     for args, why in (([str(path), "--pipe", "AIC.FIX"], "ran nothing in block 1"),
                       ([str(path), "--block", "7"], "block 7 is not in the launch"),
                       ([str(path), "--launch", "bwd"], "no launch"),

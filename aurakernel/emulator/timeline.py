@@ -59,6 +59,11 @@ class Summary:
     gaps: list[Gap]            # its idle stretches of at least the minimum, longest first
     idle_in_gaps: float        # their total
 
+    @property
+    def kernel(self) -> str:
+        """The launch's kernel: its entry and build hash (the header's file name)."""
+        return self.launch.split(",")[0].rsplit("/", 1)[-1]
+
     def share(self, key: str) -> float:
         return self.busy[key] / self.makespan if self.makespan else 0.0
 
@@ -132,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     except (UserError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)   # one line, as the aurakernel CLI's
         return 2
-    t = Table(title=f"{s.launch}: block {s.block}, {s.makespan:,.0f} cycles")
+    t = Table(title=f"{s.kernel}: block {s.block}, {s.makespan:,.0f} cycles")
     for col in ("core.pipe", "busy cycles", "share"):
         t.add_column(col, justify="left" if col == "core.pipe" else "right")
     for k, v in s.busy.items():

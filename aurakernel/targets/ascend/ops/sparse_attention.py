@@ -182,6 +182,25 @@ def position_keys(variant: str, seq: int, window: int, extra: int, gap: int = 0)
     return tuple(keys), runs / seq
 
 
+def window_rows(keys: tuple[float, ...], window: int, kn: int, cores: int) -> float:
+    """The window's kv rows the forward copies over a batch row's positions, `keys` each (position_keys).
+    Where the window is a key tile of its own (kn == window, full from position window - 1 on) that tile
+    stays in L1 in ring order and copies only the rows its buffer's earlier window lacks. Its buffer (of
+    two, in turn) last held the tile two before it: the window of the core's previous position
+    (positions are dealt `cores` apart) where that one had two tiles, of the one before where both had
+    one (windows alone: sliding); else compressed entries, and the whole window is copied."""
+    def tiles(s: int) -> int:
+        return -(-int(keys[s]) // kn) if s >= window - 1 else 0   # 0: a partial window, never held in ring order
+
+    rows = 0.0
+    for s in range(len(keys)):
+        p1, p2 = s - cores, s - 2 * cores
+        back = 0 if kn != window or s < window - 1 or p1 < 0 else \
+            1 if tiles(p1) == 2 else 2 if tiles(p1) == 1 and p2 >= 0 and tiles(p2) == 1 else 0
+        rows += min(window, back * cores) if back else min(s + 1, window)
+    return rows
+
+
 def position_split(positions: int, cores: int) -> tuple[int, int]:
     """Positions per AI core and the AI cores used (as AkSparseAttentionMakeTiling)."""
     per = -(-positions // max(1, min(positions, cores)))
@@ -211,12 +230,16 @@ class SparseAttentionAscend(AscendKernel):
         p = hw.ascend_pipes(cores)
         hbm = p.mte_bytes_per_cycle   # its own limit or its share of HBM
 
+        per, blocks = position_split(batch * seq, cores)   # a core's positions come `blocks` apart
+
         @functools.cache
-        def keys_copies(gap: int, kn: int) -> tuple[float, float, float]:
-            """Mean keys and key tiles of kn per position, and the copies that gather its keys."""
+        def keys_copies(gap: int, kn: int) -> tuple[float, float, float, float]:
+            """Mean keys and key tiles of kn per position, the copies that gather its keys, and the keys
+            the forward copies (its window in ring order where that is a tile of its own: window_rows)."""
             keys, runs = position_keys(problem.variant, seq, window, extra, gap)
-            return sum(keys) / seq, sum(-(-k // kn) for k in keys) / seq, 1 + runs
-        return cores, p, hbm, position_split(batch * seq, cores)[0], keys_copies
+            copied = sum(keys) - sum(min(s + 1, window) for s in range(seq)) + window_rows(keys, window, kn, blocks)
+            return sum(keys) / seq, sum(-(-k // kn) for k in keys) / seq, 1 + runs, copied / seq
+        return cores, p, hbm, per, keys_copies
 
     def cube_model(self, problem: Problem, hw: HardwareProfile) -> ChoiceModel:
         """The forward's tiling per AI core: per position its key tiles (gather, Q K^T, P V on the AIC;
@@ -237,11 +260,11 @@ class SparseAttentionAscend(AscendKernel):
 
         @functools.cache
         def per_core(kn, dc, vc, sb, qb, gap):
-            keys, position_tiles, copies = keys_copies(gap, kn)
+            keys, position_tiles, copies, copied = keys_copies(gap, kn)
             tiles, n, chunks, vchunks = per * position_tiles, min(kn, keys), dim // dc, dim // vc
             s = cube_tile_cycles(heads, n, dc, e, hw, cores, a_loads=heads // 16, b_loads=dc // 16)
             pv = cube_tile_cycles(heads, dc, n, e, hw, cores, a_loads=heads // 16, b_loads=-(-n // 16))
-            gather = (1 + copies) * lat + heads * dim * e / hbm + keys * dim * e / l2   # q; the keys, L2 hits
+            gather = (1 + copies) * lat + heads * dim * e / hbm + copied * dim * e / l2   # q; the keys, L2 hits
             vec = issue * (22 + 4 * kn // 64) + mine * kn / 64 * 9 + vchunks * (issue * (1 + -(-vc // 64)) + mine * vc / 64 * 2)
             wait = 0 if sb == 2 else tiles * (lat + mine * kn * 4 / l2)   # one score tile: its copy in is not hidden
             mask_copies, mask_vec = key_mask_cycles(gap, tiles, per, lat, issue)
@@ -298,7 +321,7 @@ class SparseAttentionAscend(AscendKernel):
 
         @functools.cache
         def per_core(kn, dc, vc, qb, gb, gap):
-            keys, position_tiles, copies = keys_copies(gap, kn)
+            keys, position_tiles, copies, _ = keys_copies(gap, kn)
             tiles, n, chunks, vchunks = per * position_tiles, min(kn, keys), dim // dc, dim // vc
             s = cube_tile_cycles(heads, n, dc, e, hw, cores, a_loads=heads // 16, b_loads=dc // 16)
             dq = cube_tile_cycles(heads, dc, n, e, hw, cores, a_loads=0, b_loads=-(-n // 16))
@@ -418,13 +441,18 @@ class SparseAttentionAscend(AscendKernel):
         window (longer than the first positions'); and two batch rows over more
         positions than AI cores (a tail core) with a window wider than a key tile (the kernel reads the
         window from its tiling), so positions span tiles and end in part ones; csa there picks 8 of up to
-        (kn + 13) / 4 ready entries, so its picks break into several runs of consecutive entries."""
+        (kn + 13) / 4 ready entries, so its picks break into several runs of consecutive entries; and two
+        batch rows at a window of exactly the forward's key tile, 40 positions past it: the forward keeps
+        such a window in L1 in ring order and copies only the rows an earlier one lacks (wrapping the
+        ring, never across batch rows)."""
         batch, heads, seq, dim, window, extra = problem.shape
         kn = max(knobs["kv_tile"], knobs["bwd_kv_tile"])   # both kernels' positions span tiles
         first = {"csa": min(extra, 20), "hca": min(extra, 4), "sliding": 1}[problem.variant]
         second = min(extra, 8) if problem.variant == "csa" else first
+        fk = knobs["kv_tile"]   # a window of exactly the forward's tile: kept in L1 in ring order across positions
         return [Problem(problem.op, problem.variant, (1, heads, 40, dim, window, first), problem.dtype),
-                Problem(problem.op, problem.variant, (2, heads, kn + 13, dim, kn + 13, second), problem.dtype)]
+                Problem(problem.op, problem.variant, (2, heads, kn + 13, dim, kn + 13, second), problem.dtype),
+                Problem(problem.op, problem.variant, (2, heads, fk + 40, dim, fk, second), problem.dtype)]
 
     def _buffers(self, problem: Problem, knobs: dict[str, int], inputs: Tensors):
         """The GM buffers both kernels read (q as [B, S, H, D], kv, compressed kv, the compacted picks and
