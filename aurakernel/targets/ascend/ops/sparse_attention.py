@@ -64,6 +64,20 @@ csa is 2.6x, hca 2.4x.
   fwd+bwd 782 -> 723 us, 2.37x -> 2.19x of the bound), hca's 597k -> 516k (522 -> 477 us, 2.06x ->
   1.88x). The model's backward share of MTE2 + MTE1 that does not overlap is now 0.77 (BWD_AIC_TURNS;
   emulated 0.80 csa, 0.73 hca).
+- the forward's window, where it is a key tile of its own (window = kv_tile: V4's 128): consecutive
+  positions of a core are cubeBlocks apart, so their windows share all but that many rows. The tile
+  stays in L1 as a ring (kv row g at row (g - rot) % kv_tile) and a position copies only the rows its
+  buffer's earlier window lacks: its buffer (of two, in turn) holds the window of the core's previous
+  position where that one had two tiles (hca: window and entries), of the one before where both had one
+  (sliding); csa's positions of three tiles leave compressed entries there. Traced
+  (`python -m aurakernel.emulator.timeline`): hca's AIC MTE2 223k -> 162k cycles, csa's 344k -> 318k,
+  the forwards 343k -> 332k and 485k -> 481k cycles: the Cube core's gathers were not what set their
+  pace. hca's forward is now paced by its vector cores' chain per tile (S in, softmax, P out, P V in:
+  their MTE2, vector and MTE3 each ~55% busy); csa's by the Cube core's L0 loads of P V_t, which queue
+  in MTE1 behind S_{t+1}'s (they wait for tile t + 1's gather), and the gather of t + 2 waits for
+  those loads to free t's buffer: a third key tile would break that chain and does not fit beside two
+  q buffers (see above). The backward gathers at 64-key tiles (the window two of them, three buffers
+  in turn) and keeps its whole-window copies.
 """
 
 from __future__ import annotations
