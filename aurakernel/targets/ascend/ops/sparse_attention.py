@@ -196,22 +196,23 @@ def position_keys(variant: str, seq: int, window: int, extra: int, gap: int = 0)
     return tuple(keys), runs / seq
 
 
-def window_rows(keys: tuple[float, ...], window: int, kn: int, cores: int) -> float:
+def window_rows(keys: tuple[float, ...], window: int, kn: int, apart: int) -> float:
     """The window's kv rows the forward copies over a batch row's positions, `keys` each (position_keys).
     Where the window is a key tile of its own (kn == window, full from position window - 1 on) that tile
     stays in L1 in ring order and copies only the rows its buffer's earlier window lacks. Its buffer (of
-    two, in turn) last held the tile two before it: the window of the core's previous position
-    (positions are dealt `cores` apart) where that one had two tiles, of the one before where both had
-    one (windows alone: sliding); else compressed entries, and the whole window is copied."""
+    two, in turn) last held the tile two before it: the window of the core's previous position (a
+    core's positions are `apart` apart: position_split's AI cores) where that one had two tiles, of the
+    one before where both had one (windows alone: sliding); else compressed entries, and the whole
+    window is copied."""
     def tiles(s: int) -> int:
         return -(-int(keys[s]) // kn) if s >= window - 1 else 0   # 0: a partial window, never held in ring order
 
     rows = 0.0
     for s in range(len(keys)):
-        p1, p2 = s - cores, s - 2 * cores
+        p1, p2 = s - apart, s - 2 * apart
         back = 0 if kn != window or s < window - 1 or p1 < 0 else \
             1 if tiles(p1) == 2 else 2 if tiles(p1) == 1 and p2 >= 0 and tiles(p2) == 1 else 0
-        rows += min(window, back * cores) if back else min(s + 1, window)
+        rows += min(window, back * apart) if back else min(s + 1, window)
     return rows
 
 
