@@ -456,18 +456,20 @@ class SparseAttentionAscend(AscendKernel):
         window (longer than the first positions'); and two batch rows over more
         positions than AI cores (a tail core) with a window wider than a key tile (the kernel reads the
         window from its tiling), so positions span tiles and end in part ones; csa there picks 8 of up to
-        (kn + 13) / 4 ready entries, so its picks break into several runs of consecutive entries; and two
-        batch rows at a window of exactly the forward's key tile, 40 positions past it: the forward keeps
-        such a window in L1 in ring order and copies only the rows an earlier one lacks (wrapping the
-        ring, never across batch rows)."""
+        (kn + 13) / 4 ready entries, so its picks break into several runs of consecutive entries; and one
+        batch row at a window of exactly the forward's key tile, past it by a little more than one of a
+        core's steps between positions (two for sliding): the forward keeps such a window in L1 as a ring,
+        and there positions find their buffer's earlier window (one or two of their core's positions
+        back) and copy only the rows it lacks."""
         batch, heads, seq, dim, window, extra = problem.shape
         kn = max(knobs["kv_tile"], knobs["bwd_kv_tile"])   # both kernels' positions span tiles
         first = {"csa": min(extra, 20), "hca": min(extra, 4), "sliding": 1}[problem.variant]
         second = min(extra, 8) if problem.variant == "csa" else first
-        fk = knobs["kv_tile"]   # a window of exactly the forward's tile: kept in L1 in ring order across positions
+        fk = knobs["kv_tile"]
         return [Problem(problem.op, problem.variant, (1, heads, 40, dim, window, first), problem.dtype),
                 Problem(problem.op, problem.variant, (2, heads, kn + 13, dim, kn + 13, second), problem.dtype),
-                Problem(problem.op, problem.variant, (2, heads, fk + 40, dim, fk, second), problem.dtype)]
+                Problem(problem.op, problem.variant, (1, heads, fk + (56 if problem.variant == "sliding" else 32), dim, fk,
+                                                      second), problem.dtype)]
 
     def _buffers(self, problem: Problem, knobs: dict[str, int], inputs: Tensors):
         """The GM buffers both kernels read (q as [B, S, H, D], kv, compressed kv, the compacted picks and
