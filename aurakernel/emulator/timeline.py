@@ -101,16 +101,16 @@ def summarize(launch: Launch, block: int | None = None, pipe: str | None = None,
     pipe = pipe or max(busy, key=busy.get)
     if pipe not in mine:
         raise UserError(f"pipe {pipe!r} ran nothing in block {block}: accepted are {', '.join(busy)}")
+    def gap(lo: float, hi: float) -> Gap:
+        others = {k: _busy_within(v, lo, hi) for k, v in mine.items() if k != pipe}
+        return Gap(lo, hi, {k: round(c) for k, c in others.items() if c > 0})
+
     gaps, prev = [], 0.0
-    for s, e in sorted(mine[pipe]):
-        if s - prev >= min_gap:
-            gaps.append(Gap(prev, s, {k: round(_busy_within(v, prev, s)) for k, v in mine.items()
-                                      if k != pipe and _busy_within(v, prev, s) > 0}))
-        prev = max(prev, e)
     end = launch.end(block)
-    if end - prev >= min_gap:   # the pipe's tail: the others finishing after its last instruction
-        gaps.append(Gap(prev, end, {k: round(_busy_within(v, prev, end)) for k, v in mine.items()
-                                    if k != pipe and _busy_within(v, prev, end) > 0}))
+    for s, e in [*sorted(mine[pipe]), (end, end)]:   # the last: the pipe's tail, the others finishing after it
+        if s - prev >= min_gap:
+            gaps.append(gap(prev, s))
+        prev = max(prev, e)
     gaps.sort(key=lambda g: -g.length)
     return Summary(launch.header, block, end, busy, pipe, gaps, sum(g.length for g in gaps))
 
