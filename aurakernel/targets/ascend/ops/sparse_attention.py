@@ -78,6 +78,15 @@ csa is 2.6x, hca 2.4x.
   those loads to free t's buffer: a third key tile would break that chain and does not fit beside two
   q buffers (see above). The backward gathers at 64-key tiles (the window two of them, three buffers
   in turn) and keeps its whole-window copies.
+- the backward's fixed costs per tile and position (a copy's 200-cycle latency; the hca backward's
+  vector cores' MTE2 was ~75% busy, a third of it the latencies): a tile's S and dP come to the AIVs,
+  and its P and dS go out and into the Cube's L1, in one copy each (the workspace holds two slots of the
+  first, then two of the second: one copy of two blocks, or of two ND matrices, where there were two);
+  a position's first dQ tile writes its accumulator and the rest add, so the AIVs no longer zero it
+  after reading it out (64 KB of writes a position each); and the AIVs' read of dy for Delta follows
+  their Cube core's read of the same rows, so it is an L2 hit (`l2_vector_reads`). csa's backward
+  815k -> 759k cycles, hca's 516k -> 478k (fwd+bwd 720 -> 689 us, 2.19x -> 2.09x; 471 -> 450 us, 1.85x
+  -> 1.77x).
 """
 
 from __future__ import annotations
@@ -354,14 +363,14 @@ class SparseAttentionAscend(AscendKernel):
             acc = rows * e + (0 if in_l2 else per * keys * dim * 4 + rows * 8)   # holes add their zeros too
             hbm_bytes = per * (5 * heads * dim * e + heads * 4) + acc
             return {"HBM": hbm_bytes / hbm,
-                    "MTE2": per * gather + tiles * (2 * lat + 2 * heads * kn * e / l2),
+                    "MTE2": per * gather + tiles * (lat + 2 * heads * kn * e / l2),   # P and dS: one copy
                     "MTE1": tiles * (chunks * (2 * s.mte1_a + s.mte1_b + dq.mte1_b + 2 * dkv.mte1_b) + 3 * heads * kn * e / p.mte1_bytes_per_cycle),
                     "Cube": tiles * chunks * (2 * s.cube + dq.cube + 2 * dkv.cube),
                     "FIX": tiles * (2 * s.fix + chunks * (dq.fix + dkv.fix + (scatter - 1) * issue)),
-                    "AIV MTE2": tiles * (2 * lat + 2 * mine * kn * 4 / l2)
-                                + per * vchunks * (4 * lat + 3 * mine * vc * e / hbm + mine * vc * 4 / l2) + mask_copies,
+                    "AIV MTE2": tiles * (lat + 2 * mine * kn * 4 / l2)   # S and dP: one copy
+                                + per * vchunks * (4 * lat + mine * vc * e * (2 / hbm + 1 / l2) + mine * vc * 4 / l2) + mask_copies,
                     "Vector": tiles * vec + wait + per * vchunks * (issue * 7 + mine * vc / 64 * 6) + mask_vec,
-                    "AIV MTE3": tiles * 2 * (lat + mine * kn * e / l2) + per * vchunks * (2 * lat + mine * vc * (e / hbm + 4 / l2)),
+                    "AIV MTE3": tiles * (lat + 2 * mine * kn * e / l2) + per * vchunks * (lat + mine * vc * e / hbm),   # P, dS; dq
                     "tile": tiles}
         cells = CubeCells(BWD_KNOBS, domains, per_core, hw)
         cap = cells.cap
@@ -376,7 +385,7 @@ class SparseAttentionAscend(AscendKernel):
             cap("backward L0C capacity", lambda kn, dc, vc, qb, gb, gap: (2 * heads * kn + gb * max(heads, kn) * dc) * 4,
                 p.l0c_bytes, "(2 x H x kv_tile + g_buffers x max(H, kv_tile) x d_chunk) x fp32 (S, dP, dQ / dKV slices)"),
             cap("backward UB capacity", lambda kn, dc, vc, qb, gb, gap: (2 * mine * kn * 4 + 2 * mine * kn * e + 2 * mine * vc * (4 + 2 * e)
-                                                                + 3 * mine * vc * 4 + CVT * (4 + e) + TAIL_MASK
+                                                                + 2 * mine * vc * 4 + CVT * (4 + e) + TAIL_MASK
                                                                 + hole_mask_ub(window, extra, gap, kn) + mine * kn // 8
                                                                 + 7 * mine * 4 + 2 * mine * 32),
                 p.ub_usable, "per AIV: S and dP tiles, P and dS out, dq / y slices of o_chunk, the conversion step, the key mask (with holes: a position's slots)"),
@@ -511,8 +520,10 @@ class SparseAttentionAscend(AscendKernel):
         bwd_bufs = [*reads, to_bytes(y), to_bytes(y_lo), to_bytes(lse), to_bytes(dy), to_bytes(dq), to_bytes(dkv), to_bytes(dckv),
                     to_bytes(dsinks), slots, acc, bytearray(tiling)]
         acc_in_l2 = (15,) if self.gradients_stay_in_l2(problem, emu.hw) else ()
-        bwd = emulator.run(emu.exe("ak_sparse_attention_bwd", 17, cores="mix_1_2", l2_args=(1, 2, 14, *acc_in_l2)),
-                           blocks, bwd_bufs)
+        # dy: the vector cores' read of a position's rows (Delta) follows their AI core's Cube side's read of
+        # the same rows (into L1, a position or so ahead), so on the NPU it finds them in L2
+        bwd = emulator.run(emu.exe("ak_sparse_attention_bwd", 17, cores="mix_1_2", l2_args=(1, 2, 14, *acc_in_l2),
+                                   l2_vector_reads=(9,)), blocks, bwd_bufs)
         grads = {"q": from_bytes(bwd_bufs[10], dq).transpose(1, 2), "kv": from_bytes(bwd_bufs[11], dkv),
                  "sinks": from_bytes(bwd_bufs[13], dsinks)}
         if problem.variant != "sliding":
