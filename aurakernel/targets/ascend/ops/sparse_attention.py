@@ -87,6 +87,11 @@ csa is 2.6x, hca 2.4x.
   their Cube core's read of the same rows, so it is an L2 hit (`l2_vector_reads`). csa's backward
   815k -> 759k cycles, hca's 516k -> 478k (fwd+bwd 720 -> 689 us, 2.19x -> 2.09x; 471 -> 450 us, 1.85x
   -> 1.77x).
+- the forward's vector cores read each tile's P V in o_chunk slices, a copy each (four a tile at 128
+  columns: hca's forward is paced by their chain per tile). One P tile and one y slice in UB (where two
+  of each were) leave room for 256-column slices with one score tile, which the planner now considers
+  and picks (it prices the y and y_lo copies out one after the other at a position's end): hca's forward
+  332k -> 313k cycles, csa's 481k -> 469k (two y slices cost 37k cycles at 128 columns, not kept).
 """
 
 from __future__ import annotations
@@ -276,11 +281,12 @@ class SparseAttentionAscend(AscendKernel):
         mine = heads // 2
         domains = {"merge_gap": list(GAPS) if problem.variant == "csa" else [0], "kv_tile": [64, 128, 256],
                    "d_chunk": [c for c in (32, 64, 128, 256, 512) if c <= dim and dim % c == 0] or [dim],
-                   "o_chunk": [c for c in (16, 32, 64, 128) if dim % c == 0],
+                   "o_chunk": [c for c in (16, 32, 64, 128, 256) if dim % c == 0],
                    "s_buffers": [1, 2],
                    "q_buffers": [1, 2],
                    "cube_blocks": [cores]}
         domains |= {f"bwd_{k}": domains[k] for k in ("kv_tile", "d_chunk", "o_chunk", "q_buffers")} | {"g_buffers": [2, 3]}
+        domains["bwd_o_chunk"] = [c for c in domains["o_chunk"] if c <= 128]   # wider dq slices never fit the backward's UB
 
         @functools.cache
         def per_core(kn, dc, vc, sb, qb, gap):
@@ -291,6 +297,8 @@ class SparseAttentionAscend(AscendKernel):
             gather = (1 + copies) * lat + heads * dim * e / hbm + copied * dim * e / l2   # q; the keys, L2 hits
             vec = issue * (22 + 4 * kn // 64) + mine * kn / 64 * 9 + vchunks * (issue * (1 + -(-vc // 64)) + mine * vc / 64 * 2)
             wait = 0 if sb == 2 else tiles * (lat + mine * kn * 4 / l2)   # one score tile: its copy in is not hidden
+            # one y slice in UB: at a position's end each slice's y and y_lo copies out wait for the one before
+            wait += per * 2 * vchunks * (lat + mine * vc * e / hbm)
             mask_copies, mask_vec = key_mask_cycles(gap, tiles, per, lat, issue)
             return {"HBM": per * (3 * heads * dim * e + heads * 4) / hbm,   # the block's share: q; y, y_lo, lse
                     "MTE2": per * gather + tiles * (lat + heads * kn * e / l2),
@@ -311,10 +319,10 @@ class SparseAttentionAscend(AscendKernel):
             cap("L0B capacity", lambda kn, dc, vc, sb, qb, gap: 2 * kn * dc * e, p.l0b_bytes, "2 x kv_tile x d_chunk x elem (K / V slices)"),
             cap("L0C capacity", lambda kn, dc, vc, sb, qb, gap: (heads * kn + 2 * heads * dc) * 4, p.l0c_bytes,
                 "(H x kv_tile + 2 x H x d_chunk) x fp32 (S, two P V slices)"),
-            cap("UB capacity", lambda kn, dc, vc, sb, qb, gap: (sb * mine * kn * 4 + 2 * mine * kn * e + 2 * mine * vc * (4 + e)
+            cap("UB capacity", lambda kn, dc, vc, sb, qb, gap: (sb * mine * kn * 4 + mine * kn * e + mine * vc * (2 * 4 + e)
                                                        + mine * dim * 4 + TAIL_MASK + hole_mask_ub(window, extra, gap, kn) + mine * kn // 8
                                                        + 9 * mine * 4 + 3 * mine * 32),
-                p.ub_usable, "per AIV (H/2 heads): s_buffers S tiles, P tiles, P V and y slices of o_chunk, O (fp32), the key mask (with holes: a position's slots)"),
+                p.ub_usable, "per AIV (H/2 heads): s_buffers S tiles, a P tile, two P V slices and a y slice of o_chunk, O (fp32), the key mask (with holes: a position's slots)"),
         ]
         # one q buffer: the next position's q is copied in only after this one's last L1 -> L0 load
         exposed = cells.seconds(lambda kn, dc, vc, sb, qb, gap: 0 if qb == 2 else per * (lat + heads * dim * e / hbm))
