@@ -92,6 +92,8 @@ csa is 2.6x, hca 2.4x.
   of each were) leave room for 256-column slices with one score tile, which the planner now considers
   and picks (it prices the y and y_lo copies out one after the other at a position's end): hca's forward
   332k -> 313k cycles, csa's 481k -> 469k (two y slices cost 37k cycles at 128 columns, not kept).
+  The plans predict fwd+bwd csa 723 us (682 emulated), hca 508 us (439): the backward's chain of
+  latencies between the Cube and the vector cores is what the model sees least of.
 """
 
 from __future__ import annotations
@@ -297,8 +299,10 @@ class SparseAttentionAscend(AscendKernel):
             gather = (1 + copies) * lat + heads * dim * e / hbm + copied * dim * e / l2   # q; the keys, L2 hits
             vec = issue * (22 + 4 * kn // 64) + mine * kn / 64 * 9 + vchunks * (issue * (1 + -(-vc // 64)) + mine * vc / 64 * 2)
             wait = 0 if sb == 2 else tiles * (lat + mine * kn * 4 / l2)   # one score tile: its copy in is not hidden
-            # one y slice in UB: at a position's end each slice's y and y_lo copies out wait for the one before
-            wait += per * 2 * vchunks * (lat + mine * vc * e / hbm)
+            # one y slice in UB: at a position's end each slice's y and y_lo copies out wait for the one before,
+            # about a copy's latency a slice exposed (emulated, hca at 128 columns: 369k against 332k cycles
+            # with two slices, 43 positions a core)
+            wait += per * vchunks * lat
             mask_copies, mask_vec = key_mask_cycles(gap, tiles, per, lat, issue)
             return {"HBM": per * (3 * heads * dim * e + heads * 4) / hbm,   # the block's share: q; y, y_lo, lse
                     "MTE2": per * gather + tiles * (lat + heads * kn * e / l2),
