@@ -92,8 +92,12 @@ csa is 2.6x, hca 2.4x.
   of each were) leave room for 256-column slices with one score tile, which the planner now considers
   and picks (it prices the y and y_lo copies out one after the other at a position's end): hca's forward
   332k -> 313k cycles, csa's 481k -> 469k (two y slices cost 37k cycles at 128 columns, not kept).
-  The plans predict fwd+bwd csa 723 us (682 emulated), hca 508 us (439): the backward's chain of
-  latencies between the Cube and the vector cores is what the model sees least of.
+- a whole key tile's D slice goes to L0B in one LoadData (its fractals are consecutive in L1 and in
+  L0B), where a call per D fractal column was (8 at 128 columns, each paying the issue cost): the
+  Cube core's MTE1 -26k cycles in hca's backward, -50k in csa's; csa fwd 469k -> 459k, bwd 759k ->
+  744k; hca bwd 478k -> 464k cycles.
+  The plans predict fwd+bwd csa 680 us (669 emulated), hca 490 us (432): the backward's
+  chain of latencies between the Cube and the vector cores is what the model sees least of.
 """
 
 from __future__ import annotations
@@ -141,6 +145,13 @@ def hole_mask_ub(window: int, picks: int, gap: int, kn: int) -> int:
     """UB of KeyMask's holes (0 without): a tile's 256 values, and a position's slots as int32 and as
     fp32 in whole tiles (window + slots at most: picks and (picks - 1) x gap holes)."""
     return 0 if gap == 0 else 256 * 4 + 8 * -(-(window + picks + (picks - 1) * gap) // kn) * kn
+
+
+def key_loads(kn: int, dc: int) -> int:
+    """LoadData calls of a key tile's D slice as B (KeysAsB): one where the tile's fractals of the slice
+    fit one call's 255 repeats (whole tiles; the model takes every tile as whole), else one per D fractal
+    column"""
+    return 1 if dc // 16 * (kn // 16) <= 255 else dc // 16
 
 
 def key_mask_cycles(gap: int, tiles: float, positions: float, lat: float, issue: float) -> tuple[float, float]:
@@ -294,7 +305,7 @@ class SparseAttentionAscend(AscendKernel):
         def per_core(kn, dc, vc, sb, qb, gap):
             keys, position_tiles, copies, copied = keys_copies(gap, kn)
             tiles, n, chunks, vchunks = per * position_tiles, min(kn, keys), dim // dc, dim // vc
-            s = cube_tile_cycles(heads, n, dc, e, hw, cores, a_loads=heads // 16, b_loads=dc // 16)
+            s = cube_tile_cycles(heads, n, dc, e, hw, cores, a_loads=heads // 16, b_loads=key_loads(kn, dc))
             pv = cube_tile_cycles(heads, dc, n, e, hw, cores, a_loads=heads // 16, b_loads=-(-n // 16))
             gather = (1 + copies) * lat + heads * dim * e / hbm + copied * dim * e / l2   # q; the keys, L2 hits
             vec = issue * (22 + 4 * kn // 64) + mine * kn / 64 * 9 + vchunks * (issue * (1 + -(-vc // 64)) + mine * vc / 64 * 2)
@@ -359,7 +370,7 @@ class SparseAttentionAscend(AscendKernel):
         def per_core(kn, dc, vc, qb, gb, gap):
             keys, position_tiles, copies, _ = keys_copies(gap, kn)
             tiles, n, chunks, vchunks = per * position_tiles, min(kn, keys), dim // dc, dim // vc
-            s = cube_tile_cycles(heads, n, dc, e, hw, cores, a_loads=heads // 16, b_loads=dc // 16)
+            s = cube_tile_cycles(heads, n, dc, e, hw, cores, a_loads=heads // 16, b_loads=key_loads(kn, dc))
             dq = cube_tile_cycles(heads, dc, n, e, hw, cores, a_loads=0, b_loads=-(-n // 16))
             dkv = cube_tile_cycles(n, dc, heads, e, hw, cores, a_loads=0, b_loads=heads // 16)
             scatter = copies * n / keys + 1   # Fixpipes per dKV slice: the window's run, the entries' runs or rows
