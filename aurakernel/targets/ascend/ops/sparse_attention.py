@@ -147,6 +147,13 @@ def hole_mask_ub(window: int, picks: int, gap: int, kn: int) -> int:
     return 0 if gap == 0 else 256 * 4 + 8 * -(-(window + picks + (picks - 1) * gap) // kn) * kn
 
 
+def workspace(nbytes: int) -> bytearray:
+    """A kernel's GM workspace as the NPU hands it over: not zeroed. All ones (NaN as fp32 and as 16-bit
+    floats), so a kernel that reads a slot before writing it, or adds into an accumulator it did not
+    clear or write first, fails verification."""
+    return bytearray(b"\xff" * nbytes)
+
+
 def key_loads(kn: int, dc: int) -> int:
     """LoadData calls of a key tile's D slice as B (KeysAsB): one where the tile's fractals of the slice
     fit one call's 255 repeats (whole tiles; the model takes every tile as whole), else one per D fractal
@@ -528,7 +535,7 @@ class SparseAttentionAscend(AscendKernel):
         kn, bkn = knobs["kv_tile"], knobs["bwd_kv_tile"]
         y = torch.full((batch, seq, heads, dim), float("nan"), dtype=q.dtype)
         lse = torch.full((batch, seq, heads), float("nan"))
-        slots = bytearray(blocks * (2 * heads * kn * 4 + 2 * heads * kn * 2 + heads * dim * 4))
+        slots = workspace(blocks * (2 * heads * kn * 4 + 2 * heads * kn * 2 + heads * dim * 4))
         fwd_bufs = [*reads, to_bytes(y), to_bytes(y), to_bytes(lse), slots, tiling]
         # kv and the compressed kv stay in L2 (V4-Flash at 65536 tokens: 64 + 16 MB of the 192 MB): every
         # position gathers its keys from them, so all but their first read are L2 hits on the NPU (that
@@ -538,8 +545,8 @@ class SparseAttentionAscend(AscendKernel):
         dy = grad_out["y"].to(q.dtype).contiguous()                      # [B, S, H, D], as y
         dq, dkv, dckv = (torch.full_like(t, float("nan")) for t in (q, inputs["kv"], ckv))
         dsinks = torch.full((heads,), float("nan"))
-        slots = bytearray(blocks * (4 * heads * bkn * 4 + 4 * heads * bkn * 2 + 2 * heads * dim * 4))
-        acc = bytearray((batch * seq + batch * entries_of(problem)) * dim * 4)   # fp32 dkv and dckv, added into
+        slots = workspace(blocks * (4 * heads * bkn * 4 + 4 * heads * bkn * 2 + 2 * heads * dim * 4))
+        acc = workspace((batch * seq + batch * entries_of(problem)) * dim * 4)   # fp32 dkv and dckv, added into
         bwd_bufs = [*reads, to_bytes(y), to_bytes(y_lo), to_bytes(lse), to_bytes(dy), to_bytes(dq), to_bytes(dkv), to_bytes(dckv),
                     to_bytes(dsinks), slots, acc, bytearray(tiling)]
         acc_in_l2 = (15,) if self.gradients_stay_in_l2(problem, emu.hw) else ()
