@@ -261,3 +261,10 @@ def to_bytes(t: torch.Tensor) -> bytearray:
 
 def from_bytes(buf: bytearray, like: torch.Tensor) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=torch.uint8).view(like.dtype).reshape(like.shape).clone()
+
+
+def workspace(nbytes: int) -> bytearray:
+    """A kernel's GM workspace as the NPU hands it over: not zeroed. All ones (NaN as fp32 and as 16-bit
+    floats), so a kernel that reads a slot before writing it, or adds into an accumulator it did not
+    clear or write first, fails verification."""
+    return bytearray(b"\xff" * nbytes)

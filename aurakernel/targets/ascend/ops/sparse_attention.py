@@ -108,7 +108,7 @@ import struct
 import torch
 
 from .... import emulator
-from ....emulator import from_bytes, to_bytes
+from ....emulator import from_bytes, to_bytes, workspace
 from ....errors import PlanInfeasible
 from ....hardware import HardwareProfile
 from ....ops.base import Problem, Tensors
@@ -145,13 +145,6 @@ def hole_mask_ub(window: int, picks: int, gap: int, kn: int) -> int:
     """UB of KeyMask's holes (0 without): a tile's 256 values, and a position's slots as int32 and as
     fp32 in whole tiles (window + slots at most: picks and (picks - 1) x gap holes)."""
     return 0 if gap == 0 else 256 * 4 + 8 * -(-(window + picks + (picks - 1) * gap) // kn) * kn
-
-
-def workspace(nbytes: int) -> bytearray:
-    """A kernel's GM workspace as the NPU hands it over: not zeroed. All ones (NaN as fp32 and as 16-bit
-    floats), so a kernel that reads a slot before writing it, or adds into an accumulator it did not
-    clear or write first, fails verification."""
-    return bytearray(b"\xff" * nbytes)
 
 
 def key_loads(kn: int, dc: int) -> int:
