@@ -321,27 +321,26 @@ def test_adamw_update_matches_torch_in_emulator(tmp_path):
 
 
 def test_mhc_forward_on_the_cube_reads_x_once_from_hbm(tmp_path):
-    """mhc_pre's forward as a mixed kernel (bf16, V4-Flash's 4 x 4096, two super-tiles on some AI
-    cores and a short last token group): its outputs match transformers' DeepseekV4HyperConnection,
+    """mhc_pre's forward as a mixed kernel (bf16, V4-Flash's 4 x 4096 at 75 tokens: its 24 AI cores split
+    W's columns, a short last token group): its outputs match transformers' DeepseekV4HyperConnection,
     and x comes from HBM once, by the Cube cores; the vector cores' second read of the same rows is
     L2 traffic (l2_vector_reads). Built without that mark, the same reads are HBM traffic: x twice."""
     import struct
     import torch
-    from aurakernel.emulator import from_bytes, to_bytes
-    from aurakernel.planner.ascend import row_split
-    from aurakernel.targets.ascend.ops.mhc import fn_parts
+    from aurakernel.emulator import from_bytes, to_bytes, workspace
+    from aurakernel.targets.ascend.ops.mhc import MhcAscend, fn_parts
     spec = OPS["mhc_pre"]
     problem = spec.problem("75x4x4096", "bf16", "default")
-    knobs = {**ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs").knobs, "cube_groups": 1,
-             "cube_blocks": 3}
+    knobs = ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs").knobs
     inputs = spec.make_inputs(problem, 0)
     ref = spec.reference(problem, inputs)
     emu = ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, tmp_path, HW), HW)
     x = inputs["x"]
     rows, hc, d = x.shape
-    n, gt = spec.nout(hc), 16
-    cube_rows, blocks = row_split(rows, 3)      # 25 tokens per AI core: a group of 16 and one of 9
-    tiling = struct.pack("<7I3fII", rows, d, rows, -(-d // knobs["col_tile"]), 1024, 0, 0, 1e-6, 1e-6, 1.0 / (hc * d), cube_rows, 0)
+    n, aic = spec.nout(hc), knobs["cube_blocks"]
+    round_rows, head_rows, acc = MhcAscend.forward_rounds(rows, n, knobs["head_lanes"], aic)
+    tiling = struct.pack("<7I3f4I", rows, d, rows, -(-d // knobs["col_tile"]), 1024, 0, 0, 1e-6, 1e-6, 1.0 / (hc * d), rows, 0,
+                         round_rows, head_rows)
     x_bytes = x.numel() * x.element_size()
     hbm = {}
     for marked in ((0,), ()):
@@ -349,10 +348,9 @@ def test_mhc_forward_on_the_cube_reads_x_once_from_hbm(tmp_path):
         post, comb = torch.full((rows, hc), float("nan")), torch.full((rows, hc, hc), float("nan"))
         bufs = [to_bytes(x), to_bytes(fn_parts(inputs["fn"], x.dtype)), to_bytes(inputs["base"].float()),
                 to_bytes(inputs["scale"].float()), to_bytes(y), to_bytes(post), to_bytes(comb),
-                to_bytes(torch.zeros(n, rows)), to_bytes(torch.zeros(rows)),
-                to_bytes(torch.full((blocks * 2 * (n + gt) * gt,), float("nan"))), bytearray(tiling)]
+                to_bytes(torch.zeros(n, rows)), to_bytes(torch.zeros(rows)), workspace(4 * acc), bytearray(tiling)]
         exe = emu.exe("ak_mhc_pre_fwd", 11, cores="mix_1_2", l2_args=(1, 9), l2_vector_reads=marked)
-        report = emulator.run(exe, blocks, bufs)
+        report = emulator.run(exe, aic, bufs)
         assert report.ok, report.errors
         torch.testing.assert_close(from_bytes(bufs[4], y).float(), ref["y"].float(), rtol=1.6e-2, atol=2e-2)
         torch.testing.assert_close(from_bytes(bufs[5], post), ref["post"], rtol=1e-4, atol=1e-4)
@@ -365,20 +363,23 @@ def test_mhc_forward_on_the_cube_reads_x_once_from_hbm(tmp_path):
 
 
 @pytest.mark.parametrize("op", ["mhc_pre", "mhc_head"])
-def test_mhc_cube_kernels_over_several_super_tiles_per_ai_core(op, tmp_path):
-    """The mixed mHC kernels with several super-tiles on each AI core (75 tokens on 3 AI cores, one
-    16-token group per super-tile: 16 + 9 per core): the forward's workspace slots are reused, the
-    Cube backward deals W's column tiles out to the 3 AI cores (some get one more) and each tile's
-    d_fn accumulates in L0C over 5 super-tiles of every token, the last one short; forward and
-    backward (x, fn, base, scale) match the reference."""
+def test_mhc_cube_kernels_over_several_rounds_and_tiles(op, tmp_path):
+    """The mixed mHC kernels on 3 AI cores at 75 tokens of 4 x 1024: the forward's cores split W's 256
+    fractal columns 85 / 85 / 86 and add their slices' sums into the accumulators; 8 head lanes on 6
+    vector cores give two rounds (48 + 27 tokens), each of 16-token tiles, the last one short, so the
+    AIVs take round 0 while the AICs work on round 1. The Cube backward deals W's column tiles out to the
+    3 AI cores and each tile's d_fn accumulates in L0C over 5 super-tiles of every token, the last one
+    short; forward and backward (x, fn, base, scale) match the reference."""
     spec = OPS[op]
-    problem = spec.problem("75x4x4096", "bf16", "default")
+    problem = spec.problem("75x4x1024", "bf16", "default")
     knobs = {**ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs").knobs,
-             "cube_blocks": 3, "cube_groups": 1, "bwd_groups": 1}
+             "cube_blocks": 3, "cube_groups": 1, "head_lanes": 8, "bwd_groups": 1}
+    from aurakernel.targets.ascend.ops.mhc import MhcAscend
+    assert MhcAscend.forward_rounds(75, spec.nout(4), 8, 3)[:2] == (48, 8)
     emu = ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, tmp_path, HW), HW)
     result = ascend.verify(spec, [problem], knobs, emu, seeds=(0,))
     assert result.passed, result.summary
-    assert {"grad_x", "grad_fn"} <= {c.tensor for c in result.checks}
+    assert {"y", "grad_x", "grad_fn"} <= {c.tensor for c in result.checks}
 
 
 def test_mhc_backward_reads_x_from_the_l2_that_bwd_head_left_it_in(tmp_path, monkeypatch):

@@ -1,10 +1,15 @@
 """The AscendC kernel of mhc (templates/ascendc/): its planner phases, template values and emulator run.
 
 Where the time goes (ascend910b2, 1024 x 4 x 4096 bf16, 43 tokens per AI core; emulator cycles per core):
-- forward (mixed): the AIC's MTE2 is the limit, ~72k cycles: x at the core's HBM share (~38k) and fn's
-  hi + lo parts from L2 (1.5 MB per AI core, ~25k: every AI core needs all of fn, so at few tokens per
-  core fn costs as much as x; super-tiles amortise it at training sizes), then the AIVs' head and
-  second pass (~31k, after the AIC: one super-tile per core leaves nothing to overlap).
+- forward (mixed): split by tokens (43 per AI core), each AIC read all of fn's hi + lo parts from L2
+  (1.5 MB, ~25k cycles: as much as its x) beside its x (~38k at its HBM share), ~72k, and the AIVs' head
+  and second pass (~31k) ran after it: one super-tile per core left nothing to overlap (103k). Now the
+  AI cores split W's columns: each keeps its fn slice in L1 (88 KB, read once) and streams every token's
+  x over it, adding its partial mixes and x x^T into accumulators (atomic Fixpipes into the workspace);
+  the tokens go in rounds with a SyncAll between, the AIVs' head and pass 2 of round r beside the AICs'
+  round r + 1 (two rounds at 1024 tokens: the AICs' 20k a round against the AIVs' ~11k): 67k cycles,
+  mhc_pre 148.7 -> 129 us (1.96x -> 1.70x of the bound), mhc_head 128 -> 120 us. The x x^T diagonal
+  blocks cost the Cube a Mmad and the MTE1 two loads per 16-token group and step (the MTE1 ~32k).
 - bwd_head (vector): d_pre's pass over x and dy (~67k MTE2, latency-bound at small tiles before the
   2048-column tiles; ~26k vector) and the head in reverse on 16-lane vectors (~41k vector, issue-bound:
   the 20-step Sinkhorn). They ran one after the other per block of 16 tokens (63.3 us); now block b's
@@ -92,16 +97,17 @@ class _CubeFigures:
 
 class MhcAscend(AscendKernel):
     # --- AscendC (templates/ascendc/mhc_pre/, shared by mhc_head) -------------------------------------
-    # forward: a mixed kernel. The AIC takes its AI core's tokens in super-tiles of cube_groups x 16:
-    #   the mix projection fn x^T and x x^T (its diagonal: each token's sum of squares) on the Cube, W
-    #   in L1 chunks of cube_k and Mmads of cube_k0 columns; the AIVs the head and y = sum_i pre_i x_i
-    #   (`chunk` columns at a time), reading x again from L2 (cube_model plans it).
+    # forward: a mixed kernel. The AI cores split W's columns: each AIC keeps its slice of fn in L1 and
+    #   streams every token's x over it (cube_groups x 16 tokens an L1 tile, Mmads of cube_k0 columns),
+    #   the mix projection x fn^T and the groups' x x^T (its diagonal: each token's sum of squares) on the
+    #   Cube, added into accumulators; the AIVs the head and y = sum_i pre_i x_i (`chunk` columns at a
+    #   time), reading x again from L2, in rounds of at most head_lanes tokens each (cube_model plans it).
     # backward: the head in reverse on the vector cores (bwd_head), then dx and d_fn: for 16-bit x a
     #   mixed kernel (dn = dmix fn and d_fn = c^T x on the Cube in super-tiles of bwd_groups x 16 tokens
     #   and column tiles of bwd_k, dx on the AIVs: cube_model); for fp32 on the vector cores, a token's
     #   flattened streams in column tiles against fn's tile, TR tokens per fn tile (the row-wise model).
     split_cols = True
-    syncs_cores = False
+    syncs_cores = True   # the forward's cores meet in SyncAll between rounds
 
     template_dir = "mhc_pre"
 
@@ -124,14 +130,14 @@ class MhcAscend(AscendKernel):
 
     def _ub(self, problem: Problem) -> tuple[int, int]:
         """(forward, backward) UB bytes of the kernels' fixed buffers (everything but the planner's queues):
-        the forward AIV's two slots of its share of a super-tile's mixes, its head vectors (as many lanes
-        as that share has tokens) and post / comb staging; the backward's fn tile, d_fn accumulator, products and coefficients."""
+        the forward AIV's mix and square rows of a round, its head vectors (HEAD_LANES lanes), post / comb
+        staging and Gather tables; the backward's fn tile, d_fn accumulator, products and coefficients."""
         hc, e = problem.shape[1], problem.dtype.itemsize
         n, ct, tr = self.spec.nout(hc), self.col_tiles(problem)[0], self.ROW_BLOCK
         ncomb = 0 if self.spec.head else hc * hc
-        ht = max(self.CUBE_GROUPS) * tr // 2   # an AIV's tokens of a super-tile: its head's lanes
-        # ... and the rows of post and comb for GM with their Gather's offset table
-        fwd = 2 * (n * ht + ht * 8) * 4 + ((n + 1) + 2 * hc + ncomb + 3 * hc) * ht * 4 + 2 * a32(ht * (hc + ncomb) * 4)
+        ht = max(self.HEAD_LANES)   # the head's lanes: an AIV's tokens of a round, at most
+        # its mix and square rows in, the head vectors, the rows of post and comb for GM, the Gather tables
+        fwd = (n + 8) * ht * 4 + ((n + 1) + 2 * hc + ncomb + 3 * hc) * ht * 4 + 2 * a32(ht * (hc + ncomb) * 4) + a32(n * ht * 4)
         kcoef = 2 * n + hc + 2
         bwd = 3 * n * ct * 4 + kcoef * tr * 4 + 2 * n * tr * 32 + (32 if e == 4 else 2 * ct * 4)
         return fwd, bwd
@@ -155,7 +161,7 @@ class MhcAscend(AscendKernel):
                            instrs_per_chunk=0, instrs_per_tile=ct // 32 + 16),
         ]
 
-    # the forward's Cube tiling: token groups per super-tile, W columns per L1 chunk and per Mmad
+    # the forward's Cube tiling: 16-token groups per L1 tile of x; its rounds of tokens
     CUBE_GROUPS = (1, 2, 3, 4, 6, 8)
 
     @staticmethod
@@ -171,81 +177,83 @@ class MhcAscend(AscendKernel):
                             -(-rows // min(rows, cores)), cores, hw.ascend_pipes(cores))
 
     def cube_model(self, problem: Problem, hw: HardwareProfile) -> ChoiceModel:
-        """The forward's AI cores: per super-tile (cube_groups x 16 tokens) and L1 chunk (cube_k columns
-        of W) fn's parts and the tokens' x rows into L1; per Mmad step (cube_k0 columns) their fractals
-        into L0A / L0B and the two Mmads; per super-tile the Fixpipes into the workspace and the AIVs'
-        head and second pass over x (from L2, `chunk` columns of W a copy). Objective: per core the
-        slowest pipe, plus the last super-tile's vector work (nothing overlaps it) and the launch. Then
-        bwd_head (head_phase) and, for 16-bit x, the Cube backward (backward_model)."""
+        """The forward: the AI cores split W's columns (each keeps its slice of fn in L1) and stream every
+        token's x over it in tiles of cube_groups x 16 tokens, Mmads of cube_k0 columns; the tokens go in
+        rounds (the fewest that give no AIV more than head_lanes tokens: its head's vector lanes), the AICs' round r + 1 beside the AIVs' head and second pass over round r (from L2, `chunk`
+        columns of W a copy), every core meeting between rounds. With A the AICs' time over every token
+        (their slowest pipe) and V an AIV's per round, rounds R take A / R + (R - 1) max(A / R, V) + V =
+        max(A + V, A / R + R V): each AIC pipe carries V beside its own cycles, the AIVs' pipe A / R + R V.
+        Then bwd_head (head_phase) and, for 16-bit x, the Cube backward (backward_model)."""
         f = self._cube_figures(problem, hw)
-        e, w, n, n16, tr, tpc, cores, p = f.e, f.w, f.n, f.n16, f.tr, f.tpc, f.cores, f.p
+        e, w, n, n16, cores, p = f.e, f.w, f.n, f.n16, f.cores, f.p
+        rows = problem.shape[0]
         lat, rate, l2, issue = p.mte_latency, p.mte_bytes_per_cycle, p.l2_bytes_per_cycle, p.vec_issue
         parts, c0 = (1 if e == 4 else 2), 32 // e
         macs = p.cube_macs_fp32 if e == 4 else p.cube_macs_16bit
-        groups = -(-tpc // tr)
-        domains = {"cube_groups": [g for g in self.CUBE_GROUPS if g <= max(1, groups)] or [1],
-                   "cube_k": [k for k in (512, 1024, 2048, 4096) if k < 2 * w],
+        kc = -(-w // 16 // cores) * 16   # the busiest AI core's columns of W
+        domains = {"cube_groups": list(self.CUBE_GROUPS),
                    "cube_k0": [64, 128, 256],
+                   "head_lanes": list(self.HEAD_LANES),
                    "cube_blocks": [cores],
                    "chunk": [64 << i for i in range(12) if 64 << i < 2 * w]}
 
-        @functools.cache   # every pipe's term and the fill read the same cell
-        def per_core(g, k1, k0):
-            supers, gt = -(-tpc // (g * tr)), g * tr
-            chunks, steps = -(-w // k1), -(-min(k1, w) // k0)
-            ng = min(g, groups)
-            step_mte1 = (parts * n16 // 16 + ng + 1) * issue + (parts * n16 + 2 * ng * 16) * k0 * e / p.mte1_bytes_per_cycle
-            step_cube = parts * (issue + n16 * ng * 16 * k0 / macs) + issue + (ng * 16) ** 2 * k0 / macs
-            return {"MTE2": supers * chunks * (parts * (lat + n * min(k1, w) * e / l2) + lat) + tpc * w * e / rate,
-                    "MTE1": supers * chunks * steps * step_mte1,
-                    "Cube": supers * chunks * steps * step_cube,
-                    "FIX": supers * (2 * issue + (n * gt + gt * gt) * 4 / p.fix_bytes_per_cycle)}
+        def rounds(lanes):
+            round_rows, per_aiv, _ = self.forward_rounds(rows, n, lanes, cores)
+            return -(-rows // round_rows), round_rows, per_aiv
 
-        def aiv(g, ch):
-            """An AIV's half of a super-tile: the head (issue-bound: ~400 instructions on its vectors), then
-            per token y = sum_i pre_i x_i a pass-2 chunk at a time: x's HC rows of the chunk from L2 (the
-            chunk's compute waits for its copy, and the next copy is issued after that compute: each
-            chunk's copy latency is exposed), a cast and an Axpy per element, y out."""
+        @functools.cache   # every pipe's term reads the same cell
+        def per_core(g, k0, lanes):
+            """An AIC's cycles per pipe over every token: per tile its x rows in, per Mmad step the groups'
+            fractals into L0A and L0B (fn^T's parts beside them) and the Mmads, per tile the atomic Fixpipes."""
+            r, round_rows, _ = rounds(lanes)
+            tiles = (r - 1) * -(-round_rows // (g * 16)) + -(-(rows - (r - 1) * round_rows) // (g * 16))
+            tb = min(g * 16, round_rows)
+            ng, steps = -(-tb // 16), -(-kc // k0)
+            step_mte1 = (2 * ng + parts) * issue + (2 * ng * 16 + parts * n16) * k0 * e / p.mte1_bytes_per_cycle
+            step_cube = parts * (issue + ng * 16 * n16 * k0 / macs) + ng * (issue + 256 * k0 / macs)
+            return {"MTE2": tiles * lat + rows * kc * e / rate,
+                    "MTE1": tiles * steps * step_mte1,
+                    "Cube": tiles * steps * step_cube,
+                    "FIX": tiles * 2 * issue + rows * (n + 16) * 4 / p.fix_bytes_per_cycle}
+
+        def aiv(lanes, ch):
+            """An AIV's round: its mix and square rows in, the head (issue-bound: ~400 instructions on its
+            vectors), then per token y = sum_i pre_i x_i a pass-2 chunk at a time: x's HC rows of the chunk
+            from L2 (each chunk's copy latency exposed), a cast and an Axpy per element, y out."""
+            hr = rounds(lanes)[2]
             chunks = -(-f.d // self.pass2_chunk(ch, f.hc))
-            return 400 * issue + -(-min(g, groups) * tr // 2) * (chunks * (lat + issue) + w * e / l2 + f.d * e / rate
-                                                                  + 2 * w / 64) + lat
+            return 2 * lat + 400 * issue + hr * (chunks * (lat + issue) + w * e / l2 + f.d * e / rate + 2 * w / 64) + lat
 
-        cells = CubeCells(("cube_groups", "cube_k", "cube_k0"), domains, per_core, hw)
-        cap = cells.cap
         fwd_ub = self._ub(problem)[0]
+        knobs = ("cube_groups", "cube_k0", "head_lanes")
+        clock = hw.clock_ghz * 1e9
+
+        def cap(name, fn, limit, formula):
+            return Constraint(name, Term.of(knobs, domains, fn), limit, formula)
         constraints = [
-            cap("L1 capacity", lambda g, k1, k0: 2 * (parts * n16 + g * tr) * k1 * e, p.l1_usable,
-                "2 x (parts x NOUT16 + cube_groups x 16) x cube_k x elem (fn's parts and x, double buffered)"),
-            cap("L0A capacity", lambda g, k1, k0: 2 * (parts * n16 // 16 + g) * (k0 // c0) * 512, p.l0a_bytes,
-                "2 x (parts x NOUT16 / 16 + cube_groups) x cube_k0 / C0 fractals"),
-            cap("L0B capacity", lambda g, k1, k0: 2 * g * (k0 // c0) * 512, p.l0b_bytes, "2 x cube_groups x cube_k0 / C0 fractals"),
-            cap("L0C capacity", lambda g, k1, k0: 2 * (n16 // 16 * g + g * g) * 1024, p.l0c_bytes,
-                "2 x (NOUT16 / 16 x cube_groups + cube_groups^2) fp32 fractals (the mixes and x x^T)"),
-            cap("Mmad step", lambda g, k1, k0: (k0 > k1) + g * (k0 // c0) / 255, 1,
-                "cube_k0 <= cube_k; cube_groups x cube_k0 / C0 <= 255 (x^T's fractals in one LoadData)"),
-            # the AIVs read x again from L2: what every AI core's AIC reads between (two super-tiles)
-            # stays within half of it
-            cap("L2 reuse", lambda g, k1, k0: 2 * cores * g * tr * w * e, l2_half(hw),
-                "2 x AI cores x cube_groups x 16 x W x elem <= L2 / 2"),
+            cap("L1 capacity", lambda g, k0, r: (parts * n16 + 2 * g * 16) * kc * e, p.l1_usable,
+                "(parts x NOUT16 + 2 x cube_groups x 16) x the core's columns x elem (fn's slice, x double buffered)"),
+            cap("L0A capacity", lambda g, k0, r: 2 * g * 16 * k0 * e, p.l0a_bytes, "2 x cube_groups x 16 x cube_k0 x elem"),
+            cap("L0B capacity", lambda g, k0, r: 2 * (parts * n16 + g * 16) * k0 * e, p.l0b_bytes,
+                "2 x (parts x NOUT16 + cube_groups x 16) x cube_k0 x elem (fn^T and the groups' x^T)"),
+            cap("L0C capacity", lambda g, k0, r: 2 * (n16 + 16) * g * 16 * 4, p.l0c_bytes,
+                "2 x (NOUT16 + 16) x cube_groups x 16 fp32 (the mixes and the groups' x x^T)"),
+            cap("Mmad step", lambda g, k0, r: (k0 // c0) * (n16 // 16) / 255, 1, "cube_k0 / C0 x NOUT16 / 16 <= 255 (fn^T in one LoadData)"),
+            # the AIVs read x again from L2: the round the AICs read before, beside the one they read now
+            cap("L2 reuse", lambda g, k0, lanes: 2 * rounds(lanes)[1] * w * e, l2_half(hw), "2 x a round's tokens x W x elem <= L2 / 2"),
             Constraint("forward UB capacity",
                        Term.of(("chunk",), domains, lambda ch: fwd_ub + self._pass2_ub(ch, f.hc, e)), p.ub_usable,
                        "the AIV's head buffers + 2 x (HC + 1) x chunk / HC x elem (x in, y out) + 2 x chunk / HC fp32"),
         ]
-        # the AIC and the AIVs take turns per super-tile and overlap across super-tiles: the time is the
-        # busier side plus the other side's share of one super-tile (the AIVs' of the last, the AIC's of
-        # the first). As pipes: the AIC's, and the AIVs' but their last super-tile plus the AIC's first,
-        # then the last super-tile's vector work on top
-        clock = hw.clock_ghz * 1e9
         aic = ("MTE2", "MTE1", "Cube", "FIX")
-        knobs = ("cube_groups", "cube_k", "cube_k0", "chunk")
-
-        def aiv_side(g, k1, k0, ch):
-            supers = -(-tpc // (g * tr))
-            return (supers - 1) * aiv(g, ch) + max(per_core(g, k1, k0)[pipe] for pipe in aic) / supers
-        pipes = cells.pipes(aic)
-        pipes["AIV"] = [Term.of(knobs, domains, lambda *cell: aiv_side(*cell) / clock)]
-        last = Term.of(("cube_groups", "chunk"), domains, lambda g, ch: aiv(g, ch) / clock)
-        forward = Phase("forward", pipes, [last, cells.launch()])
+        pipes = {pipe: [Term.of(knobs, domains, lambda g, k0, r, pipe=pipe: per_core(g, k0, r)[pipe] / clock),
+                        Term.of(("head_lanes", "chunk"), domains, lambda lanes, ch: aiv(lanes, ch) / clock)] for pipe in aic}
+        pipes["AIV"] = [Term.of(knobs, domains, lambda g, k0, lanes: max(per_core(g, k0, lanes)[q] for q in aic) / rounds(lanes)[0] / clock),
+                        Term.of(("head_lanes", "chunk"), domains, lambda lanes, ch: rounds(lanes)[0] * aiv(lanes, ch) / clock)]
+        # before round 0: fn's slice into L1 (from L2) beside the AIVs' zeroing of the accumulators
+        setup = Term.of(("cube_blocks",), domains, lambda bd: (2 * lat + parts * n * kc * e / l2) / clock)
+        launch = Term.of(("cube_blocks",), domains, lambda bd: hw.call_overhead_us * 1e-6)
+        forward = Phase("forward", pipes, [setup, launch])
         model = self.cube_choice_model(problem, hw, domains, forward, constraints)
         model.phases.insert(1, self.head_phase(problem, hw, domains))
         return model
@@ -403,6 +411,19 @@ class MhcAscend(AscendKernel):
                 "backward_head": VectorWork(elems * (1 + c) + ys * c),
                 "backward": VectorWork(elems * (products + 5 + 2 * c) + ys * c)}
 
+    HEAD_LANES = (8, 16, 24, 32, 40, 48, 56, 64)   # the forward's head vector lanes (one repeat at most)
+
+    @staticmethod
+    def forward_rounds(rows: int, nout: int, lanes: int, aic: int) -> tuple[int, int, int]:
+        """The forward's rounds as the kernel's host and binding make them: the fewest that give no vector
+        core more tokens than the head's `lanes`, the tokens dealt out evenly in whole 16s. (tokens per round, per vector
+        core of a round, the workspace floats of the accumulators: [rows][NOUT] mixes 32 B aligned, then
+        [rows][16] squares)."""
+        aivs = 2 * aic
+        rounds = max(1, -(-rows // (aivs * lanes)))
+        round_rows = -(-max(1, -(-rows // rounds)) // 16) * 16   # whole 16s: the Cube's token groups start at them
+        return round_rows, -(-round_rows // aivs), -(-rows * nout // 8) * 8 + rows * 16
+
     @staticmethod
     def pass2_chunk(chunk: int, hc: int) -> int:
         """Columns of each stream per chunk of the forward's second pass: the plan's chunk of W over HC."""
@@ -415,15 +436,15 @@ class MhcAscend(AscendKernel):
             raise ValueError(f"{self.spec.name}: col_tile {col_tile}, accepted {self.col_tiles(problem)}")
         if hc * d > 65535:   # Nd2Nz's source row pitch
             raise PlanInfeasible("hc x hidden size", f"{hc * d} must be <= 65535 (V4-Pro: 4 x 7168)")
-        groups, k1, k0 = int(knobs["cube_groups"]), int(knobs["cube_k"]), int(knobs["cube_k0"])
-        if groups not in self.CUBE_GROUPS or k0 not in (64, 128, 256) or k1 % k0 or k1 > 4096:
-            raise PlanInfeasible("Cube tile", f"cube_groups {groups} (one of {self.CUBE_GROUPS}), cube_k {k1} "
-                                              f"(a multiple of cube_k0, <= 4096), cube_k0 {k0} (64, 128 or 256)")
+        groups, k0, lanes = int(knobs["cube_groups"]), int(knobs["cube_k0"]), int(knobs["head_lanes"])
+        if groups not in self.CUBE_GROUPS or k0 not in (64, 128, 256) or lanes not in self.HEAD_LANES:
+            raise PlanInfeasible("Cube tile", f"cube_groups {groups} (one of {self.CUBE_GROUPS}), cube_k0 {k0} (64, 128 "
+                                              f"or 256), head_lanes {lanes} (one of {self.HEAD_LANES})")
         bwd = phase_schedule(knobs, "backward", ("in", "out"))
         return {"dtype": problem.dtype, "hc": int(hc), "d": int(d), "nout": int(self.spec.nout(hc)), "iters": int(ITERS),
                 "head": bool(self.spec.head), "eps": float(EPS), "col_tile": col_tile, "chunk": self.pass2_chunk(knobs["chunk"], hc),
                 "block_dim": int(knobs["block_dim"]), "row_block": int(self.ROW_BLOCK),
-                "cube_groups": groups, "cube_k": k1, "cube_k0": k0, "cube_blocks": int(knobs["cube_blocks"]),
+                "cube_groups": groups, "cube_k0": k0, "head_lanes": lanes, "cube_blocks": int(knobs["cube_blocks"]),
                 "cube_backward": self.cube_backward(problem), "bwd_groups": int(knobs.get("bwd_groups", 1)),
                 "bwd_k": int(knobs.get("bwd_k", 128)),
                 "bwd_k0": self.bwd_k0(self.spec.nout(hc), int(knobs.get("bwd_groups", 1)), int(knobs.get("bwd_k", 128))),
@@ -456,22 +477,22 @@ class MhcAscend(AscendKernel):
         ws_par = ws_dfn + dfn_blocks * n * w
         ws_parts = ws_par + block_dim * 32   # the Cube backward's dmix and c parts: [4][NOUT16][rows] of x's dtype
         ws_end = ws_parts + (-(-4 * n16 * rows * x.element_size() // 32) * 8 if on_cube else 0)
-        tiling = bytearray(struct.pack("<7I3fII", rows, d, block_rows, -(-d // knobs["col_tile"]), self.pass2_chunk(knobs["chunk"], hc), ws_dfn,
-                                       ws_par, EPS, EPS, 1.0 / w, cube_rows, ws_parts))
+        aic = int(knobs["cube_blocks"])   # the forward's AI cores split W's columns, whatever the tokens
+        round_rows, head_rows, acc_floats = self.forward_rounds(rows, n, int(knobs["head_lanes"]), aic)
+        tiling = bytearray(struct.pack("<7I3f4I", rows, d, block_rows, -(-d // knobs["col_tile"]), self.pass2_chunk(knobs["chunk"], hc), ws_dfn,
+                                       ws_par, EPS, EPS, 1.0 / w, cube_rows, ws_parts, round_rows, head_rows))
         fn, base = inputs["fn"].float().contiguous(), inputs["base"].float().contiguous()
         scale = inputs["scale"].float().contiguous()
         nan = float("nan")
         y = torch.full((rows, d), nan).to(x.dtype)
         post, comb = torch.full((rows, hc), nan), torch.full((rows, hc, hc), nan)
         mix_t, rstd = torch.full((n, rows), nan), torch.full((rows,), nan)
-        gt = knobs["cube_groups"] * self.ROW_BLOCK   # a workspace slot per (AI core, 2): [NOUT][gt] mixes, [gt][gt] x x^T
-        slots = torch.full((cube_blocks * 2 * (n + gt) * gt,), nan)
         fwd_bufs = [to_bytes(x.contiguous()), to_bytes(fn_parts(fn, x.dtype)), to_bytes(base), to_bytes(scale), to_bytes(y),
-                    to_bytes(post), to_bytes(comb), to_bytes(mix_t), to_bytes(rstd), to_bytes(slots), tiling]
-        # fn's parts (read by every AI core) and the workspace stay in L2; the AIVs' second read of x
-        # finds the rows their AIC read just before there
+                    to_bytes(post), to_bytes(comb), to_bytes(mix_t), to_bytes(rstd), emulator.workspace(4 * acc_floats), tiling]
+        # fn's parts and the workspace (the accumulators) stay in L2; the AIVs' second read of x finds
+        # the rows the AICs read a round before there
         exe = emu.exe(f"ak_{op}_fwd", 11, cores="mix_1_2", l2_args=(1, 9), l2_vector_reads=(0,))
-        fwd = emulator.run(exe, cube_blocks, fwd_bufs)
+        fwd = emulator.run(exe, aic, fwd_bufs)
         outputs = {"y": from_bytes(fwd_bufs[4], y)}
         if not self.spec.head:
             outputs["post"], outputs["comb"] = from_bytes(fwd_bufs[5], post), from_bytes(fwd_bufs[6], comb)
