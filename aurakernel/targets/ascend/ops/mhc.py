@@ -217,12 +217,16 @@ class MhcAscend(AscendKernel):
                     "FIX": tiles * 2 * issue + rows * (n + 16) * 4 / p.fix_bytes_per_cycle}
 
         def aiv(lanes, ch):
-            """An AIV's round: its mix and square rows in, the head (issue-bound: ~400 instructions on its
-            vectors), then per token y = sum_i pre_i x_i a pass-2 chunk at a time: x's HC rows of the chunk
-            from L2 (each chunk's copy latency exposed), a cast and an Axpy per element, y out."""
+            """An AIV's round: its mix and square rows in, the head (issue-bound: ~330 instructions on one
+            repeat or a few), then per token y = sum_i pre_i x_i a pass-2 chunk at a time: x's HC rows of
+            the chunk from L2, a cast and a multiply-add per element and stream (2 HC + 1 vector ops), y
+            out; double buffered, so a token costs the slowest of the three."""
             hr = rounds(lanes)[2]
             chunks = -(-f.d // self.pass2_chunk(ch, f.hc))
-            return 2 * lat + 400 * issue + hr * (chunks * (lat + issue) + w * e / l2 + f.d * e / rate + 2 * w / 64) + lat
+            x_in = chunks * lat + w * e / l2
+            vector = chunks * (2 * f.hc + 1) * issue + (2 * f.hc + 1) * f.d * 4 / 256
+            y_out = chunks * lat + f.d * e / rate
+            return 3 * lat + 330 * (issue + 3) + hr * (max(x_in, vector, y_out) + 4 * issue)
 
         fwd_ub = self._ub(problem)[0]
         knobs = ("cube_groups", "cube_k0", "head_lanes")
