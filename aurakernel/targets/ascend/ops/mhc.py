@@ -278,7 +278,7 @@ class MhcAscend(AscendKernel):
 
     def head_phase(self, problem: Problem, hw: HardwareProfile, domains: dict) -> Phase:
         """bwd_head on the vector cores, which has no knob of its own (its column tile, head_col_tile, and
-        its 16-token blocks are fixed): per token and column tile x's HC stream rows and dy in (two copies),
+        its 16-token blocks are fixed): per head_tokens tokens and column tile x's HC stream rows and dy in (two copies),
         a cast of each element, x . dy's product and fold per x element (d_pre); per block its saved mixes,
         rstd (and d_post and d_comb, transposed by a Gather) in, the head in reverse but for the
         pre sigmoids (reverse_instrs) dealt out between the block's own d_pre copies, then, exposed, the
@@ -289,17 +289,19 @@ class MhcAscend(AscendKernel):
         rb, bd = row_split(rows, hw.cores)
         p = hw.ascend_pipes(bd)
         lat, issue = p.mte_latency, p.vec_issue
-        dct = min(d, self.head_col_tile(problem, self.col_tiles(problem)[0]))
+        tile = self.head_col_tile(problem, self.col_tiles(problem)[0])
+        dct, tp = min(d, tile), self.head_tokens(problem, tile)
         pairs, blocks = rb * -(-d // dct), -(-rb // self.ROW_BLOCK)
+        copies = -(-rb // tp) * -(-d // dct)   # x's and dy's copies, each of tp tokens
         cast = 1 if e < 4 else 0
-        copy = 2 * lat + (hc + 1) * dct * e / p.mte_bytes_per_cycle
+        copy = 2 * lat + tp * (hc + 1) * dct * e / p.mte_bytes_per_cycle
         loads = 2 if head else 4
         gather = (hc + hc * hc) * self.ROW_BLOCK * 4 / 256   # d_post and d_comb's transposing Gather, in repeats
         tail = 5 * hc + 2 * n + 12                           # the tail's instructions (needs d_pre)
         exposed = (tail * (issue + 1)
                    + loads * lat + (0 if head else 2 * issue + gather * (1 + p.vec_slow_factor))   # the load
                    + 2 * lat + 10 * issue)                                                          # the coefficients out
-        cycles = {"MTE2": pairs * copy + blocks * loads * lat,
+        cycles = {"MTE2": copies * copy + blocks * loads * lat,
                   "MTE3": blocks * 2 * lat,
                   "Vector": pairs * ((cast + hc * (1 + cast) + 2) * issue + (cast + hc * (2 + cast)) * dct / 64)
                             + blocks * (self.reverse_instrs() + tail) * (issue + 1) + 2 * (n + 8) * issue}
@@ -372,13 +374,21 @@ class MhcAscend(AscendKernel):
         return Phase("backward", pipes, [cells.tile_fill(), cells.launch()]), constraints
 
     def head_col_tile(self, problem: Problem, col_tile: int) -> int:
-        """bwd_head's column tile: with the Cube backward 2048 (a whole 512 B-aligned multiple of 64 whose
-        HC x tile / 64 partial sums fold in one WholeReduceSum; fewer, larger copies of x and dy), capped
-        at the stream width rounded up to 512; else the vector backward's col_tile."""
+        """bwd_head's column tile: with the Cube backward a whole 512 B-aligned multiple of 64 whose HC x
+        tile / 64 partial sums fold in one WholeReduceSum, 2048 for mhc_head and 1024 for mhc_pre (whose
+        comb's Sinkhorn states take 51 KB of the UB), capped at the stream width rounded up to 512; else
+        the vector backward's col_tile. head_tokens of them come in one copy."""
         if not self.cube_backward(problem):
             return col_tile
         hc, d = problem.shape[1], problem.shape[2]
-        return min(2048, -(-d // 512) * 512, 255 // hc * 64 // 512 * 512)
+        return min(2048 if self.spec.head else 1024, -(-d // 512) * 512, 255 // hc * 64 // 512 * 512)
+
+    @staticmethod
+    def head_tokens(problem: Problem, head_col_tile: int) -> int:
+        """bwd_head's tokens per copy of x (and of dy): a copy's latency shared by up to 4 tokens, the
+        copy at most 32 KB (two of them in flight beside the head's state)."""
+        hc, e = problem.shape[1], problem.dtype.itemsize
+        return max(1, min(4, 32768 // (hc * head_col_tile * e)))
 
     @staticmethod
     def x_stays_in_l2(problem: Problem, hw: HardwareProfile) -> bool:
@@ -453,6 +463,7 @@ class MhcAscend(AscendKernel):
                 "bwd_k": int(knobs.get("bwd_k", 128)),
                 "bwd_k0": self.bwd_k0(self.spec.nout(hc), int(knobs.get("bwd_groups", 1)), int(knobs.get("bwd_k", 128))),
                 "head_col_tile": self.head_col_tile(problem, col_tile),
+                "head_tokens": self.head_tokens(problem, self.head_col_tile(problem, col_tile)),
                 "bwd_prefetch": bwd["prefetch"], "bwd_in_buffers": bwd["in_buffers"],
                 "bwd_out_buffers": bwd["out_buffers"]}
 
