@@ -336,6 +336,7 @@ class MhcAscend(AscendKernel):
             tiles = -(-col_tiles // f.cores)                  # the busiest AI core's column tiles
             supers, steps = -(-rows // bgt), -(-bk // bk0)
             units = tiles * supers
+            windows = -(-supers // (512 // bgt))             # the AIVs' windows of resident scalars
             nb, tok = min(g, -(-rows // tr)), min(bgt, rows)
             a_mte1 = (3 * nb + 2 * m1) * issue + (tok * 3 * n16 + 2 * n16 * tok) * e / p.mte1_bytes_per_cycle
             step_mte1 = (3 * m1 + nb) * issue + (3 * n16 * bk0 + tok * bk0) * e / p.mte1_bytes_per_cycle
@@ -347,10 +348,11 @@ class MhcAscend(AscendKernel):
                     # dn into L2 at the Fixpipe's rate per step; the tile's d_fn once, at the core's HBM share
                     "FIX": units * hc * steps * (issue + tok * bk0 * 4 / p.fix_bytes_per_cycle)
                            + tiles * hc * (issue + n * bk * 4 / min(p.fix_bytes_per_cycle, rate)),
-                    # per AIV and super-tile: dn (L2), x (L2), dy and the scalars in, dx out, one copy each;
+                    # per AIV and super-tile: dn (L2), x (L2) and dy in, dx out, one copy each (the scalars
+                    # come a window of 512 tokens a copy, once for every tile where the tokens fit one);
                     # 8 fp32 passes per x element, 2 per dy element, the scalars' Brcb
-                    "AIV MTE2": units * (4 * lat + mine * hc * bk * (4 / l2 + e / l2) + mine * bk * e / rate
-                                         + (hc + 2) * mine * 4 / l2),
+                    "AIV MTE2": units * (3 * lat + mine * hc * bk * (4 / l2 + e / l2) + mine * bk * e / rate)
+                                + (lat + (hc + 2) * 512 * 4 / l2) * windows * (1 if windows == 1 else tiles),
                     "AIV MTE3": units * (lat + mine * hc * bk * e / rate),
                     "Vector": units * (mine * (hc * bk * 8 + bk * 2) / 64 + issue * (hc + 12 + 5 * hc * bk / 64)),
                     "tile": units}
