@@ -40,6 +40,7 @@ SPREAD_TESTS = True   # no shared fixtures: xdist spreads these long emulator ca
     ("mhc_pre", "default", "60x4x4096", "bf16"),        # V4-Flash: 4 streams of 4096 against fn's column tiles
     ("mhc_pre", "default", "52x4x7168", "bf16"),        # V4-Pro
     ("mhc_head", "default", "60x4x4096", "bf16"),       # the same template, hc pre weights only
+    ("mhc_pre", "default", "40x4x1024", "fp32"),        # fp32 on the Cube (fn itself, 16 x 8 fractals), the vector backward
     ("router", "topk", "60x256x6", "bf16"),             # V4-Flash: 256 routed experts, top-6
     ("router", "topk", "52x384x6", "bf16"),             # V4-Pro: 384 routed experts, top-6
     ("router", "hash", "60x256x6", "bf16"),             # the hash layers: tid2eid's experts
