@@ -10,6 +10,13 @@ Where the time goes (ascend910b2, 1024 x 4 x 4096 bf16, 43 tokens per AI core; e
   round r + 1 (two rounds at 1024 tokens: the AICs' 20k a round against the AIVs' ~11k): 67k cycles,
   mhc_pre 148.7 -> 129 us (1.96x -> 1.70x of the bound), mhc_head 128 -> 120 us. The x x^T diagonal
   blocks cost the Cube a Mmad and the MTE1 two loads per 16-token group and step (the MTE1 ~32k).
+  Then each tile's x copy goes out before the previous tile's Mmads, across the SyncAlls too (the
+  AIC's MTE2, ~41k of x at its HBM share, runs without a gap), and the head's softmax, sigmoids and
+  rstd scaling run as whole-matrix ops by row groups (~130 fewer instructions a head): 60k cycles,
+  three rounds of 8 tokens per AIV. What is left above the ~47.7k bound is the AIVs' last round
+  (~13k: its head, ~4.5k of issue-bound instructions, and pass 2 at ~0.9k a token), which nothing
+  overlaps; a last round made shorter (whole rounds first) left the middle ones AIV-bound (measured
+  no better).
 - bwd_head (vector): d_pre's pass over x and dy (~67k MTE2, latency-bound at small tiles before the
   2048-column tiles; ~26k vector) and the head in reverse on 16-lane vectors (~41k vector, issue-bound:
   the 20-step Sinkhorn). They ran one after the other per block of 16 tokens (63.3 us); now block b's
@@ -20,7 +27,13 @@ Where the time goes (ascend910b2, 1024 x 4 x 4096 bf16, 43 tokens per AI core; e
   reverse keeps each recomputed normalisation's 1 / (sum + eps) (10 KB of UB), so undoing one needs
   no group sum or Div, and a by-column group op is one instruction repeated over the rows (~41k ->
   ~31k vector cycles; 51.4 us). What is left above the bound: the copies' fixed cost (two per token
-  and column tile, ~18k of the 67k MTE2 cycles) and the last block's reverse (~15k).
+  and column tile, ~18k of the 67k MTE2 cycles) and the last block's reverse (~15k). Now several
+  tokens' x and dy rows come in one copy each (up to 4, 32 KB; mhc_pre at 1024-column tiles, which
+  its Sinkhorn states leave UB for), the softmax backward runs on every row at once (10 instructions
+  a block where there were 76), a token's x rows are cast in one instruction, and the next block's
+  first copy goes out before this block's tail: mhc_pre's bwd_head 77.5k -> 68.3k cycles (vector-
+  bound now, ~55k: the reverse's ~600 issue-bound instructions a block of 16 tokens), mhc_head's
+  -> 60.5k (its MTE2, ~57k).
 - backward (mixed, 16-bit): the AI cores split D's columns (every stream's), so d_fn's columns are
   whole sums written once and dy's columns are read once for the HC streams: ~98k cycles, at the
   busiest AI core's HBM share (3 column tiles of 64 where the even share is 2.67). Splitting the
@@ -30,7 +43,11 @@ Where the time goes (ascend910b2, 1024 x 4 x 4096 bf16, 43 tokens per AI core; e
   bwd_head's whole read of it: where x and dy fit in half the L2 (1024 tokens: 40 of 192 MB; not at
   65536) x is found there (`x_stays_in_l2`), so the launch is no longer bound by HBM traffic but by
   its MTE2 (~81k cycles: the per-super-tile copies): mhc_head 53.3 -> 47.3 us, mhc_pre 53.3 ->
-  47.7 us (1.81x -> 1.73x and 2.18x -> 2.09x of the op's bound).
+  47.7 us (1.81x -> 1.73x and 2.18x -> 2.09x of the op's bound). The AIVs' pre, rstd and k now come
+  a window of 512 tokens a copy (once, for every tile, at 1024 tokens) where each super-tile had its
+  copy: 85.9k -> 83.3k cycles. Per super-tile an AIV still makes three copies (dy from HBM, dn and x
+  from L2: ~1.5k cycles, 600 of them latencies) for 48 super-tiles; folding -k x into dn on the Cube
+  (its x is in L1 already) would drop the x copy, but needs the block-diagonal k as an A operand.
 - the plan: cube_model models all three launches (the forward with its vector side and pass-2 chunk,
   bwd_head, the Cube backward) and predicts each within ~15% of the emulator at 1024 tokens (mhc_pre
   173 us predicted, 158.5 emulated; 538 against 566 at 4096). Row-wise phases beside it had counted the
