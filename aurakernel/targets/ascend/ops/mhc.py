@@ -99,7 +99,7 @@ def fn_parts(fn: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 @dataclass(frozen=True)
 class _CubeFigures:
     """What both Cube models start from: the shape, the element size, W = HC x D, NOUT (and rounded up
-    to whole fractals), the tokens per group, the busiest AI core's tokens, the AI cores and their pipes."""
+    to whole fractals), the tokens per group, the AI cores and their pipes."""
     hc: int
     d: int
     e: int
@@ -107,7 +107,6 @@ class _CubeFigures:
     n: int
     n16: int
     tr: int
-    tpc: int
     cores: int
     p: AscendPipes
 
@@ -188,16 +187,17 @@ class MhcAscend(AscendKernel):
         return problem.dtype.itemsize == 2
 
     def _cube_figures(self, problem: Problem, hw: HardwareProfile) -> _CubeFigures:
-        rows, hc, d = problem.shape
+        _, hc, d = problem.shape
         cores, n = cube_cores(hw), self.spec.nout(hc)
-        return _CubeFigures(hc, d, problem.dtype.itemsize, hc * d, n, -(-n // 16) * 16, self.ROW_BLOCK,
-                            -(-rows // min(rows, cores)), cores, hw.ascend_pipes(cores))
+        return _CubeFigures(hc, d, problem.dtype.itemsize, hc * d, n, -(-n // 16) * 16, self.ROW_BLOCK, cores,
+                            hw.ascend_pipes(cores))
 
     def cube_model(self, problem: Problem, hw: HardwareProfile) -> ChoiceModel:
         """The forward: the AI cores split W's columns (each keeps its slice of fn in L1) and stream every
         token's x over it in tiles of cube_groups x 16 tokens, Mmads of cube_k0 columns; the tokens go in
-        rounds (the fewest that give no AIV more than head_lanes tokens: its head's vector lanes), the AICs' round r + 1 beside the AIVs' head and second pass over round r (from L2, `chunk`
-        columns of W a copy), every core meeting between rounds. With A the AICs' time over every token
+        rounds (the fewest that give no AIV more than head_lanes tokens: its head's vector lanes), the
+        AICs' round r + 1 beside the AIVs' head and second pass over round r (from L2, `chunk` columns of
+        W a copy), every core meeting between rounds. With A the AICs' time over every token
         (their slowest pipe) and V an AIV's per round, rounds R take A / R + (R - 1) max(A / R, V) + V =
         max(A + V, A / R + R V): each AIC pipe carries V beside its own cycles, the AIVs' pipe A / R + R V.
         Then bwd_head (head_phase) and, for 16-bit x, the Cube backward (backward_model)."""
