@@ -341,7 +341,7 @@ class MhcAscend(AscendKernel):
         e, hc, d, n, n16, tr, p = f.e, f.hc, f.d, f.n, f.n16, f.tr, f.p
         rows = problem.shape[0]
         lat, rate, l2, issue = p.mte_latency, p.mte_bytes_per_cycle, p.l2_bytes_per_cycle, p.vec_issue
-        x_rate = l2 if self.x_stays_in_l2(problem, hw) else rate   # the AIC's read of x
+        x_rate = l2 if self.x_stays_in_l2(problem, hw) else rate   # the AIC's read of x, the AIVs' of dy
         m1 = n16 // 16
         domains["bwd_groups"] = [g for g in (1, 2, 3, 4) if g == 1 or (g - 1) * tr < rows]
         domains["bwd_k"] = [k for k in (64, 128, 256) if k == 64 or k // 2 < d]
@@ -368,7 +368,7 @@ class MhcAscend(AscendKernel):
                     # per AIV and super-tile: dn (L2), x (L2) and dy in, dx out, one copy each (the scalars
                     # come a window of 512 tokens a copy, once for every tile where the tokens fit one);
                     # 8 fp32 passes per x element, 2 per dy element, the scalars' Brcb
-                    "AIV MTE2": units * (3 * lat + mine * hc * bk * (4 / l2 + e / l2) + mine * bk * e / rate)
+                    "AIV MTE2": units * (3 * lat + mine * hc * bk * (4 / l2 + e / l2) + mine * bk * e / x_rate)
                                 + (lat + (hc + 2) * 512 * 4 / l2) * windows * (1 if windows == 1 else tiles),
                     "AIV MTE3": units * (lat + mine * hc * bk * e / rate),
                     "Vector": units * (mine * (hc * bk * 8 + bk * 2) / 64 + issue * (hc + 12 + 5 * hc * bk / 64)),
@@ -411,9 +411,9 @@ class MhcAscend(AscendKernel):
 
     @staticmethod
     def x_stays_in_l2(problem: Problem, hw: HardwareProfile) -> bool:
-        """Whether the Cube backward finds x in the L2: bwd_head, launched just before it, read x and dy
+        """Whether the Cube backward finds x and dy in the L2: bwd_head, launched just before it, read both
         whole; where the two fit in half the L2 (V4-Flash at 1024 tokens: 40 of 192 MB) nothing evicts
-        x between the launches. At more tokens the backward reads x from HBM a second time."""
+        them between the launches. At more tokens the backward reads them from HBM a second time."""
         rows, hc, d = problem.shape
         return rows * (hc + 1) * d * problem.dtype.itemsize <= l2_half(hw)
 
@@ -546,8 +546,8 @@ class MhcAscend(AscendKernel):
             d_fn = torch.full((n, w), nan)
             bwd_bufs = [to_bytes(x), to_bytes(dy), fwd_bufs[1], to_bytes(dx), to_bytes(d_fn), head_bufs[8], to_bytes(dn_slots),
                         bytearray(tiling)]
-            x_in_l2 = (0,) if self.x_stays_in_l2(problem, emu.hw) else ()
-            exe = emu.exe(f"ak_{op}_bwd", 8, cores="mix_1_2", l2_args=(*x_in_l2, 2, 5, 6), l2_vector_reads=(0,))
+            in_l2 = (0, 1) if self.x_stays_in_l2(problem, emu.hw) else ()   # x and dy, as bwd_head left them
+            exe = emu.exe(f"ak_{op}_bwd", 8, cores="mix_1_2", l2_args=(*in_l2, 2, 5, 6), l2_vector_reads=(0,))
             bwd = emulator.run(exe, cube_blocks, bwd_bufs)
             d_fn, ws = from_bytes(bwd_bufs[4], d_fn), torch.frombuffer(bwd_bufs[5], dtype=torch.float32)
         else:
