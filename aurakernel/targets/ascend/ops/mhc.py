@@ -153,7 +153,7 @@ class MhcAscend(AscendKernel):
         ncomb = 0 if self.spec.head else hc * hc
         ht = max(self.HEAD_LANES)   # the head's lanes: an AIV's tokens of a round, at most
         # its mix and square rows in, the head vectors, the rows of post and comb for GM, the Gather tables
-        fwd = (n + 8) * ht * 4 + ((n + 1) + 2 * hc + ncomb + 3 * hc) * ht * 4 + 2 * a32(ht * (hc + ncomb) * 4) + a32(n * ht * 4)
+        fwd = (n + 8) * ht * 4 + ((n + 1) + 2 * hc + ncomb + 5 * hc) * ht * 4 + 2 * a32(ht * (hc + ncomb) * 4) + a32(n * ht * 4)
         kcoef = 2 * n + hc + 2
         bwd = 3 * n * ct * 4 + kcoef * tr * 4 + 2 * n * tr * 32 + (32 if e == 4 else 2 * ct * 4)
         return fwd, bwd
