@@ -246,20 +246,19 @@ class MhcAscend(AscendKernel):
             return 3 * lat + 330 * (issue + 3) + hr * (max(x_in, vector, y_out) + 4 * issue)
 
         fwd_ub = self._ub(problem)[0]
-        knobs = ("cube_groups", "cube_k0", "head_lanes")
         clock = hw.clock_ghz * 1e9
-
-        def cap(name, fn, limit, formula):
-            return Constraint(name, Term.of(knobs, domains, fn), limit, formula)
+        cells = CubeCells(("cube_groups", "cube_k0", "head_lanes"), domains, per_core, hw)
+        cap = cells.cap
         constraints = [
-            cap("L1 capacity", lambda g, k0, r: (parts * n16 + 2 * g * 16) * kc * e, p.l1_usable,
+            cap("L1 capacity", lambda g, k0, lanes: (parts * n16 + 2 * g * 16) * kc * e, p.l1_usable,
                 "(parts x NOUT16 + 2 x cube_groups x 16) x the core's columns x elem (fn's slice, x double buffered)"),
-            cap("L0A capacity", lambda g, k0, r: 2 * g * 16 * k0 * e, p.l0a_bytes, "2 x cube_groups x 16 x cube_k0 x elem"),
-            cap("L0B capacity", lambda g, k0, r: 2 * (parts * n16 + g * 16) * k0 * e, p.l0b_bytes,
+            cap("L0A capacity", lambda g, k0, lanes: 2 * g * 16 * k0 * e, p.l0a_bytes, "2 x cube_groups x 16 x cube_k0 x elem"),
+            cap("L0B capacity", lambda g, k0, lanes: 2 * (parts * n16 + g * 16) * k0 * e, p.l0b_bytes,
                 "2 x (parts x NOUT16 + cube_groups x 16) x cube_k0 x elem (fn^T and the groups' x^T)"),
-            cap("L0C capacity", lambda g, k0, r: 2 * (n16 + 16) * g * 16 * 4, p.l0c_bytes,
+            cap("L0C capacity", lambda g, k0, lanes: 2 * (n16 + 16) * g * 16 * 4, p.l0c_bytes,
                 "2 x (NOUT16 + 16) x cube_groups x 16 fp32 (the mixes and the groups' x x^T)"),
-            cap("Mmad step", lambda g, k0, r: (k0 // c0) * (n16 // 16) / 255, 1, "cube_k0 / C0 x NOUT16 / 16 <= 255 (fn^T in one LoadData)"),
+            cap("Mmad step", lambda g, k0, lanes: (k0 // c0) * (n16 // 16) / 255, 1,
+                "cube_k0 / C0 x NOUT16 / 16 <= 255 (fn^T in one LoadData)"),
             # the AIVs read x again from L2: the round the AICs read before, beside the one they read now
             cap("L2 reuse", lambda g, k0, lanes: 2 * rounds(lanes)[1] * w * e, l2_half(hw), "2 x a round's tokens x W x elem <= L2 / 2"),
             Constraint("forward UB capacity",
@@ -267,14 +266,13 @@ class MhcAscend(AscendKernel):
                        "the AIV's head buffers + 2 x (HC + 1) x chunk / HC x elem (x in, y out) + 2 x chunk / HC fp32"),
         ]
         aic = ("MTE2", "MTE1", "Cube", "FIX")
-        pipes = {pipe: [Term.of(knobs, domains, lambda g, k0, r, pipe=pipe: per_core(g, k0, r)[pipe] / clock),
-                        Term.of(("head_lanes", "chunk"), domains, lambda lanes, ch: aiv(lanes, ch) / clock)] for pipe in aic}
-        pipes["AIV"] = [Term.of(knobs, domains, lambda g, k0, lanes: max(per_core(g, k0, lanes)[q] for q in aic) / rounds(lanes)[0] / clock),
+        round_aiv = Term.of(("head_lanes", "chunk"), domains, lambda lanes, ch: aiv(lanes, ch) / clock)
+        pipes = {pipe: terms + [round_aiv] for pipe, terms in cells.pipes(aic).items()}
+        pipes["AIV"] = [cells.seconds(lambda g, k0, lanes: max(per_core(g, k0, lanes)[q] for q in aic) / rounds(lanes)[0]),
                         Term.of(("head_lanes", "chunk"), domains, lambda lanes, ch: rounds(lanes)[0] * aiv(lanes, ch) / clock)]
         # before round 0: fn's slice into L1 (from L2) beside the AIVs' zeroing of the accumulators
         setup = Term.of(("cube_blocks",), domains, lambda bd: (2 * lat + parts * n * kc * e / l2) / clock)
-        launch = Term.of(("cube_blocks",), domains, lambda bd: hw.call_overhead_us * 1e-6)
-        forward = Phase("forward", pipes, [setup, launch])
+        forward = Phase("forward", pipes, [setup, cells.launch()])
         model = self.cube_choice_model(problem, hw, domains, forward, constraints)
         model.phases.insert(1, self.head_phase(problem, hw, domains))
         return model
@@ -449,9 +447,9 @@ class MhcAscend(AscendKernel):
     @staticmethod
     def forward_rounds(rows: int, nout: int, lanes: int, aic: int) -> tuple[int, int, int]:
         """The forward's rounds as the kernel's host and binding make them: the fewest that give no vector
-        core more tokens than the head's `lanes`, the tokens dealt out evenly in whole 16s. (tokens per round, per vector
-        core of a round, the workspace floats of the accumulators: [rows][NOUT] mixes 32 B aligned, then
-        [rows][16] squares)."""
+        core more tokens than the head's `lanes`, the tokens dealt out evenly in whole 16s. Returns the
+        tokens per round, a vector core's tokens of a round (at most), and the workspace floats of the
+        accumulators ([rows][NOUT] mixes 32 B aligned, then [rows][16] squares)."""
         aivs = 2 * aic
         rounds = max(1, -(-rows // (aivs * lanes)))
         round_rows = -(-max(1, -(-rows // rounds)) // 16) * 16   # whole 16s: the Cube's token groups start at them
@@ -512,9 +510,9 @@ class MhcAscend(AscendKernel):
         ws_parts = ws_par + block_dim * 32   # the Cube backward's dmix and c parts: [4][NOUT16][rows] of x's dtype
         ws_end = ws_parts + (-(-4 * n16 * rows * x.element_size() // 32) * 8 if on_cube else 0)
         aic = int(knobs["cube_blocks"])   # the forward's AI cores split W's columns, whatever the tokens
-        round_rows, head_rows, acc_floats = self.forward_rounds(rows, n, int(knobs["head_lanes"]), aic)
-        tiling = bytearray(struct.pack("<7I3f4I", rows, d, block_rows, -(-d // knobs["col_tile"]), self.pass2_chunk(knobs["chunk"], hc), ws_dfn,
-                                       ws_par, EPS, EPS, 1.0 / w, cube_rows, ws_parts, round_rows, head_rows))
+        round_rows, _, acc_floats = self.forward_rounds(rows, n, int(knobs["head_lanes"]), aic)
+        tiling = bytearray(struct.pack("<7I3f3I", rows, d, block_rows, -(-d // knobs["col_tile"]), self.pass2_chunk(knobs["chunk"], hc), ws_dfn,
+                                       ws_par, EPS, EPS, 1.0 / w, cube_rows, ws_parts, round_rows))
         fn, base = inputs["fn"].float().contiguous(), inputs["base"].float().contiguous()
         scale = inputs["scale"].float().contiguous()
         nan = float("nan")
@@ -534,7 +532,7 @@ class MhcAscend(AscendKernel):
         dy = grad_out["y"].to(x.dtype).contiguous()
         d_post = (grad_out["post"] if "post" in grad_out else torch.zeros(rows, hc)).float().contiguous()
         d_comb = (grad_out["comb"] if "comb" in grad_out else torch.zeros(rows, hc, hc)).float().contiguous()
-        workspace = bytearray(torch.full((ws_end,), nan).numpy().tobytes())
+        workspace = emulator.workspace(4 * ws_end)
         head_bufs = [to_bytes(x), to_bytes(dy), to_bytes(base), to_bytes(scale), to_bytes(mix_t), to_bytes(rstd),
                      to_bytes(d_post), to_bytes(d_comb), workspace, bytearray(tiling)]
         bwd_head = emulator.run(emu.exe(f"ak_{op}_bwd_head", 10), block_dim, head_bufs)
@@ -542,9 +540,9 @@ class MhcAscend(AscendKernel):
         if on_cube:   # a mixed kernel: fn's parts (read by every AI core), the workspace (bwd_head's coefficients
             # and parts, read per column tile) and dn's two slots per AI core in L2, x's second read (the AIVs') too;
             # x itself where bwd_head's read of it stays in the L2 until this launch
-            dn_slots = torch.full((cube_blocks * 2 * knobs["bwd_groups"] * self.ROW_BLOCK * hc * knobs["bwd_k"],), nan)
+            dn_slots = emulator.workspace(4 * cube_blocks * 2 * knobs["bwd_groups"] * self.ROW_BLOCK * hc * knobs["bwd_k"])
             d_fn = torch.full((n, w), nan)
-            bwd_bufs = [to_bytes(x), to_bytes(dy), fwd_bufs[1], to_bytes(dx), to_bytes(d_fn), head_bufs[8], to_bytes(dn_slots),
+            bwd_bufs = [to_bytes(x), to_bytes(dy), fwd_bufs[1], to_bytes(dx), to_bytes(d_fn), head_bufs[8], dn_slots,
                         bytearray(tiling)]
             in_l2 = (0, 1) if self.x_stays_in_l2(problem, emu.hw) else ()   # x and dy, as bwd_head left them
             exe = emu.exe(f"ak_{op}_bwd", 8, cores="mix_1_2", l2_args=(*in_l2, 2, 5, 6), l2_vector_reads=(0,))
