@@ -45,9 +45,17 @@ Where the time goes (ascend910b2, 1024 x 4 x 4096 bf16, 43 tokens per AI core; e
   its MTE2 (~81k cycles: the per-super-tile copies): mhc_head 53.3 -> 47.3 us, mhc_pre 53.3 ->
   47.7 us (1.81x -> 1.73x and 2.18x -> 2.09x of the op's bound). The AIVs' pre, rstd and k now come
   a window of 512 tokens a copy (once, for every tile, at 1024 tokens) where each super-tile had its
-  copy: 85.9k -> 83.3k cycles. Per super-tile an AIV still makes three copies (dy from HBM, dn and x
-  from L2: ~1.5k cycles, 600 of them latencies) for 48 super-tiles; folding -k x into dn on the Cube
-  (its x is in L1 already) would drop the x copy, but needs the block-diagonal k as an A operand.
+  copy: 85.9k -> 83.3k cycles. Per super-tile an AIV still made three copies (dy from HBM, dn and x
+  from L2: ~1.5k cycles, 600 of them latencies) for 48 super-tiles, its MTE2 ~71k of the 80k. Now the
+  Cube makes g = rstd dn - k x itself: dn's A is c = dmix rstd (the parts d_fn uses), and -k x is one
+  more Mmad over the super-tile's tokens, diag(-k) x, with x's B already in L0B and diag(-k) as rows
+  of the parts bwd_head writes (token t's -k in row t mod the super-tile's tokens), so the AIVs read
+  no x (mhc_pre 80.3k -> 67.1k cycles; mhc_head 79.7k -> 57.2k, then paced by the AIC's MTE2); the
+  parts stay in L1 for the core's later column tiles where they fit (eight buffers, each one copy in
+  the first tile: mhc_head 54.8k); the AIVs split a tile's columns, not its tokens, so an AIV's dy
+  rows of four super-tiles are contiguous and come in one copy (mhc_head 50.9k, fwd+bwd 90.6 us,
+  1.23x of the HBM bound). mhc_pre's backward is paced by the AIC's MTE1 (55k: fn's B loaded per
+  super-tile and stream) and Cube (52k, -k x's Mmad a quarter of it): 67.5k.
 - the plan: cube_model models all three launches (the forward with its vector side and pass-2 chunk,
   bwd_head, the Cube backward) and predicts each within ~15% of the emulator at 1024 tokens (mhc_pre
   173 us predicted, 158.5 emulated; 538 against 566 at 4096). Row-wise phases beside it had counted the
@@ -331,9 +339,10 @@ class MhcAscend(AscendKernel):
         """The Cube backward's tiling: D's column tiles of bwd_k (every stream's) dealt out to the AI cores
         (fn's parts into L1 once per tile, d_fn's columns accumulated in L0C over every token and written
         once, dy's columns read once for the HC streams), every token through each tile in super-tiles
-        of bwd_groups x 16 (their coefficient parts from L2 and x rows into L1; Mmad steps of bwd_k0
-        columns): per super-tile the AIC's loads, the dn and d_fn Mmads, dn's Fixpipes; the AIVs' read
-        of dn, x, dy and the tokens' scalars (one copy each) and dx = rstd dn + pre dy - k x. Objective:
+        of bwd_groups x 16 (their parts from L2 and x rows into L1; Mmad steps of bwd_k0 columns): per
+        super-tile the AIC's loads, the Mmads of g = rstd dn - k x (the -k x one over the super-tile's
+        tokens: diag(-k) x) and of d_fn, g's Fixpipes; the AIVs' read of g and dy (one copy each) and
+        dx = g + pre dy. Objective:
         the slowest pipe of the AI core with the most tiles, plus one super-tile's fill and the launch."""
         f = self._cube_figures(problem, hw)
         e, hc, d, n, n16, tr, p = f.e, f.hc, f.d, f.n, f.n16, f.tr, f.p
@@ -346,46 +355,49 @@ class MhcAscend(AscendKernel):
 
         @functools.cache
         def per_core(g, bk):
-            bgt, bk0 = g * tr, self.bwd_k0(n, g, bk)
+            bgt, bk0, prows = g * tr, self.bwd_k0(n, g, bk), self.parts_rows(n, g)
             col_tiles = -(-d // bk)
             tiles = -(-col_tiles // f.cores)                  # the busiest AI core's column tiles
             supers, steps = -(-rows // bgt), -(-bk // bk0)
             units = tiles * supers
             windows = -(-supers // (512 // bgt))             # the AIVs' windows of resident scalars
             nb, tok = min(g, -(-rows // tr)), min(bgt, rows)
-            a_mte1 = (3 * nb + 2 * m1) * issue + (tok * 3 * n16 + 2 * n16 * tok) * e / p.mte1_bytes_per_cycle
+            # per super-tile A: g's [ch | ch | cl], d_fn's ch^T and cl^T, diag(-k)
+            a_mte1 = (4 * nb + 2 * m1) * issue + (tok * 3 * n16 + 2 * n16 * tok + tok * nb * 16) * e / p.mte1_bytes_per_cycle
             step_mte1 = (3 * m1 + nb) * issue + (3 * n16 * bk0 + tok * bk0) * e / p.mte1_bytes_per_cycle
-            step_cube = 3 * issue + (nb * 16 * bk0 * 3 * n16 + 2 * n16 * bk0 * nb * 16) / p.cube_macs_16bit
+            step_cube = 4 * issue + (nb * 16 * bk0 * (3 * n16 + nb * 16) + 2 * n16 * bk0 * nb * 16) / p.cube_macs_16bit
             mine = -(-tok // 2)
-            return {"MTE2": tiles * (lat + hc * 2 * n16 * bk * e / l2)
-                            + units * (2 * lat + 4 * n16 * tok * e / l2 + hc * tok * bk * e / x_rate),
+            # the parts come once per super-tile where they stay in L1 (the kernel's test), else per tile too
+            resident = tiles > 1 and 8 * -(-supers // 8) * bgt * prows * e + 2 * hc * (2 * n16 + bgt) * bk * e <= p.l1_usable
+            return {"MTE2": tiles * (lat + hc * 2 * n16 * bk * e / l2) + units * (lat + hc * tok * bk * e / x_rate)
+                            + (min(supers, 8) * lat + supers * prows * tok * e / l2 if resident
+                               else units * (lat + prows * tok * e / l2)),
                     "MTE1": units * (a_mte1 + hc * steps * step_mte1), "Cube": units * hc * steps * step_cube,
                     # dn into L2 at the Fixpipe's rate per step; the tile's d_fn once, at the core's HBM share
                     "FIX": units * hc * steps * (issue + tok * bk0 * 4 / p.fix_bytes_per_cycle)
                            + tiles * hc * (issue + n * bk * 4 / min(p.fix_bytes_per_cycle, rate)),
-                    # per AIV and super-tile: dn (L2), x (L2) and dy in, dx out, one copy each (the scalars
-                    # come a window of 512 tokens a copy, once for every tile where the tokens fit one);
-                    # 8 fp32 passes per x element, 2 per dy element, the scalars' Brcb
-                    "AIV MTE2": units * (3 * lat + mine * hc * bk * (4 / l2 + e / l2) + mine * bk * e / x_rate)
-                                + (lat + (hc + 2) * 512 * 4 / l2) * windows * (1 if windows == 1 else tiles),
+                    # per AIV and super-tile: g (L2) and dy in, dx out, one copy each (pre comes a window
+                    # of 512 tokens a copy, once for every tile where the tokens fit one); 3 fp32 passes
+                    # per x element (pre dy, the add, the store), 2 per dy element, pre's Brcb
+                    "AIV MTE2": units * (2 * lat + mine * hc * bk * 4 / l2 + mine * bk * e / x_rate)
+                                + (lat + hc * 512 * 4 / l2) * windows * (1 if windows == 1 else tiles),
                     "AIV MTE3": units * (lat + mine * hc * bk * e / rate),
-                    "Vector": units * (mine * (hc * bk * 8 + bk * 2) / 64 + issue * (hc + 12 + 5 * hc * bk / 64)),
+                    "Vector": units * (mine * (hc * bk * 3 + bk * 2) / 64 + issue * (hc + 6 + hc * bk / 64)),
                     "tile": units}
         cells = CubeCells(("bwd_groups", "bwd_k"), domains, per_core, hw)
         cap = cells.cap
         constraints = [
-            cap("backward L1 capacity", lambda g, bk: 2 * (4 * n16 * g * tr + hc * (2 * n16 + g * tr) * bk) * e, p.l1_usable,
-                "2 x (4 NOUT16 x 16 bwd_groups + HC x (2 NOUT16 + 16 bwd_groups) x bwd_k) x elem"),
-            cap("backward L0A capacity", lambda g, bk: 2 * (g * tr * 3 * n16 + 2 * n16 * g * tr) * e, p.l0a_bytes,
-                "2 x (16 bwd_groups x 3 NOUT16 + 2 NOUT16 x 16 bwd_groups) x elem (dn's and d_fn's A)"),
+            cap("backward L1 capacity", lambda g, bk: 2 * (self.parts_rows(n, g) * g * tr + hc * (2 * n16 + g * tr) * bk) * e,
+                p.l1_usable, "2 x (parts rows x 16 bwd_groups + HC x (2 NOUT16 + 16 bwd_groups) x bwd_k) x elem"),
+            cap("backward L0A capacity", lambda g, bk: 2 * g * tr * (3 * n16 + 2 * n16 + g * tr) * e, p.l0a_bytes,
+                "2 x 16 bwd_groups x (3 NOUT16 + 2 NOUT16 + 16 bwd_groups) x elem (g's, d_fn's and diag(-k)'s A)"),
             cap("backward L0B capacity", lambda g, bk: 2 * (3 * n16 + g * tr) * self.bwd_k0(n, g, bk) * e, p.l0b_bytes,
                 "2 x (3 NOUT16 + 16 bwd_groups) x bwd_k0 x elem (dn's and d_fn's B, double buffered)"),
             cap("backward L0C capacity", lambda g, bk: (hc * n16 * bk + 2 * g * tr * self.bwd_k0(n, g, bk)) * 4, p.l0c_bytes,
                 "(HC x NOUT16 x bwd_k + 2 x 16 bwd_groups x bwd_k0) x fp32 (the tile's d_fn per stream, dn twice)"),
-            cap("backward UB capacity", lambda g, bk: g * tr // 2 * (hc * bk * (2 * 4 + 4 * e + 4) + bk * (2 * e + 4)
-                                                                      + (hc + 2) * (2 * 4 + 32)),
-                p.ub_usable, "per AIV: 8 tokens x bwd_groups x (HC x bwd_k x (2 dn + x, dx twice + a fp32 row) "
-                             "+ bwd_k x (dy twice + a fp32 row) + their scalars twice and as Brcb blocks)"),
+            cap("backward UB capacity", lambda g, bk: g * tr // 2 * (hc * bk * (2 * 4 + e + 4) + bk * (2 * e + 4) + hc * 32)
+                + hc * 512 * 4, p.ub_usable, "per AIV: 8 tokens x bwd_groups x (HC x bwd_k x (2 g, dx + a fp32 row) "
+                "+ bwd_k x (dy twice + a fp32 row) + pre as Brcb blocks) + a window of 512 tokens' pre"),
         ]
         pipes = cells.pipes(("MTE2", "MTE1", "Cube", "FIX", "AIV MTE2", "AIV MTE3", "Vector"))
         return Phase("backward", pipes, [cells.tile_fill(), cells.launch()]), constraints
@@ -406,6 +418,12 @@ class MhcAscend(AscendKernel):
         copy at most 32 KB (two of them in flight beside the head's state)."""
         hc, e = problem.shape[1], problem.dtype.itemsize
         return max(1, min(4, 32768 // (hc * head_col_tile * e)))
+
+    @staticmethod
+    def parts_rows(nout: int, bwd_groups: int) -> int:
+        """Rows per token of the Cube backward's parts (bwd_head writes them): c = dmix rstd's hi and lo parts
+        (NOUT16 rows each), then the super-tile's rows of diag(-k) (bwd_groups x 16: the token's own holds -k)."""
+        return 2 * (-(-nout // 16) * 16) + bwd_groups * 16
 
     @staticmethod
     def x_stays_in_l2(problem: Problem, hw: HardwareProfile) -> bool:
@@ -484,6 +502,11 @@ class MhcAscend(AscendKernel):
                 "bwd_prefetch": bwd["prefetch"], "bwd_in_buffers": bwd["in_buffers"],
                 "bwd_out_buffers": bwd["out_buffers"]}
 
+    def profile_params(self, problem: Problem, knobs: dict[str, int], hw: HardwareProfile) -> dict:
+        """The Cube backward keeps every super-tile's parts in L1 where they fit (the kernel decides at the
+        run's tokens against the profile's L1)."""
+        return {"l1_bytes": int(hw.ascend_pipes(hw.cores).l1_usable)}
+
     def verification_problems(self, problem: Problem, knobs: dict[str, int]) -> list[Problem]:
         """Tokens that leave a tail core (and a short last token block), and a hidden size whose last
         column tile is short and not a multiple of 16 elements."""
@@ -504,11 +527,11 @@ class MhcAscend(AscendKernel):
         cube_rows, cube_blocks = row_split(rows, knobs["cube_blocks"])
         on_cube = self.cube_backward(problem)
         dfn_blocks = 0 if on_cube else block_dim   # the vector backward's d_fn partials, per core (the Cube's writes d_fn whole)
-        kcoef, n16 = 2 * n + hc + 2, -(-n // 16) * 16
+        kcoef = 2 * n + hc + 2
         ws_dfn = -(-kcoef * rows // 8) * 8
         ws_par = ws_dfn + dfn_blocks * n * w
-        ws_parts = ws_par + block_dim * 32   # the Cube backward's dmix and c parts: [4][NOUT16][rows] of x's dtype
-        ws_end = ws_parts + (-(-4 * n16 * rows * x.element_size() // 32) * 8 if on_cube else 0)
+        ws_parts = ws_par + block_dim * 32   # the Cube backward's parts: [PROWS][rows] of x's dtype
+        ws_end = ws_parts + (-(-self.parts_rows(n, knobs["bwd_groups"]) * rows * x.element_size() // 32) * 8 if on_cube else 0)
         aic = int(knobs["cube_blocks"])   # the forward's AI cores split W's columns, whatever the tokens
         round_rows, _, acc_floats = self.forward_rounds(rows, n, int(knobs["head_lanes"]), aic)
         tiling = bytearray(struct.pack("<7I3f3I", rows, d, block_rows, -(-d // knobs["col_tile"]), self.pass2_chunk(knobs["chunk"], hc), ws_dfn,
@@ -545,7 +568,7 @@ class MhcAscend(AscendKernel):
             bwd_bufs = [to_bytes(x), to_bytes(dy), fwd_bufs[1], to_bytes(dx), to_bytes(d_fn), head_bufs[8], dn_slots,
                         bytearray(tiling)]
             in_l2 = (0, 1) if self.x_stays_in_l2(problem, emu.hw) else ()   # x and dy, as bwd_head left them
-            exe = emu.exe(f"ak_{op}_bwd", 8, cores="mix_1_2", l2_args=(*in_l2, 2, 5, 6), l2_vector_reads=(0,))
+            exe = emu.exe(f"ak_{op}_bwd", 8, cores="mix_1_2", l2_args=(*in_l2, 2, 5, 6))
             bwd = emulator.run(exe, cube_blocks, bwd_bufs)
             d_fn, ws = from_bytes(bwd_bufs[4], d_fn), torch.frombuffer(bwd_bufs[5], dtype=torch.float32)
         else:
