@@ -355,7 +355,7 @@ class MhcAscend(AscendKernel):
 
         @functools.cache
         def per_core(g, bk):
-            bgt, bk0, prows = g * tr, self.bwd_k0(n, g, bk), self.parts_rows(n, g)
+            bgt, bk0, prows = g * tr, self.bwd_k0(hc, n, g, bk), self.parts_rows(n, g)
             col_tiles = -(-d // bk)
             tiles = -(-col_tiles // f.cores)                  # the busiest AI core's column tiles
             supers, steps = -(-rows // bgt), -(-bk // bk0)
@@ -364,15 +364,17 @@ class MhcAscend(AscendKernel):
             nb, tok = min(g, -(-rows // tr)), min(bgt, rows)
             # per super-tile A: g's [ch | ch | cl], d_fn's ch^T and cl^T, diag(-k)
             a_mte1 = (4 * nb + 2 * m1) * issue + (tok * 3 * n16 + 2 * n16 * tok + tok * nb * 16) * e / p.mte1_bytes_per_cycle
-            step_mte1 = (3 * m1 + nb) * issue + (3 * n16 * bk0 + tok * bk0) * e / p.mte1_bytes_per_cycle
-            step_cube = 4 * issue + (nb * 16 * bk0 * (3 * n16 + nb * 16) + 2 * n16 * bk0 * nb * 16) / p.cube_macs_16bit
+            step_mte1 = nb * issue + tok * bk0 * e / p.mte1_bytes_per_cycle   # x's B (fn's stays in L0B for the tile)
+            step_cube = 5 * issue + (nb * 16 * bk0 * (3 * n16 + nb * 16) + 2 * n16 * bk0 * nb * 16) / p.cube_macs_16bit
             mine = -(-tok // 2)
             # the parts come once per super-tile where they stay in L1 (the kernel's test), else per tile too
             resident = tiles > 1 and 8 * -(-supers // 8) * bgt * prows * e + 2 * hc * (2 * n16 + bgt) * bk * e <= p.l1_usable
             return {"MTE2": tiles * (lat + hc * 2 * n16 * bk * e / l2) + units * (lat + hc * tok * bk * e / x_rate)
                             + (min(supers, 8) * lat + supers * prows * tok * e / l2 if resident
                                else units * (lat + prows * tok * e / l2)),
-                    "MTE1": units * (a_mte1 + hc * steps * step_mte1), "Cube": units * hc * steps * step_cube,
+                    "MTE1": units * (a_mte1 + hc * steps * step_mte1)
+                            + tiles * hc * (steps * 2 * m1 * issue + 2 * n16 * bk * e / p.mte1_bytes_per_cycle),
+                    "Cube": units * hc * steps * step_cube,
                     # dn into L2 at the Fixpipe's rate per step; the tile's d_fn once, at the core's HBM share
                     "FIX": units * hc * steps * (issue + tok * bk0 * 4 / p.fix_bytes_per_cycle)
                            + tiles * hc * (issue + n * bk * 4 / min(p.fix_bytes_per_cycle, rate)),
@@ -391,9 +393,9 @@ class MhcAscend(AscendKernel):
                 p.l1_usable, "2 x (parts rows x 16 bwd_groups + HC x (2 NOUT16 + 16 bwd_groups) x bwd_k) x elem"),
             cap("backward L0A capacity", lambda g, bk: 2 * g * tr * (3 * n16 + 2 * n16 + g * tr) * e, p.l0a_bytes,
                 "2 x 16 bwd_groups x (3 NOUT16 + 2 NOUT16 + 16 bwd_groups) x elem (g's, d_fn's and diag(-k)'s A)"),
-            cap("backward L0B capacity", lambda g, bk: 2 * (3 * n16 + g * tr) * self.bwd_k0(n, g, bk) * e, p.l0b_bytes,
-                "2 x (3 NOUT16 + 16 bwd_groups) x bwd_k0 x elem (dn's and d_fn's B, double buffered)"),
-            cap("backward L0C capacity", lambda g, bk: (hc * n16 * bk + 2 * g * tr * self.bwd_k0(n, g, bk)) * 4, p.l0c_bytes,
+            cap("backward L0B capacity", lambda g, bk: (hc * 2 * n16 * bk + 2 * g * tr * self.bwd_k0(hc, n, g, bk)) * e, p.l0b_bytes,
+                "(HC x 2 NOUT16 x bwd_k + 2 x 16 bwd_groups x bwd_k0) x elem (the tile's fn B, resident; x's, double buffered)"),
+            cap("backward L0C capacity", lambda g, bk: (hc * n16 * bk + 2 * g * tr * self.bwd_k0(hc, n, g, bk)) * 4, p.l0c_bytes,
                 "(HC x NOUT16 x bwd_k + 2 x 16 bwd_groups x bwd_k0) x fp32 (the tile's d_fn per stream, dn twice)"),
             cap("backward UB capacity", lambda g, bk: g * tr // 2 * (hc * bk * (2 * 4 + e + 4) + bk * (2 * e + 4) + hc * 32)
                 + hc * 512 * 4, p.ub_usable, "per AIV: 8 tokens x bwd_groups x (HC x bwd_k x (2 g, dx + a fp32 row) "
@@ -434,10 +436,12 @@ class MhcAscend(AscendKernel):
         return rows * (hc + 1) * d * problem.dtype.itemsize <= l2_half(hw)
 
     @staticmethod
-    def bwd_k0(nout: int, groups: int, bwd_k: int) -> int:
-        """Columns per Mmad step of the Cube backward: 128 where dn's and d_fn's B (3 NOUT16 + 16 groups
-        rows of 16-bit) fit L0B's 64 KB twice, else 64; never more than the tile's bwd_k."""
-        return min(bwd_k, 128 if 2 * (3 * -(-nout // 16) * 16 + 16 * groups) * 128 * 2 <= 65536 else 64)
+    def bwd_k0(hc: int, nout: int, groups: int, bwd_k: int) -> int:
+        """Columns per Mmad step of the Cube backward: 128 where x's B (16 groups rows of 16-bit, twice)
+        fits L0B's 64 KB beside the tile's fn B (HC x 2 NOUT16 x bwd_k, resident), else 64; never more
+        than the tile's bwd_k."""
+        fn_b = hc * 2 * -(-nout // 16) * 16 * bwd_k * 2
+        return min(bwd_k, 128 if fn_b + 2 * 16 * groups * 128 * 2 <= 65536 else 64)
 
     def cube_floor(self, problem: Problem) -> dict[str, CubeWork]:
         """The forward's mix projection: NOUT products per x element (rows x W x NOUT MACs)."""
@@ -496,7 +500,7 @@ class MhcAscend(AscendKernel):
                 "cube_groups": groups, "cube_k0": k0, "head_lanes": lanes, "cube_blocks": int(knobs["cube_blocks"]),
                 "cube_backward": self.cube_backward(problem), "bwd_groups": int(knobs.get("bwd_groups", 1)),
                 "bwd_k": int(knobs.get("bwd_k", 128)),
-                "bwd_k0": self.bwd_k0(self.spec.nout(hc), int(knobs.get("bwd_groups", 1)), int(knobs.get("bwd_k", 128))),
+                "bwd_k0": self.bwd_k0(hc, self.spec.nout(hc), int(knobs.get("bwd_groups", 1)), int(knobs.get("bwd_k", 128))),
                 "head_col_tile": self.head_col_tile(problem, col_tile),
                 "head_tokens": self.head_tokens(problem, self.head_col_tile(problem, col_tile)),
                 "bwd_prefetch": bwd["prefetch"], "bwd_in_buffers": bwd["in_buffers"],
