@@ -61,6 +61,14 @@ Where the time goes (ascend910b2, 1024 x 4 x 4096 bf16, 43 tokens per AI core; e
   173 us predicted, 158.5 emulated; 538 against 566 at 4096). Row-wise phases beside it had counted the
   forward's vector side twice and bwd_head at the fp32 backward's cost (642 us predicted), which is
   what `aurakernel profile --target` charged for mHC.
+- bwd_head for 16-bit x is a mixed kernel now: each AI core's Cube computes its tokens' d_pre as the
+  diagonals of x_i dy^T (16-token blocks, L1 tiles of 1024 columns: x's HC streams and dy a copy each,
+  at the AI core's HBM share), and its two vector cores run every other block's head in reverse,
+  waiting for the Cube only before the tail; the diagonals come in one copy and one Gather. The
+  vector cores' d_pre pass (a cast, HC products and folds per element, ~26k cycles) and its two
+  copies per 4 tokens and 1024 columns (~11k of latency) are gone: mhc_pre's bwd_head 67.0k ->
+  56.8k cycles (the AIC's MTE2: x and dy at its HBM share, ~47k, and a copy's latency per tile),
+  mhc_head's 60.3k -> 55.3k; fwd+bwd mhc_pre 96.7 us (1.29x of the bound), mhc_head 87.4 us (1.19x).
 - bwd_head's blocks each run the part of their head in reverse that needs no d_pre (the comb's
   Sinkhorn, its softmax, the post sigmoids: all but the pre sigmoids) under their own d_pre copies,
   where block b - 1's whole reverse ran under block b's and the last block's ran alone (~15.7k cycles):
@@ -309,6 +317,8 @@ class MhcAscend(AscendKernel):
         Time: the busier pipe plus each block's exposed load, tail and copy-out, and one copy's fill."""
         rows, hc, d = problem.shape
         e, n, head = problem.dtype.itemsize, self.spec.nout(hc), self.spec.head
+        if self.cube_backward(problem):
+            return self._mixed_head_phase(problem, hw, domains)
         rb, bd = row_split(rows, hw.cores)
         p = hw.ascend_pipes(bd)
         lat, issue = p.mte_latency, p.vec_issue
@@ -334,6 +344,39 @@ class MhcAscend(AscendKernel):
             return Term.of(("cube_blocks",), domains, lambda _: v / clock)
         return Phase("backward_head", {k: [constant(v)] for k, v in cycles.items()},
                      [constant(blocks * exposed + copy), constant(hw.call_overhead_us * 1e-6 * clock)])
+
+    HEAD_COLS, HEAD_K0_BYTES = 1024, 32768   # the mixed bwd_head's columns of D per L1 tile; x's A per Mmad step
+
+    def _mixed_head_phase(self, problem: Problem, hw: HardwareProfile, domains: dict) -> Phase:
+        """bwd_head for 16-bit x, a mixed kernel: per AI core its tokens, in blocks of 16; its Cube the
+        blocks' d_pre (x_i dy^T over L1 tiles of HEAD_COLS columns, x's HC streams and dy a copy each, at the
+        core's HBM share), its two vector cores every other block's head in reverse (reverse_instrs, the
+        tail) once the Cube's d_pre is out. Time: the AIC's MTE2 (or the busier AIV's vector), plus the last
+        block's last tile on the Cube and its tail on the vector core, and the launch."""
+        rows, hc, d = problem.shape
+        e, n, tr = problem.dtype.itemsize, self.spec.nout(hc), self.ROW_BLOCK
+        f = self._cube_figures(problem, hw)
+        p, cores = f.p, f.cores
+        lat, issue = p.mte_latency, p.vec_issue
+        rb = -(-rows // cores)
+        blocks, chunks = -(-rb // tr), -(-d // self.HEAD_COLS)
+        k0 = self.HEAD_K0_BYTES // (hc * tr * e) // 16 * 16
+        steps = -(-min(d, self.HEAD_COLS) // k0)
+        tile_mte1 = steps * ((hc + 1) * issue + (hc + 1) * tr * k0 * e / p.mte1_bytes_per_cycle)
+        tile_cube = steps * hc * (issue + tr * tr * k0 / p.cube_macs_16bit)
+        tail = 5 * hc + 2 * n + 12                           # the tail's instructions (needs d_pre)
+        loads = 2 if self.spec.head else 4
+        aiv_block = (self.reverse_instrs() + tail + 8) * (issue + 1) + (loads + 3) * lat
+        cycles = {"MTE2": blocks * chunks * 2 * lat + rb * (hc + 1) * d * e / p.mte_bytes_per_cycle,
+                  "MTE1": blocks * chunks * tile_mte1, "Cube": blocks * chunks * tile_cube,
+                  "Vector": -(-blocks // 2) * aiv_block}
+        clock = hw.clock_ghz * 1e9
+
+        def constant(v: float) -> Term:
+            return Term.of(("cube_blocks",), domains, lambda _: v / clock)
+        exposed = tile_mte1 + tile_cube + 2 * lat + (tail + 8) * (issue + 1)
+        return Phase("backward_head", {k: [constant(v)] for k, v in cycles.items()},
+                     [constant(exposed), constant(hw.call_overhead_us * 1e-6 * clock)])
 
     def backward_model(self, problem: Problem, hw: HardwareProfile, domains: dict) -> tuple[Phase, list[Constraint]]:
         """The Cube backward's tiling: D's column tiles of bwd_k (every stream's) dealt out to the AI cores
@@ -503,6 +546,7 @@ class MhcAscend(AscendKernel):
                 "bwd_k0": self.bwd_k0(hc, self.spec.nout(hc), int(knobs.get("bwd_groups", 1)), int(knobs.get("bwd_k", 128))),
                 "head_col_tile": self.head_col_tile(problem, col_tile),
                 "head_tokens": self.head_tokens(problem, self.head_col_tile(problem, col_tile)),
+                "head_cols": self.HEAD_COLS, "head_k0_bytes": self.HEAD_K0_BYTES,
                 "bwd_prefetch": bwd["prefetch"], "bwd_in_buffers": bwd["in_buffers"],
                 "bwd_out_buffers": bwd["out_buffers"]}
 
@@ -534,8 +578,10 @@ class MhcAscend(AscendKernel):
         kcoef = 2 * n + hc + 2
         ws_dfn = -(-kcoef * rows // 8) * 8
         ws_par = ws_dfn + dfn_blocks * n * w
-        ws_parts = ws_par + block_dim * 32   # the Cube backward's parts: [PROWS][rows] of x's dtype
-        ws_end = ws_parts + (-(-self.parts_rows(n, knobs["bwd_groups"]) * rows * x.element_size() // 32) * 8 if on_cube else 0)
+        par_blocks = 2 * cube_blocks if on_cube else block_dim   # bwd_head's vector cores (mixed with 16-bit x)
+        ws_parts = ws_par + par_blocks * 32   # the Cube backward's parts: [PROWS][rows] of x's dtype, then d_pre's blocks
+        ws_end = ws_parts + ((-(-self.parts_rows(n, knobs["bwd_groups"]) * rows * x.element_size() // 32) * 8 + rows * hc * 16)
+                             if on_cube else 0)
         aic = int(knobs["cube_blocks"])   # the forward's AI cores split W's columns, whatever the tokens
         round_rows, _, acc_floats = self.forward_rounds(rows, n, int(knobs["head_lanes"]), aic)
         tiling = bytearray(struct.pack("<7I3f3I", rows, d, block_rows, -(-d // knobs["col_tile"]), self.pass2_chunk(knobs["chunk"], hc), ws_dfn,
@@ -562,7 +608,10 @@ class MhcAscend(AscendKernel):
         workspace = emulator.workspace(4 * ws_end)
         head_bufs = [to_bytes(x), to_bytes(dy), to_bytes(base), to_bytes(scale), to_bytes(mix_t), to_bytes(rstd),
                      to_bytes(d_post), to_bytes(d_comb), workspace, bytearray(tiling)]
-        bwd_head = emulator.run(emu.exe(f"ak_{op}_bwd_head", 10), block_dim, head_bufs)
+        if on_cube:   # mixed: d_pre on the Cube; the workspace (its blocks, the coefficients) in L2
+            bwd_head = emulator.run(emu.exe(f"ak_{op}_bwd_head", 10, cores="mix_1_2", l2_args=(8,)), cube_blocks, head_bufs)
+        else:
+            bwd_head = emulator.run(emu.exe(f"ak_{op}_bwd_head", 10), block_dim, head_bufs)
         dx = torch.full_like(x, nan)
         if on_cube:   # a mixed kernel: fn's parts (read by every AI core), the workspace (bwd_head's coefficients
             # and parts, read per column tile) and dn's two slots per AI core in L2, x's second read (the AIVs') too;
@@ -580,7 +629,7 @@ class MhcAscend(AscendKernel):
             bwd = emulator.run(emu.exe(f"ak_{op}_bwd", 6), block_dim, bwd_bufs)
             ws = torch.frombuffer(bwd_bufs[4], dtype=torch.float32)
             d_fn = ws[ws_dfn:ws_par].view(dfn_blocks, n, w).sum(0).clone()
-        par = ws[ws_par:ws_parts].view(block_dim, 32).sum(0)
+        par = ws[ws_par:ws_parts].view(par_blocks, 32).sum(0)
         grads = {"x": from_bytes(bwd_bufs[3], dx), "fn": d_fn,
                  "base": par[:n].clone(), "scale": par[n:n + (1 if self.spec.head else 3)].clone()}
         return outputs, grads, {"forward": fwd, "backward_head": bwd_head, "backward": bwd}
