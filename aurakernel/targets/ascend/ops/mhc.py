@@ -62,13 +62,17 @@ Where the time goes (ascend910b2, 1024 x 4 x 4096 bf16, 43 tokens per AI core; e
   forward's vector side twice and bwd_head at the fp32 backward's cost (642 us predicted), which is
   what `aurakernel profile --target` charged for mHC.
 - bwd_head for 16-bit x is a mixed kernel now: each AI core's Cube computes its tokens' d_pre as the
-  diagonals of x_i dy^T (16-token blocks, L1 tiles of 1024 columns: x's HC streams and dy a copy each,
-  at the AI core's HBM share), and its two vector cores run every other block's head in reverse,
-  waiting for the Cube only before the tail; the diagonals come in one copy and one Gather. The
-  vector cores' d_pre pass (a cast, HC products and folds per element, ~26k cycles) and its two
-  copies per 4 tokens and 1024 columns (~11k of latency) are gone: mhc_pre's bwd_head 67.0k ->
-  56.8k cycles (the AIC's MTE2: x and dy at its HBM share, ~47k, and a copy's latency per tile),
-  mhc_head's 60.3k -> 55.3k; fwd+bwd mhc_pre 96.7 us (1.29x of the bound), mhc_head 87.4 us (1.19x).
+  diagonals of x_i dy^T (16-token blocks, L1 tiles of head_cols columns, the most that fit twice:
+  1536 on ascend910b2; x's HC streams and dy a copy each, at the AI core's HBM share), and its two
+  vector cores run every other block's head in reverse, waiting for the Cube only before the tail;
+  the diagonals come in one copy and one Gather. The vector cores' d_pre pass (a cast, HC products and
+  folds per element, ~26k cycles) and its two copies per 4 tokens and 1024 columns (~11k of latency)
+  are gone: mhc_pre's bwd_head 67.0k -> 55.6k cycles (the AIC's MTE2: x and dy at its HBM share, ~47k,
+  and a copy's latency per tile), mhc_head's 60.3k -> ~54k; fwd+bwd mhc_pre 96.1 us (1.28x of the
+  bound), mhc_head ~87 us (1.18x). What is left in mhc_pre: the forward's last vector round (~11k
+  after the AICs' last copy: its head, ~4.4k of issue-bound instructions, and pass 2; a fourth round
+  measured the same, 57.1k cycles: each round's head repeats) and the Cube backward's Cube (54.5k,
+  a quarter of it diag(-k) x over the super-tile's tokens).
 - bwd_head's blocks each run the part of their head in reverse that needs no d_pre (the comb's
   Sinkhorn, its softmax, the post sigmoids: all but the pre sigmoids) under their own d_pre copies,
   where block b - 1's whole reverse ran under block b's and the last block's ran alone (~15.7k cycles):
@@ -345,11 +349,19 @@ class MhcAscend(AscendKernel):
         return Phase("backward_head", {k: [constant(v)] for k, v in cycles.items()},
                      [constant(blocks * exposed + copy), constant(hw.call_overhead_us * 1e-6 * clock)])
 
-    HEAD_COLS, HEAD_K0_BYTES = 1024, 32768   # the mixed bwd_head's columns of D per L1 tile; x's A per Mmad step
+    HEAD_K0_BYTES = 32768   # the mixed bwd_head's x A per Mmad step (HC streams of 16 tokens, twice in L0A)
+
+    @staticmethod
+    def head_cols(problem: Problem, hw: HardwareProfile) -> int:
+        """The mixed bwd_head's columns of D per L1 tile: the most (whole 256) whose x (HC streams) and dy
+        rows of a 16-token block fit L1 twice (ascend910b2: 1536 of V4's 4096, three tiles a block)."""
+        _, hc, d = problem.shape
+        cols = hw.ascend_pipes(hw.cores).l1_usable // (2 * (hc + 1) * 16 * problem.dtype.itemsize) // 256 * 256
+        return max(256, min(cols, -(-d // 256) * 256))
 
     def _mixed_head_phase(self, problem: Problem, hw: HardwareProfile, domains: dict) -> Phase:
         """bwd_head for 16-bit x, a mixed kernel: per AI core its tokens, in blocks of 16; its Cube the
-        blocks' d_pre (x_i dy^T over L1 tiles of HEAD_COLS columns, x's HC streams and dy a copy each, at the
+        blocks' d_pre (x_i dy^T over L1 tiles of head_cols columns, x's HC streams and dy a copy each, at the
         core's HBM share), its two vector cores every other block's head in reverse (reverse_instrs, the
         tail) once the Cube's d_pre is out. Time: the AIC's MTE2 (or the busier AIV's vector), plus the last
         block's last tile on the Cube and its tail on the vector core, and the launch."""
@@ -359,9 +371,10 @@ class MhcAscend(AscendKernel):
         p, cores = f.p, f.cores
         lat, issue = p.mte_latency, p.vec_issue
         rb = -(-rows // cores)
-        blocks, chunks = -(-rb // tr), -(-d // self.HEAD_COLS)
+        cols = self.head_cols(problem, hw)
+        blocks, chunks = -(-rb // tr), -(-d // cols)
         k0 = self.HEAD_K0_BYTES // (hc * tr * e) // 16 * 16
-        steps = -(-min(d, self.HEAD_COLS) // k0)
+        steps = -(-min(d, cols) // k0)
         tile_mte1 = steps * ((hc + 1) * issue + (hc + 1) * tr * k0 * e / p.mte1_bytes_per_cycle)
         tile_cube = steps * hc * (issue + tr * tr * k0 / p.cube_macs_16bit)
         tail = 5 * hc + 2 * n + 12                           # the tail's instructions (needs d_pre)
@@ -546,14 +559,14 @@ class MhcAscend(AscendKernel):
                 "bwd_k0": self.bwd_k0(hc, self.spec.nout(hc), int(knobs.get("bwd_groups", 1)), int(knobs.get("bwd_k", 128))),
                 "head_col_tile": self.head_col_tile(problem, col_tile),
                 "head_tokens": self.head_tokens(problem, self.head_col_tile(problem, col_tile)),
-                "head_cols": self.HEAD_COLS, "head_k0_bytes": self.HEAD_K0_BYTES,
+                "head_k0_bytes": self.HEAD_K0_BYTES,
                 "bwd_prefetch": bwd["prefetch"], "bwd_in_buffers": bwd["in_buffers"],
                 "bwd_out_buffers": bwd["out_buffers"]}
 
     def profile_params(self, problem: Problem, knobs: dict[str, int], hw: HardwareProfile) -> dict:
         """The Cube backward keeps every super-tile's parts in L1 where they fit (the kernel decides at the
-        run's tokens against the profile's L1)."""
-        return {"l1_bytes": int(hw.ascend_pipes(hw.cores).l1_usable)}
+        run's tokens against the profile's L1); the mixed bwd_head's L1 tiles (head_cols)."""
+        return {"l1_bytes": int(hw.ascend_pipes(hw.cores).l1_usable), "head_cols": int(self.head_cols(problem, hw))}
 
     def verification_problems(self, problem: Problem, knobs: dict[str, int]) -> list[Problem]:
         """Tokens that leave a tail core (and a short last token block), and a hidden size whose last
