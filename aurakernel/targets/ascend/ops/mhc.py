@@ -72,7 +72,8 @@ Where the time goes (ascend910b2, 1024 x 4 x 4096 bf16, 43 tokens per AI core; e
   bound), mhc_head ~87 us (1.18x). What is left in mhc_pre: the forward's last vector round (~11k
   after the AICs' last copy: its head, ~4.4k of issue-bound instructions, and pass 2; a fourth round
   measured the same, 57.1k cycles: each round's head repeats) and the Cube backward's Cube (54.5k,
-  a quarter of it diag(-k) x over the super-tile's tokens).
+  a quarter of it diag(-k) x over the super-tile's tokens; g is one Mmad, [ch | ch | cl] [fh; fl; fh], with fn's B
+  resident in L0B: 58.3k cycles).
 - bwd_head's blocks each run the part of their head in reverse that needs no d_pre (the comb's
   Sinkhorn, its softmax, the post sigmoids: all but the pre sigmoids) under their own d_pre copies,
   where block b - 1's whole reverse ran under block b's and the last block's ran alone (~15.7k cycles):
@@ -421,7 +422,7 @@ class MhcAscend(AscendKernel):
             # per super-tile A: g's [ch | ch | cl], d_fn's ch^T and cl^T, diag(-k)
             a_mte1 = (4 * nb + 2 * m1) * issue + (tok * 3 * n16 + 2 * n16 * tok + tok * nb * 16) * e / p.mte1_bytes_per_cycle
             step_mte1 = nb * issue + tok * bk0 * e / p.mte1_bytes_per_cycle   # x's B (fn's stays in L0B for the tile)
-            step_cube = 5 * issue + (nb * 16 * bk0 * (3 * n16 + nb * 16) + 2 * n16 * bk0 * nb * 16) / p.cube_macs_16bit
+            step_cube = 4 * issue + (nb * 16 * bk0 * (3 * n16 + nb * 16) + 2 * n16 * bk0 * nb * 16) / p.cube_macs_16bit
             mine = -(-tok // 2)
             # the parts come once per super-tile where they stay in L1 (the kernel's test), else per tile too
             resident = tiles > 1 and 8 * -(-supers // 8) * bgt * prows * e + 2 * hc * (2 * n16 + bgt) * bk * e <= p.l1_usable
@@ -429,7 +430,7 @@ class MhcAscend(AscendKernel):
                             + (min(supers, 8) * lat + supers * prows * tok * e / l2 if resident
                                else units * (lat + prows * tok * e / l2)),
                     "MTE1": units * (a_mte1 + hc * steps * step_mte1)
-                            + tiles * hc * (steps * 2 * m1 * issue + 2 * n16 * bk * e / p.mte1_bytes_per_cycle),
+                            + tiles * hc * (steps * 3 * m1 * issue + 3 * n16 * bk * e / p.mte1_bytes_per_cycle),
                     "Cube": units * hc * steps * step_cube,
                     # dn into L2 at the Fixpipe's rate per step; the tile's d_fn once, at the core's HBM share
                     "FIX": units * hc * steps * (issue + tok * bk0 * 4 / p.fix_bytes_per_cycle)
@@ -449,8 +450,8 @@ class MhcAscend(AscendKernel):
                 p.l1_usable, "2 x (parts rows x 16 bwd_groups + HC x (2 NOUT16 + 16 bwd_groups) x bwd_k) x elem"),
             cap("backward L0A capacity", lambda g, bk: 2 * g * tr * (3 * n16 + 2 * n16 + g * tr) * e, p.l0a_bytes,
                 "2 x 16 bwd_groups x (3 NOUT16 + 2 NOUT16 + 16 bwd_groups) x elem (g's, d_fn's and diag(-k)'s A)"),
-            cap("backward L0B capacity", lambda g, bk: (hc * 2 * n16 * bk + 2 * g * tr * self.bwd_k0(hc, n, g, bk)) * e, p.l0b_bytes,
-                "(HC x 2 NOUT16 x bwd_k + 2 x 16 bwd_groups x bwd_k0) x elem (the tile's fn B, resident; x's, double buffered)"),
+            cap("backward L0B capacity", lambda g, bk: (hc * 3 * n16 * bk + 2 * g * tr * self.bwd_k0(hc, n, g, bk)) * e, p.l0b_bytes,
+                "(HC x 3 NOUT16 x bwd_k + 2 x 16 bwd_groups x bwd_k0) x elem (the tile's fn B, resident; x's, double buffered)"),
             cap("backward L0C capacity", lambda g, bk: (hc * n16 * bk + 2 * g * tr * self.bwd_k0(hc, n, g, bk)) * 4, p.l0c_bytes,
                 "(HC x NOUT16 x bwd_k + 2 x 16 bwd_groups x bwd_k0) x fp32 (the tile's d_fn per stream, dn twice)"),
             cap("backward UB capacity", lambda g, bk: g * tr // 2 * (hc * bk * (2 * 4 + e + 4) + bk * (2 * e + 4) + hc * 32)
@@ -494,9 +495,9 @@ class MhcAscend(AscendKernel):
     @staticmethod
     def bwd_k0(hc: int, nout: int, groups: int, bwd_k: int) -> int:
         """Columns per Mmad step of the Cube backward: 128 where x's B (16 groups rows of 16-bit, twice)
-        fits L0B's 64 KB beside the tile's fn B (HC x 2 NOUT16 x bwd_k, resident), else 64; never more
+        fits L0B's 64 KB beside the tile's fn B (HC x 3 NOUT16 x bwd_k, resident), else 64; never more
         than the tile's bwd_k."""
-        fn_b = hc * 2 * -(-nout // 16) * 16 * bwd_k * 2
+        fn_b = hc * 3 * -(-nout // 16) * 16 * bwd_k * 2
         return min(bwd_k, 128 if fn_b + 2 * 16 * groups * 128 * 2 <= 65536 else 64)
 
     def cube_floor(self, problem: Problem) -> dict[str, CubeWork]:
