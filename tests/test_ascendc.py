@@ -383,6 +383,23 @@ def test_mhc_cube_kernels_over_several_rounds_and_tiles(op, tmp_path):
     assert {"y", "grad_x", "grad_fn"} <= {c.tensor for c in result.checks}
 
 
+def test_mhc_backward_keeps_many_blocks_in_step_between_its_cube_and_vector_cores(tmp_path):
+    """mhc_pre's backward on 2 AI cores at 300 tokens (bf16): each core's bwd_head has 10 blocks of 16
+    tokens, the last short, so its Cube's d_pre runs into the vector cores' flags back (it may lead them
+    by 8 blocks) and each vector core consumes the flags of the other's blocks; the Cube backward's
+    column tiles (several per core) read the parts from L1 after the first tile copied them, and its
+    super-tiles' diag(-k) rows start where a core's tokens do. x's and fn's gradients match the
+    reference, and no wait is left without its flag (a hang would be reported)."""
+    spec = OPS["mhc_pre"]
+    problem = spec.problem("300x4x512", "bf16", "default")
+    knobs = {**ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs").knobs,
+             "cube_blocks": 2, "cube_groups": 1, "head_lanes": 8, "bwd_groups": 2, "bwd_k": 64}
+    emu = ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, tmp_path, HW), HW)
+    result = ascend.verify(spec, [problem], knobs, emu, seeds=(0,))
+    assert result.passed, result.summary
+    assert {"grad_x", "grad_fn", "grad_base", "grad_scale"} <= {c.tensor for c in result.checks}
+
+
 def test_mhc_backward_reads_x_from_the_l2_that_bwd_head_left_it_in(tmp_path, monkeypatch):
     """mhc_head's Cube backward reads x right after bwd_head read it whole: where x and dy fit in half
     the L2, that read is L2 traffic (HBM reads: dy and the small parts, not x); where they do not
@@ -1150,10 +1167,13 @@ def test_a_mixed_kernel_runs_its_cube_and_vector_cores_side_by_side():
     (("KERNEL_TYPE_MIX_AIC_1_2", "KERNEL_TYPE_AIV_ONLY"), "kernel type: declared with 0 AIC and 1 AIV"),
     (("CrossCoreSetFlag<2, PIPE_FIX>(SET_ID);", "for (int i = 0; i < 17; ++i) CrossCoreSetFlag<2, PIPE_FIX>(0);"),
      "counter holds at most 15"),   # the AIVs wait once
+    (("CrossCoreSetFlag<2, PIPE_FIX>(SET_ID);", "CrossCoreSetFlag<2, PIPE_FIX>(0); CrossCoreSetFlag<2, PIPE_FIX>(0);"),
+     "cross-core flags: CrossCoreSetFlag(0) of mode 2 from the AIC of block 0 set 1 more time(s) than AIV 0 of block 0"),
 ])
 def test_mixed_kernel_rules(change, rule):
     """A wait no set can meet hangs (reported, not waited out); flag IDs 0-10; the declared kernel type
-    is the launch; a flag's counter holds 15 sets."""
+    is the launch; a flag's counter holds 15 sets; a launch ends with every flag's sets waited for (a
+    count left in a core's counter would let the next launch's first wait through early)."""
     source = MIX_MATMUL.replace(*change).replace("SET_ID", "0").replace("DONE_ID", "1")
     report, _, _ = _mix_run(source)
     assert not report.ok and rule in report.errors[0], report.errors

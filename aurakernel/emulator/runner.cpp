@@ -252,6 +252,21 @@ int main(int argc, char** argv) {
         });
     }
     for (auto& t : threads) t.join();
+    /* an AIC -> AIV (or AIV -> AIC) flag set more often than its receiver waited for it stays counted in the
+       receiver's flag: the next launch's first waits on it would return before their sets */
+    for (int t = 0; t < nthreads; ++t) {
+        const ak::Core& c = *cores[t];
+        for (int f = 0; f < FLAGS && errors[t].empty(); ++f)
+            for (int u : partners(c, 2)) {
+                const int left = int(g_threads[u].sets[2][f].size()) - g_threads[t].waits[2][f];
+                if (left > 0 && errors[u].empty()) {
+                    errors[t] = "cross-core flags: CrossCoreSetFlag(" + std::to_string(f) + ") of mode 2 from " + core_name(*cores[u]) +
+                                " set " + std::to_string(left) + " more time(s) than " + core_name(c) +
+                                " waited for it: the launch ends with its counter at " + std::to_string(left);
+                    break;
+                }
+            }
+    }
     for (int i = 0; i < nargs; ++i) {
         FILE* f = fopen((dir + "/arg" + std::to_string(i) + ".bin").c_str(), "wb");
         fwrite(g_bufs[i].data, 1, g_bufs[i].size, f);
