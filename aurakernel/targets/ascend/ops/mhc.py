@@ -351,6 +351,8 @@ class MhcAscend(AscendKernel):
                      [constant(blocks * exposed + copy), constant(hw.call_overhead_us * 1e-6 * clock)])
 
     HEAD_K0_BYTES = 32768   # the mixed bwd_head's x A per Mmad step (HC streams of 16 tokens, twice in L0A)
+    RES_PARTS = 8           # the Cube backward's L1 buffers of resident parts (each one copy in the first tile)
+    DY_SUPERS = 4           # the Cube backward's super-tiles of dy rows an AIV's copy brings
 
     @staticmethod
     def head_cols(problem: Problem, hw: HardwareProfile) -> int:
@@ -425,9 +427,10 @@ class MhcAscend(AscendKernel):
             step_cube = 4 * issue + (nb * 16 * bk0 * (3 * n16 + nb * 16) + 2 * n16 * bk0 * nb * 16) / p.cube_macs_16bit
             mine = -(-tok // 2)
             # the parts come once per super-tile where they stay in L1 (the kernel's test), else per tile too
-            resident = tiles > 1 and 8 * -(-supers // 8) * bgt * prows * e + 2 * hc * (2 * n16 + bgt) * bk * e <= p.l1_usable
+            rp = self.RES_PARTS
+            resident = tiles > 1 and rp * -(-supers // rp) * bgt * prows * e + 2 * hc * (2 * n16 + bgt) * bk * e <= p.l1_usable
             return {"MTE2": tiles * (lat + hc * 2 * n16 * bk * e / l2) + units * (lat + hc * tok * bk * e / x_rate)
-                            + (min(supers, 8) * lat + supers * prows * tok * e / l2 if resident
+                            + (min(supers, rp) * lat + supers * prows * tok * e / l2 if resident
                                else units * (lat + prows * tok * e / l2)),
                     "MTE1": units * (a_mte1 + hc * steps * step_mte1)
                             + tiles * hc * (steps * 3 * m1 * issue + 3 * n16 * bk * e / p.mte1_bytes_per_cycle),
@@ -435,10 +438,11 @@ class MhcAscend(AscendKernel):
                     # dn into L2 at the Fixpipe's rate per step; the tile's d_fn once, at the core's HBM share
                     "FIX": units * hc * steps * (issue + tok * bk0 * 4 / p.fix_bytes_per_cycle)
                            + tiles * hc * (issue + n * bk * 4 / min(p.fix_bytes_per_cycle, rate)),
-                    # per AIV and super-tile: g (L2) and dy in, dx out, one copy each (pre comes a window
-                    # of 512 tokens a copy, once for every tile where the tokens fit one); 3 fp32 passes
-                    # per x element (pre dy, the add, the store), 2 per dy element, pre's Brcb
-                    "AIV MTE2": units * (2 * lat + mine * hc * bk * 4 / l2 + mine * bk * e / x_rate)
+                    # per AIV and super-tile (half its columns): g (L2) in and dx out, one copy each, dy a copy
+                    # per DY_SUPERS super-tiles (pre comes a window of 512 tokens a copy, once for every tile
+                    # where the tokens fit one); 3 fp32 passes per x element (pre dy, the add, the store), 2
+                    # per dy element, pre's Brcb
+                    "AIV MTE2": units * (lat * (1 + 1 / self.DY_SUPERS) + mine * hc * bk * 4 / l2 + mine * bk * e / x_rate)
                                 + (lat + hc * 512 * 4 / l2) * windows * (1 if windows == 1 else tiles),
                     "AIV MTE3": units * (lat + mine * hc * bk * e / rate),
                     "Vector": units * (mine * (hc * bk * 3 + bk * 2) / 64 + issue * (hc + 6 + hc * bk / 64)),
@@ -560,7 +564,7 @@ class MhcAscend(AscendKernel):
                 "bwd_k0": self.bwd_k0(hc, self.spec.nout(hc), int(knobs.get("bwd_groups", 1)), int(knobs.get("bwd_k", 128))),
                 "head_col_tile": self.head_col_tile(problem, col_tile),
                 "head_tokens": self.head_tokens(problem, self.head_col_tile(problem, col_tile)),
-                "head_k0_bytes": self.HEAD_K0_BYTES,
+                "head_k0_bytes": self.HEAD_K0_BYTES, "res_parts": self.RES_PARTS, "dy_supers": self.DY_SUPERS,
                 "bwd_prefetch": bwd["prefetch"], "bwd_in_buffers": bwd["in_buffers"],
                 "bwd_out_buffers": bwd["out_buffers"]}
 
