@@ -313,8 +313,8 @@ class MhcAscend(AscendKernel):
         return 0 if self.spec.head else 14 * 4 * ITERS
 
     def head_phase(self, problem: Problem, hw: HardwareProfile, domains: dict) -> Phase:
-        """bwd_head on the vector cores, which has no knob of its own (its column tile, head_col_tile, and
-        its 16-token blocks are fixed): per head_tokens tokens and column tile x's HC stream rows and dy in (two copies),
+        """bwd_head (16-bit x: _mixed_head_phase) on the vector cores, which has no knob of its own (its
+        column tile is the backward's, its 16-token blocks fixed): per head_tokens tokens and column tile x's HC stream rows and dy in (two copies),
         a cast of each element, x . dy's product and fold per x element (d_pre); per block its saved mixes,
         rstd (and d_post and d_comb, transposed by a Gather) in, the head in reverse but for the
         pre sigmoids (reverse_instrs) dealt out between the block's own d_pre copies, then, exposed, the
@@ -327,7 +327,7 @@ class MhcAscend(AscendKernel):
         rb, bd = row_split(rows, hw.cores)
         p = hw.ascend_pipes(bd)
         lat, issue = p.mte_latency, p.vec_issue
-        tile = self.head_col_tile(problem, self.col_tiles(problem)[0])
+        tile = self.col_tiles(problem)[0]
         dct, tp = min(d, tile), self.head_tokens(problem, tile)
         pairs, blocks = rb * -(-d // dct), -(-rb // self.ROW_BLOCK)
         copies = -(-rb // tp) * -(-d // dct)   # x's and dy's copies, each of tp tokens
@@ -335,7 +335,7 @@ class MhcAscend(AscendKernel):
         copy = 2 * lat + tp * (hc + 1) * dct * e / p.mte_bytes_per_cycle
         loads = 2 if head else 4
         gather = (hc + hc * hc) * self.ROW_BLOCK * 4 / 256   # d_post and d_comb's transposing Gather, in repeats
-        tail = 5 * hc + 2 * n + 12                           # the tail's instructions (needs d_pre)
+        tail = self.head_tail_instrs(hc, n)
         exposed = (tail * (issue + 1)
                    + loads * lat + (0 if head else 2 * issue + gather * (1 + p.vec_slow_factor))   # the load
                    + 2 * lat + 10 * issue)                                                          # the coefficients out
@@ -343,12 +343,23 @@ class MhcAscend(AscendKernel):
                   "MTE3": blocks * 2 * lat,
                   "Vector": pairs * ((cast + hc * (1 + cast) + 2) * issue + (cast + hc * (2 + cast)) * dct / 64)
                             + blocks * (self.reverse_instrs() + tail) * (issue + 1) + 2 * (n + 8) * issue}
+        return self._fixed_head_phase(cycles, blocks * exposed + copy, hw, domains)
+
+    @staticmethod
+    def head_tail_instrs(hc: int, nout: int) -> int:
+        """Vector instructions of bwd_head's tail per block, the part that needs d_pre (the pre sigmoids'
+        backward and the coefficients)."""
+        return 5 * hc + 2 * nout + 12
+
+    @staticmethod
+    def _fixed_head_phase(cycles: dict[str, float], exposed: float, hw: HardwareProfile, domains: dict) -> Phase:
+        """bwd_head's phase from its cycles per pipe and what no pipe overlaps (it has no knob of its own)."""
         clock = hw.clock_ghz * 1e9
 
         def constant(v: float) -> Term:
             return Term.of(("cube_blocks",), domains, lambda _: v / clock)
         return Phase("backward_head", {k: [constant(v)] for k, v in cycles.items()},
-                     [constant(blocks * exposed + copy), constant(hw.call_overhead_us * 1e-6 * clock)])
+                     [constant(exposed), constant(hw.call_overhead_us * 1e-6 * clock)])
 
     HEAD_K0_BYTES = 32768   # the mixed bwd_head's x A per Mmad step (HC streams of 16 tokens, twice in L0A)
     RES_PARTS = 8           # the Cube backward's L1 buffers of resident parts (each one copy in the first tile)
@@ -380,19 +391,14 @@ class MhcAscend(AscendKernel):
         steps = -(-min(d, cols) // k0)
         tile_mte1 = steps * ((hc + 1) * issue + (hc + 1) * tr * k0 * e / p.mte1_bytes_per_cycle)
         tile_cube = steps * hc * (issue + tr * tr * k0 / p.cube_macs_16bit)
-        tail = 5 * hc + 2 * n + 12                           # the tail's instructions (needs d_pre)
+        tail = self.head_tail_instrs(hc, n)
         loads = 2 if self.spec.head else 4
         aiv_block = (self.reverse_instrs() + tail + 8) * (issue + 1) + (loads + 3) * lat
         cycles = {"MTE2": blocks * chunks * 2 * lat + rb * (hc + 1) * d * e / p.mte_bytes_per_cycle,
                   "MTE1": blocks * chunks * tile_mte1, "Cube": blocks * chunks * tile_cube,
                   "Vector": -(-blocks // 2) * aiv_block}
-        clock = hw.clock_ghz * 1e9
-
-        def constant(v: float) -> Term:
-            return Term.of(("cube_blocks",), domains, lambda _: v / clock)
         exposed = tile_mte1 + tile_cube + 2 * lat + (tail + 8) * (issue + 1)
-        return Phase("backward_head", {k: [constant(v)] for k, v in cycles.items()},
-                     [constant(exposed), constant(hw.call_overhead_us * 1e-6 * clock)])
+        return self._fixed_head_phase(cycles, exposed, hw, domains)
 
     def backward_model(self, problem: Problem, hw: HardwareProfile, domains: dict) -> tuple[Phase, list[Constraint]]:
         """The Cube backward's tiling: D's column tiles of bwd_k (every stream's) dealt out to the AI cores
@@ -465,22 +471,13 @@ class MhcAscend(AscendKernel):
         pipes = cells.pipes(("MTE2", "MTE1", "Cube", "FIX", "AIV MTE2", "AIV MTE3", "Vector"))
         return Phase("backward", pipes, [cells.tile_fill(), cells.launch()]), constraints
 
-    def head_col_tile(self, problem: Problem, col_tile: int) -> int:
-        """bwd_head's column tile: with the Cube backward a whole 512 B-aligned multiple of 64 whose HC x
-        tile / 64 partial sums fold in one WholeReduceSum, 2048 for mhc_head and 1024 for mhc_pre (whose
-        comb's Sinkhorn states take 51 KB of the UB), capped at the stream width rounded up to 512; else
-        the vector backward's col_tile. head_tokens of them come in one copy."""
-        if not self.cube_backward(problem):
-            return col_tile
-        hc, d = problem.shape[1], problem.shape[2]
-        return min(2048 if self.spec.head else 1024, -(-d // 512) * 512, 255 // hc * 64 // 512 * 512)
-
     @staticmethod
-    def head_tokens(problem: Problem, head_col_tile: int) -> int:
-        """bwd_head's tokens per copy of x (and of dy): a copy's latency shared by up to 4 tokens, the
-        copy at most 32 KB (two of them in flight beside the head's state)."""
+    def head_tokens(problem: Problem, col_tile: int) -> int:
+        """The vector bwd_head's tokens per copy of x (and of dy), in the backward's column tiles: a copy's
+        latency shared by up to 4 tokens, the copy at most 32 KB (two of them in flight beside the head's
+        state)."""
         hc, e = problem.shape[1], problem.dtype.itemsize
-        return max(1, min(4, 32768 // (hc * head_col_tile * e)))
+        return max(1, min(4, 32768 // (hc * col_tile * e)))
 
     @staticmethod
     def parts_rows(nout: int, bwd_groups: int) -> int:
@@ -562,8 +559,8 @@ class MhcAscend(AscendKernel):
                 "cube_backward": self.cube_backward(problem), "bwd_groups": int(knobs.get("bwd_groups", 1)),
                 "bwd_k": int(knobs.get("bwd_k", 128)),
                 "bwd_k0": self.bwd_k0(hc, self.spec.nout(hc), int(knobs.get("bwd_groups", 1)), int(knobs.get("bwd_k", 128))),
-                "head_col_tile": self.head_col_tile(problem, col_tile),
-                "head_tokens": self.head_tokens(problem, self.head_col_tile(problem, col_tile)),
+                "head_tokens": self.head_tokens(problem, col_tile),
+                "parts_rows": self.parts_rows(self.spec.nout(hc), int(knobs.get("bwd_groups", 1))),
                 "head_k0_bytes": self.HEAD_K0_BYTES, "res_parts": self.RES_PARTS, "dy_supers": self.DY_SUPERS,
                 "bwd_prefetch": bwd["prefetch"], "bwd_in_buffers": bwd["in_buffers"],
                 "bwd_out_buffers": bwd["out_buffers"]}
