@@ -216,12 +216,13 @@ class MhcAscend(AscendKernel):
     def cube_model(self, problem: Problem, hw: HardwareProfile) -> ChoiceModel:
         """The forward: the AI cores split W's columns (each keeps its slice of fn in L1) and stream every
         token's x over it in tiles of cube_groups x 16 tokens, Mmads of cube_k0 columns; the tokens go in
-        rounds (the fewest that give no AIV more than head_lanes tokens: its head's vector lanes), the
-        AICs' round r + 1 beside the AIVs' head and second pass over round r (from L2, `chunk` columns of
-        W a copy), every core meeting between rounds. With A the AICs' time over every token
-        (their slowest pipe) and V an AIV's per round, rounds R take A / R + (R - 1) max(A / R, V) + V =
-        max(A + V, A / R + R V): each AIC pipe carries V beside its own cycles, the AIVs' pipe A / R + R V.
-        Then bwd_head (head_phase) and, for 16-bit x, the Cube backward (backward_model)."""
+        rounds (forward_rounds: full ones of head_lanes tokens an AIV, the rest last), the AICs' round
+        r + 1 beside the AIVs' head and second pass over round r (from L2, `chunk` columns of W a copy),
+        every core meeting between rounds. With A the AICs' time over every token (their slowest pipe), V
+        an AIV's per full round and V' its last, rounds R take about max(A + V', A_0 + (R - 1) V + V') (A_0:
+        the AICs' first round): each AIC pipe carries V' beside its own cycles, the AIVs' pipe the rest; exposed besides, what the
+        AIC computes after its last copy (last_tiles). Then bwd_head (head_phase) and, for 16-bit x, the
+        Cube backward (backward_model)."""
         f = self._cube_figures(problem, hw)
         e, w, n, n16, cores, p = f.e, f.w, f.n, f.n16, f.cores, f.p
         rows = problem.shape[0]
@@ -236,35 +237,57 @@ class MhcAscend(AscendKernel):
                    "chunk": [64 << i for i in range(12) if 64 << i < 2 * w]}
 
         def rounds(lanes):
+            """The rounds, their tokens, an AIV's tokens of a full round and of the last."""
             round_rows, per_aiv, _ = self.forward_rounds(rows, n, lanes, cores)
-            return -(-rows // round_rows), round_rows, per_aiv
+            r = -(-rows // round_rows)
+            return r, round_rows, per_aiv, -(-(rows - (r - 1) * round_rows) // (2 * cores))
+
+        def step(ng, k0):
+            """MTE1 and Cube cycles of one Mmad step over ng token groups: the groups' fractals into L0A and
+            L0B (fn^T's parts beside them), then the Mmads."""
+            return ((2 * ng + parts) * issue + (2 * ng * 16 + parts * n16) * k0 * e / p.mte1_bytes_per_cycle,
+                    parts * (issue + ng * 16 * n16 * k0 / macs) + ng * (issue + 256 * k0 / macs))
 
         @functools.cache   # every pipe's term reads the same cell
         def per_core(g, k0, lanes):
-            """An AIC's cycles per pipe over every token: per tile its x rows in, per Mmad step the groups'
-            fractals into L0A and L0B (fn^T's parts beside them) and the Mmads, per tile the atomic Fixpipes."""
-            r, round_rows, _ = rounds(lanes)
+            """An AIC's cycles per pipe over every token: per tile its x rows in, its Mmad steps, its atomic Fixpipes."""
+            r, round_rows, *_ = rounds(lanes)
             tiles = (r - 1) * -(-round_rows // (g * 16)) + -(-(rows - (r - 1) * round_rows) // (g * 16))
             tb = min(g * 16, round_rows)
-            ng, steps = -(-tb // 16), -(-kc // k0)
-            step_mte1 = (2 * ng + parts) * issue + (2 * ng * 16 + parts * n16) * k0 * e / p.mte1_bytes_per_cycle
-            step_cube = parts * (issue + ng * 16 * n16 * k0 / macs) + ng * (issue + 256 * k0 / macs)
+            step_mte1, step_cube = step(-(-tb // 16), k0)
+            steps = -(-kc // k0)
             return {"MTE2": tiles * lat + rows * kc * e / rate,
                     "MTE1": tiles * steps * step_mte1,
                     "Cube": tiles * steps * step_cube,
                     "FIX": tiles * 2 * issue + rows * (n + 16) * 4 / p.fix_bytes_per_cycle}
 
-        def aiv(lanes, ch):
-            """An AIV's round: its mix and square rows in, the head (issue-bound: ~330 instructions on one
-            repeat or a few), then per token y = sum_i pre_i x_i a pass-2 chunk at a time: x's HC rows of
-            the chunk from L2, a cast and a multiply-add per element and stream (2 HC + 1 vector ops), y
-            out; double buffered, so a token costs the slowest of the three."""
-            hr = rounds(lanes)[2]
+        def last_tiles(g, k0, lanes):
+            """What the AIC computes after its last copy, before the last round's SyncAll: the last tile's
+            Mmad steps, and what of the tile before's outlasts that copy (a wide tile before a short one)."""
+            r, round_rows, *_ = rounds(lanes)
+            tb, left = min(g * 16, round_rows), rows - (r - 1) * round_rows
+            last = left - (-(-left // tb) - 1) * tb
+            prev = tb if left > tb or r > 1 else 0
+
+            def compute(n):
+                return -(-kc // k0) * max(step(-(-n // 16), k0)) if n else 0.0
+            return compute(last) + max(0.0, compute(prev) - (lat + last * kc * e / rate))
+
+        # the head's vector instructions, issue-bound on one repeat (ESTIMATE, counted from the emulator's
+        # trace): mhc_pre's four per Sinkhorn normalisation and ~25 more, mhc_head's a sigmoid
+        head_instrs = 12 if self.spec.head else 4 * (2 * ITERS - 1) + 25
+
+        def aiv(lanes, ch, last=False):
+            """An AIV's round (a full one, or the last): its mix and square rows in, the head, then per
+            token y = sum_i pre_i x_i a pass-2 chunk at a time: x's HC rows of the chunk from L2, a cast and
+            a multiply-add per element and stream (2 HC + 1 vector ops), y out; double buffered, so a token
+            costs the slowest of the three."""
+            hr = rounds(lanes)[3 if last else 2]
             chunks = -(-f.d // self.pass2_chunk(ch, f.hc))
             x_in = chunks * lat + w * e / l2
             vector = chunks * (2 * f.hc + 1) * issue + (2 * f.hc + 1) * f.d * 4 / 256
             y_out = chunks * lat + f.d * e / rate
-            return 3 * lat + 330 * (issue + 3) + hr * (max(x_in, vector, y_out) + 4 * issue)
+            return 3 * lat + head_instrs * (issue + 5) + hr * (max(x_in, vector, y_out) + 4 * issue)
 
         fwd_ub = self._ub(problem)[0]
         clock = hw.clock_ghz * 1e9
@@ -287,13 +310,14 @@ class MhcAscend(AscendKernel):
                        "the AIV's head buffers + 2 x (HC + 1) x chunk / HC x elem (x in, y out) + 2 x chunk / HC fp32"),
         ]
         aic = ("MTE2", "MTE1", "Cube", "FIX")
-        round_aiv = Term.of(("head_lanes", "chunk"), domains, lambda lanes, ch: aiv(lanes, ch) / clock)
-        pipes = {pipe: terms + [round_aiv] for pipe, terms in cells.pipes(aic).items()}
-        pipes["AIV"] = [cells.seconds(lambda g, k0, lanes: max(per_core(g, k0, lanes)[q] for q in aic) / rounds(lanes)[0]),
-                        Term.of(("head_lanes", "chunk"), domains, lambda lanes, ch: rounds(lanes)[0] * aiv(lanes, ch) / clock)]
+        last_aiv = Term.of(("head_lanes", "chunk"), domains, lambda lanes, ch: aiv(lanes, ch, last=True) / clock)
+        pipes = {pipe: terms + [last_aiv] for pipe, terms in cells.pipes(aic).items()}
+        pipes["AIV"] = [cells.seconds(lambda g, k0, lanes: max(per_core(g, k0, lanes)[q] for q in aic) * min(1.0, rounds(lanes)[1] / rows)),
+                        Term.of(("head_lanes", "chunk"), domains,
+                                lambda lanes, ch: ((rounds(lanes)[0] - 1) * aiv(lanes, ch) + aiv(lanes, ch, last=True)) / clock)]
         # before round 0: fn's slice into L1 (from L2) beside the AIVs' zeroing of the accumulators
         setup = Term.of(("cube_blocks",), domains, lambda bd: (2 * lat + parts * n * kc * e / l2) / clock)
-        forward = Phase("forward", pipes, [setup, cells.launch()])
+        forward = Phase("forward", pipes, [setup, cells.seconds(last_tiles), cells.launch()])
         model = self.cube_choice_model(problem, hw, domains, forward, constraints)
         model.phases.insert(1, self.head_phase(problem, hw, domains))
         return model
@@ -335,7 +359,7 @@ class MhcAscend(AscendKernel):
         copy = 2 * lat + tp * (hc + 1) * dct * e / p.mte_bytes_per_cycle
         loads = 2 if head else 4
         gather = (hc + hc * hc) * self.ROW_BLOCK * 4 / 256   # d_post and d_comb's transposing Gather, in repeats
-        tail = self.head_tail_instrs(hc, n)
+        tail = self.head_tail_instrs(n)
         exposed = (tail * (issue + 1)
                    + loads * lat + (0 if head else 2 * issue + gather * (1 + p.vec_slow_factor))   # the load
                    + 2 * lat + 10 * issue)                                                          # the coefficients out
@@ -346,10 +370,11 @@ class MhcAscend(AscendKernel):
         return self._fixed_head_phase(cycles, blocks * exposed + copy, hw, domains)
 
     @staticmethod
-    def head_tail_instrs(hc: int, nout: int) -> int:
+    def head_tail_instrs(nout: int) -> int:
         """Vector instructions of bwd_head's tail per block, the part that needs d_pre (the pre sigmoids'
-        backward and the coefficients)."""
-        return 5 * hc + 2 * nout + 12
+        backward and the coefficients: whole-block ops, but for k's sum over the NOUT vectors, a fold in
+        halves)."""
+        return 22 + (nout - 1).bit_length()
 
     @staticmethod
     def _fixed_head_phase(cycles: dict[str, float], exposed: float, hw: HardwareProfile, domains: dict) -> Phase:
@@ -391,7 +416,7 @@ class MhcAscend(AscendKernel):
         steps = -(-min(d, cols) // k0)
         tile_mte1 = steps * ((hc + 1) * issue + (hc + 1) * tr * k0 * e / p.mte1_bytes_per_cycle)
         tile_cube = steps * hc * (issue + tr * tr * k0 / p.cube_macs_16bit)
-        tail = self.head_tail_instrs(hc, n)
+        tail = self.head_tail_instrs(n)
         loads = 2 if self.spec.head else 4
         aiv_block = (self.reverse_instrs() + tail + 8) * (issue + 1) + (loads + 3) * lat
         cycles = {"MTE2": blocks * chunks * 2 * lat + rb * (hc + 1) * d * e / p.mte_bytes_per_cycle,
@@ -526,13 +551,15 @@ class MhcAscend(AscendKernel):
 
     @staticmethod
     def forward_rounds(rows: int, nout: int, lanes: int, aic: int) -> tuple[int, int, int]:
-        """The forward's rounds as the kernel's host and binding make them: the fewest that give no vector
-        core more tokens than the head's `lanes`, the tokens dealt out evenly in whole 16s. Returns the
-        tokens per round, a vector core's tokens of a round (at most), and the workspace floats of the
-        accumulators ([rows][NOUT] mixes 32 B aligned, then [rows][16] squares)."""
+        """The forward's rounds as the kernel's host and binding make them: full ones (`lanes` tokens a
+        vector core, whole 16s), the rest last, so the last round's head and second pass, which run after
+        the Cube's last tile, are the shortest (1024 V4 tokens: 384, 384, 256 where even rounds of 352,
+        352, 320 took 55.4k cycles against 54.3k); one round of every token where they fit. Returns the
+        tokens per round, a vector core's tokens of a full round (at most), and the workspace floats of
+        the accumulators ([rows][NOUT] mixes 32 B aligned, then [rows][16] squares)."""
         aivs = 2 * aic
-        rounds = max(1, -(-rows // (aivs * lanes)))
-        round_rows = -(-max(1, -(-rows // rounds)) // 16) * 16   # whole 16s: the Cube's token groups start at them
+        full = aivs * lanes // 16 * 16   # whole 16s: the Cube's token groups start at them
+        round_rows = full if rows > full else -(-max(1, rows) // 16) * 16
         return round_rows, -(-round_rows // aivs), -(-rows * nout // 8) * 8 + rows * 16
 
     @staticmethod
