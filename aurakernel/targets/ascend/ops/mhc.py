@@ -218,11 +218,11 @@ class MhcAscend(AscendKernel):
         token's x over it in tiles of cube_groups x 16 tokens, Mmads of cube_k0 columns; the tokens go in
         rounds (forward_rounds: full ones of head_lanes tokens an AIV, the rest last), the AICs' round
         r + 1 beside the AIVs' head and second pass over round r (from L2, `chunk` columns of W a copy),
-        every core meeting between rounds. With A the AICs' time over every token (their slowest pipe), V
-        an AIV's per full round and V' its last, rounds R take about max(A + V', A_0 + (R - 1) V + V') (A_0:
-        the AICs' first round): each AIC pipe carries V' beside its own cycles, the AIVs' pipe the rest; exposed besides, what the
-        AIC computes after its last copy (last_tiles). Then bwd_head (head_phase) and, for 16-bit x, the
-        Cube backward (backward_model)."""
+        every core meeting between rounds. With A the AICs' time over every token (their slowest pipe), A_0
+        their first round's, V an AIV's per full round and V' its last, rounds R take about
+        max(A + V', A_0 + (R - 1) V + V'): each AIC pipe carries V' beside its own cycles, the AIVs' pipe the
+        rest; exposed besides, what the AIC computes after its last copy (last_tiles). Then bwd_head
+        (head_phase) and, for 16-bit x, the Cube backward (backward_model)."""
         f = self._cube_figures(problem, hw)
         e, w, n, n16, cores, p = f.e, f.w, f.n, f.n16, f.cores, f.p
         rows = problem.shape[0]
@@ -312,7 +312,11 @@ class MhcAscend(AscendKernel):
         aic = ("MTE2", "MTE1", "Cube", "FIX")
         last_aiv = Term.of(("head_lanes", "chunk"), domains, lambda lanes, ch: aiv(lanes, ch, last=True) / clock)
         pipes = {pipe: terms + [last_aiv] for pipe, terms in cells.pipes(aic).items()}
-        pipes["AIV"] = [cells.seconds(lambda g, k0, lanes: max(per_core(g, k0, lanes)[q] for q in aic) * min(1.0, rounds(lanes)[1] / rows)),
+
+        def first_round(g, k0, lanes):
+            """The AICs' first round: what the AIVs wait before theirs."""
+            return max(per_core(g, k0, lanes)[q] for q in aic) * min(1.0, rounds(lanes)[1] / rows)
+        pipes["AIV"] = [cells.seconds(first_round),
                         Term.of(("head_lanes", "chunk"), domains,
                                 lambda lanes, ch: ((rounds(lanes)[0] - 1) * aiv(lanes, ch) + aiv(lanes, ch, last=True)) / clock)]
         # before round 0: fn's slice into L1 (from L2) beside the AIVs' zeroing of the accumulators
