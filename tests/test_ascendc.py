@@ -1206,17 +1206,21 @@ def test_indexer_backward_streams_keys_that_do_not_fit_l1():
 
 
 def test_indexer_cube_starts_on_the_first_keys_while_the_rest_arrive(monkeypatch):
-    """The keys resident in L1 come in two parts, each with its own event: the Cube starts on the first
-    part's tiles while the rest is copied. Verified with a split that leaves the rest a short last tile,
-    and both kernels then run in fewer emulated cycles than with every key in one part (the first tile
-    waiting for the last key). The head the planner sizes is a proper part of the keys."""
+    """The keys resident in L1 come in parts, each with its own event (the forward's up to four, the
+    backward's two): the Cube starts on the first part's tiles while the rest is copied. Verified with
+    the planner's splits, whose last part is a short last tile, and both kernels then run in fewer
+    emulated cycles than with every key in one part (the first tile waiting for the last key). The
+    first part the planner sizes is a proper part of the keys, the parts ascending."""
     import tempfile
     spec = OPS["indexer_score"]
     kernel = ascend.kernel_of(spec)
     problem = spec.problem("1x8x64x128x517", "bf16")
     knobs = ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs").knobs
     planned = kernel.profile_params(problem, knobs, HW)
-    assert 0 < planned["fwd_key_head"] < min(knobs["key_chunk"], 517) and 0 < planned["bwd_key_head"] < 517
+    fwd, bwd = planned["fwd_key_ends"], planned["bwd_key_ends"]
+    assert 0 < fwd[0] < min(knobs["key_chunk"], 517) and 0 < bwd[0] < 517
+    assert list(fwd) == sorted(fwd) and list(bwd) == sorted(bwd) and fwd[-1] == min(knobs["key_chunk"], 517) and bwd[-1] == 517
+    assert fwd.count(fwd[-1]) < len(fwd)   # the forward's keys in more than two parts at this shape
 
     def cycles(heads):
         monkeypatch.setattr(type(kernel), "profile_params", lambda self, p, k, hw: heads)
@@ -1226,7 +1230,7 @@ def test_indexer_cube_starts_on_the_first_keys_while_the_rest_arrive(monkeypatch
             assert result.passed, result.summary
             return {phase: r.cycles for phase, r in ascend.emulate(spec, problem, knobs, emu).items()}
     split = cycles(planned)
-    whole = cycles({"fwd_key_head": knobs["key_chunk"], "bwd_key_head": 528})
+    whole = cycles({"fwd_key_ends": (knobs["key_chunk"],) * 4, "bwd_key_ends": (528,) * 4})
     assert split["forward"] < whole["forward"] and split["backward"] < whole["backward"], (split, whole)
 
 

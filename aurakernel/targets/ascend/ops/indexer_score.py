@@ -15,15 +15,26 @@ second, forward ~1309 against the AIVs' 712. k, read by every AI core, is now fo
 and sparse attention's kv: forward 20.4k -> 17.4k, backward 46.2k -> 43.6k cycles), and the resident
 keys come in two parts with an event each (ResidentKeys, the first part sized to cover the rest's
 copy: `key_head`), so the Cube starts on the first part while the rest arrives: forward 16.8k,
-backward 40.4k (11.3 + 25.6 -> 9.3 + 22.4 us, 2.03x -> 1.74x of the bound). What is left there: the
-forward's start (q and the first part, ~4.6k cycles before the AIVs' first read, then their 712 a
-tile), and in the backward the coef copies queued behind the rest's copy in the AIC's in-order MTE2
-(~2k cycles at the start).
+backward 40.4k (11.3 + 25.6 -> 9.3 + 22.4 us, 2.03x -> 1.74x of the bound).
+
+Then (16.8k + 40.4k -> 15.0k + 37.3k cycles, 31.8 -> 29.1 us, 1.74x -> 1.59x):
+- the forward's keys come in up to four parts (`key_parts`: a short first one, 256 of 1024, so the
+  Cube starts early, each later one copied when the one before is first used): 16.8k -> 15.7k;
+- its vector cores read two adjacent product slots a copy (four slots): their copies' latency, 28%
+  of their reads, is paid once per two tiles: 15.7k -> 15.0k;
+- the backward's Cube frees coef and K^T's L0 buffers once dq's Mmad is done, so the next tile's
+  loads run under dk's Mmad (the Cube idled ~80 cycles a tile on them): 40.4k -> 39.2k;
+- six P / coef slots (P five tiles ahead; four: 39.2k, eight: 38.7k): 37.3k. Four parts of keys
+  do not help the backward (`key_head`: its coefficients' copies queue behind the keys' in the AIC's
+  MTE2). What is left: the backward's start (~3k before the first coefficients) and the query tile
+  boundary (dq's Fixpipe, ~1.2k, and the next tile's first coefficients, ~1k); the Cube is ~90%
+  busy in between.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import struct
 
@@ -47,18 +58,47 @@ def _cube_figures(problem: Problem, hw: HardwareProfile):
     return problem.dtype.itemsize, cores, hw.ascend_pipes(cores), -(-problem.shape[4] // 64) * 64
 
 
-def key_head(keys: int, tile_keys: int, dim: int, elem: int, tile_cycles: float, p) -> int:
-    """Keys of the resident keys' first part (the kernel's ResidentKeys): the fewest whole tiles whose
-    work (`tile_cycles` each, the slowest pipe's) covers the copy of the rest from L2, so the first pass
-    over the keys waits only for that first part."""
+KEY_PARTS = 4   # the resident keys' parts, each its own L1 buffer and event (the kernel's ResidentKeys)
+
+
+def key_parts(keys: int, tile_keys: int, dim: int, elem: int, tile_cycles: float, p) -> tuple[int, ...]:
+    """The forward's resident keys' parts (the kernel's ResidentKeys) as the keys each ends at, KEY_PARTS
+    of them (the unused ones at `keys`: empty): of every split at whole tiles into at most KEY_PARTS,
+    the one whose first pass over the keys ends first, each part's copy from L2 (a latency and its
+    bytes, one after the other) against its tiles' work (`tile_cycles` each, the slowest pipe's). A
+    short first part starts the Cube early; the later ones must each arrive by their first tile's turn."""
     tiles = -(-keys // tile_keys)
     copy = tile_keys * dim * elem / p.l2_bytes_per_cycle
-    return min(tiles, max(1, math.ceil((tiles * copy + p.mte_latency) / (tile_cycles + copy)))) * tile_keys
+
+    def first_pass(bounds):
+        arrive, done = 0.0, 0.0
+        for a, b in zip(bounds, bounds[1:]):
+            arrive += p.mte_latency + (b - a) * copy
+            for _ in range(a, b):
+                done = max(done, arrive) + tile_cycles
+        return done
+    splits = (cuts for n in range(min(KEY_PARTS, tiles)) for cuts in itertools.combinations(range(1, tiles), n))
+    best = min(((0, *cuts, tiles) for cuts in splits), key=first_pass)   # the first of equals: the fewest parts
+    ends = [min(b * tile_keys, keys) for b in best[1:]]
+    return tuple(ends + [keys] * (KEY_PARTS - len(ends)))
+
+
+def key_head(keys: int, tile_keys: int, dim: int, elem: int, tile_cycles: float, p) -> tuple[int, ...]:
+    """The backward's resident keys in two parts (as key_parts gives them): the fewest whole tiles whose
+    work (`tile_cycles` each, the Cube's) covers the copy of the rest from L2, then the rest. Its
+    coefficients' copies share the Cube's in-order MTE2 with the keys', so a later part's copy delays
+    the first coefficients as much as its tiles gain (1x96x64x128x1024: key_parts' four parts 37.3-37.8k
+    cycles, its two 37.4k, this head of 448 keys 37.3k)."""
+    tiles = -(-keys // tile_keys)
+    copy = tile_keys * dim * elem / p.l2_bytes_per_cycle
+    head = min(tiles, max(1, math.ceil((tiles * copy + p.mte_latency) / (tile_cycles + copy)))) * tile_keys
+    return (min(head, keys),) + (keys,) * (KEY_PARTS - 1)
 
 
 def slot_read_cycles(rows: int, heads: int, keys: int, p) -> float:
-    """A vector core's copy of its rows (half a tile's) of a forward product slot, fp32 from L2."""
-    return p.mte_latency + -(-rows // 2) * heads * keys * 4 / p.l2_bytes_per_cycle
+    """A vector core's read of its rows (half a tile's) of a forward product slot, fp32 from L2: two
+    adjacent slots a copy, so half a copy's latency."""
+    return p.mte_latency / 2 + -(-rows // 2) * heads * keys * 4 / p.l2_bytes_per_cycle
 
 
 def cube_split(tiles: int, cores: int) -> tuple[int, int]:
@@ -77,7 +117,12 @@ class IndexerScoreAscend(AscendKernel):
     #   fp32: on the vector cores, the row-wise UB model: rows = B x S query rows of T keys, `chunk`
     #   the key tile, `tile_rows` the query rows sharing it, `buffers` the row queues' depth.
     split_cols = False
-    BWD_SLOTS = 4   # the Cube backward's P and coef slots per AI core: P runs three key tiles ahead of its use
+    FWD_SLOTS = 4   # the forward's product slots per AI core: its vector cores read two adjacent ones a copy
+    BWD_SLOTS = 6   # the Cube backward's P and coef slots per AI core: P runs five key tiles ahead of its use
+    BWD_STREAM_SLOTS = 4   # ... where the keys stream, whose L1 tiles (one per slot) each hold an MTE1 -> MTE2 event
+
+    def bwd_slots(self, knobs: dict[str, int]) -> int:
+        return self.BWD_STREAM_SLOTS if int(knobs.get("bwd_stream", 0)) else self.BWD_SLOTS
 
     def rows_cols(self, problem: Problem) -> tuple[int, int]:
         batch, seq, _, _, entries = problem.shape
@@ -156,9 +201,9 @@ class IndexerScoreAscend(AscendKernel):
             return [cells.seconds(cycles)]
         pipes = {pipe: overlapped(pipe) for pipe in ("MTE2", "MTE1", "Cube", "FIX", "AIV MTE2", "Vector", "AIV MTE3")}
 
-        def ub(r, kn, ch, nb):   # per AIV: its rows' products (2 slots), their score rows (2), w and its Brcb blocks
+        def ub(r, kn, ch, nb):   # per AIV: its rows' products (2 buffers of 2 slots), their score rows (2), w, its Brcb blocks
             mine = -(-r // 2)
-            return (2 * mine * heads * kn * 4 + 2 * mine * kn * 4 + 2 * align32(mine * heads * 4) + align32((mine * heads + 8) * 4)
+            return (4 * mine * heads * kn * 4 + 2 * mine * kn * 4 + 2 * align32(mine * heads * 4) + align32((mine * heads + 8) * 4)
                     + (mine * heads + 8) * 32)
         constraints = [
             cap("L0A capacity", lambda r, kn, ch, nb: nb * r * heads * dim * e, p.l0a_bytes,
@@ -167,7 +212,7 @@ class IndexerScoreAscend(AscendKernel):
             cap("L0C capacity", lambda r, kn, ch, nb: 2 * r * heads * kn * 4, p.l0c_bytes, "2 x M x cube_keys x fp32"),
             cap("L1 capacity", lambda r, kn, ch, nb: (nb * r * heads + -(-min(ch, keys) // 16) * 16) * dim * e, p.l1_usable,
                 "(cube_buffers x M + key_chunk) x D x elem"),
-            cap("UB capacity", ub, p.ub_usable, "2 x rows/2 x H x cube_keys fp32 products + 2 score tiles + w and its Brcb blocks"),
+            cap("UB capacity", ub, p.ub_usable, "4 x rows/2 x H x cube_keys fp32 products + 2 score tiles + w and its Brcb blocks"),
         ]
         forward = Phase("forward", pipes, [cells.tile_fill(), cells.launch()])
         return self.cube_choice_model(problem, hw, domains, forward, constraints)
@@ -215,9 +260,9 @@ class IndexerScoreAscend(AscendKernel):
                 "(2 x bwd_keys x D + M x D) x elem (k^T, k, q)"),
             cap("backward L0C capacity", lambda r, kn, st: (r * heads * kn + r * heads * dim + kn * dim) * 4, p.l0c_bytes,
                 "(M x bwd_keys + M x D + bwd_keys x D) x fp32 (P, dq, dk)"),
-            cap("backward L1 capacity", lambda r, kn, st: (r * heads * dim + (self.BWD_SLOTS * kn if st else -(-keys // 16) * 16) * dim
+            cap("backward L1 capacity", lambda r, kn, st: (r * heads * dim + (self.BWD_STREAM_SLOTS * kn if st else -(-keys // 16) * 16) * dim
                                                            + 2 * r * heads * kn) * e,
-                p.l1_usable, "(M x D + (every key, or BWD_SLOTS streamed key tiles) x D + 2 x M x bwd_keys) x elem"),
+                p.l1_usable, "(M x D + (every key, or BWD_STREAM_SLOTS streamed key tiles) x D + 2 x M x bwd_keys) x elem"),
             cap("backward UB capacity", ub, p.ub_usable, "per AIV: 2 P and g tiles, 2 coef tiles, w, work tiles, the dk conversion"),
         ]
         pipes = cells.pipes(("MTE2", "MTE1", "Cube", "FIX", "AIV MTE2", "Vector", "AIV MTE3"))
@@ -252,7 +297,7 @@ class IndexerScoreAscend(AscendKernel):
                 "key_chunk": int(knobs["key_chunk"]), "cube_blocks": int(knobs["cube_blocks"]),
                 "cube_buffers": int(knobs["cube_buffers"]), "cube_backward": self.cube_backward(problem),
                 "bwd_rows": int(knobs.get("bwd_rows", 1)), "bwd_keys": int(knobs.get("bwd_keys", 64)),
-                "bwd_stream": int(knobs.get("bwd_stream", 0)), "bwd_slots": self.BWD_SLOTS}
+                "bwd_stream": int(knobs.get("bwd_stream", 0)), "bwd_slots": self.bwd_slots(knobs), "fwd_slots": self.FWD_SLOTS}
 
     def profile_params(self, problem: Problem, knobs: dict[str, int], hw: HardwareProfile) -> dict:
         """The resident keys' first part, forward (per chunk) and backward: its tiles' work (forward: the
@@ -265,8 +310,8 @@ class IndexerScoreAscend(AscendKernel):
         fwd_tile = max(slot_read_cycles(rows, heads, kn, p), fwd.cube, fwd.fix)
         m, bkn = int(knobs.get("bwd_rows", 1)) * heads, int(knobs.get("bwd_keys", 64))
         bwd_tile = sum(cube_tile_cycles(*mnk, e, hw, cores).cube for mnk in ((m, bkn, dim), (m, dim, bkn), (bkn, dim, m)))
-        return {"fwd_key_head": key_head(min(int(knobs["key_chunk"]), keys), kn, dim, e, fwd_tile, p),
-                "bwd_key_head": key_head(keys, bkn, dim, e, bwd_tile, p)}
+        return {"fwd_key_ends": key_parts(min(int(knobs["key_chunk"]), keys), kn, dim, e, fwd_tile, p),
+                "bwd_key_ends": key_head(keys, bkn, dim, e, bwd_tile, p)}
 
     def verification_problems(self, problem: Problem, knobs: dict[str, int]) -> list[Problem]:
         """One batch row of (at most 64) queries over the cores, leaving a tail core; and two batch rows
@@ -302,15 +347,15 @@ class IndexerScoreAscend(AscendKernel):
         w = self.spec.weights(hidden, proj, heads).contiguous()
         score = torch.full((batch, seq, entries), float("nan"))
         # k, read by every AI core, is found in L2 (as mhc's fn and sparse attention's kv); the forward's
-        # workspace: two fp32 product slots per AI core, kept in L2
-        workspace = bytearray(cube_blocks * 2 * knobs["cube_rows"] * heads * knobs["cube_keys"] * 4)
+        # workspace: FWD_SLOTS fp32 product slots per AI core, kept in L2
+        workspace = bytearray(cube_blocks * self.FWD_SLOTS * knobs["cube_rows"] * heads * knobs["cube_keys"] * 4)
         fwd_bufs = [to_bytes(q), to_bytes(k), to_bytes(w), to_bytes(score), workspace, tiling]
         fwd = emulator.run(emu.exe("ak_indexer_score_fwd", 6, cores="mix_1_2", l2_args=(1, 4)),
                            cube_blocks, fwd_bufs)
         dq, dk, dw = (torch.full_like(t, float("nan")) for t in (q, k, w))
         g = grad_out["y"].float().contiguous()
-        if self.cube_backward(problem):   # per AI core BWD_SLOTS P slots (fp32) and coef slots, then the fp32 dk (in L2)
-            ws = bytearray(bwd_blocks * self.BWD_SLOTS * bwd_rows * heads * bwd_keys * (4 + q.element_size()) + batch * entries * dim * 4)
+        if self.cube_backward(problem):   # per AI core bwd_slots P slots (fp32) and coef slots, then the fp32 dk (in L2)
+            ws = bytearray(bwd_blocks * self.bwd_slots(knobs) * bwd_rows * heads * bwd_keys * (4 + q.element_size()) + batch * entries * dim * 4)
             exe, blocks = emu.exe("ak_indexer_score_bwd", 9, cores="mix_1_2", l2_args=(1, 7)), bwd_blocks
         else:
             ws, exe, blocks = bytearray(block_dim * batch * entries * dim * 4), emu.exe("ak_indexer_score_bwd", 9), block_dim
