@@ -17,18 +17,22 @@ keys come in two parts with an event each (ResidentKeys, the first part sized to
 copy: `key_head`), so the Cube starts on the first part while the rest arrives: forward 16.8k,
 backward 40.4k (11.3 + 25.6 -> 9.3 + 22.4 us, 2.03x -> 1.74x of the bound).
 
-Then (16.8k + 40.4k -> 15.0k + 37.3k cycles, 31.8 -> 29.1 us, 1.74x -> 1.59x):
+Then (16.8k + 40.4k -> 15.0k + 34.9k cycles, 31.8 -> 27.7 us, 1.74x -> 1.52x):
 - the forward's keys come in up to four parts (`key_parts`: a short first one, 256 of 1024, so the
   Cube starts early, each later one copied when the one before is first used): 16.8k -> 15.7k;
 - its vector cores read two adjacent product slots a copy (four slots): their copies' latency, 28%
   of their reads, is paid once per two tiles: 15.7k -> 15.0k;
 - the backward's Cube frees coef and K^T's L0 buffers once dq's Mmad is done, so the next tile's
   loads run under dk's Mmad (the Cube idled ~80 cycles a tile on them): 40.4k -> 39.2k;
-- six P / coef slots (P five tiles ahead; four: 39.2k, eight: 38.7k): 37.3k. Four parts of keys
-  do not help the backward (`key_head`: its coefficients' copies queue behind the keys' in the AIC's
-  MTE2). What is left: the backward's start (~3k before the first coefficients) and the query tile
-  boundary (dq's Fixpipe, ~1.2k, and the next tile's first coefficients, ~1k); the Cube is ~90%
-  busy in between.
+- six P / coef slots (P five tiles ahead; four: 39.2k, eight: 38.7k): 37.3k;
+- the backward's (query tile, key tile) pairs are one stream: P runs ahead across query tiles, q two
+  tiles ahead in L1, so the next tile's first Ps and coefficients are made while dq goes out: 35.8k;
+- its keys in parts too (`key_head`: the first covering P's lead, the rest in three), each copied
+  when the one before is first used, so the first coefficients' copies no longer queue behind one
+  large rest in the AIC's in-order MTE2: 34.9k.
+What is left: the backward's start (~4k before the first coefficients: q, the first keys, then the
+AIVs' round trip) and its end (dq's Fixpipe and the dk conversion, ~2k); the Cube is ~90% busy in
+between. The forward's AIVs read at their L2 rate (~10k of its 15k).
 """
 
 from __future__ import annotations
@@ -83,16 +87,20 @@ def key_parts(keys: int, tile_keys: int, dim: int, elem: int, tile_cycles: float
     return tuple(ends + [keys] * (KEY_PARTS - len(ends)))
 
 
-def key_head(keys: int, tile_keys: int, dim: int, elem: int, tile_cycles: float, p) -> tuple[int, ...]:
-    """The backward's resident keys in two parts (as key_parts gives them): the fewest whole tiles whose
-    work (`tile_cycles` each, the Cube's) covers the copy of the rest from L2, then the rest. Its
-    coefficients' copies share the Cube's in-order MTE2 with the keys', so a later part's copy delays
-    the first coefficients as much as its tiles gain (1x96x64x128x1024: key_parts' four parts 37.3-37.8k
-    cycles, its two 37.4k, this head of 448 keys 37.3k)."""
+def key_head(keys: int, tile_keys: int, dim: int, elem: int, tile_cycles: float, p, ahead: int) -> tuple[int, ...]:
+    """The backward's resident keys' parts (as key_parts gives them): a first part of the fewest whole
+    tiles whose work (`tile_cycles` each, the Cube's) covers the copy of the rest from L2, and at least
+    the `ahead` tiles P runs ahead of the first coefficients; the rest in near-equal parts. Its
+    coefficients' copies share the Cube's in-order MTE2 with the keys' (each part is copied when the one
+    before is first used), so one large rest would hold the first coefficients up (1x96x64x128x1024:
+    parts ending at 320 and 1024 keys 35.8k cycles, at 384, 640, 832 and 1024 34.9k)."""
     tiles = -(-keys // tile_keys)
     copy = tile_keys * dim * elem / p.l2_bytes_per_cycle
-    head = min(tiles, max(1, math.ceil((tiles * copy + p.mte_latency) / (tile_cycles + copy)))) * tile_keys
-    return (min(head, keys),) + (keys,) * (KEY_PARTS - 1)
+    head = max(min(ahead, tiles), min(tiles, max(1, math.ceil((tiles * copy + p.mte_latency) / (tile_cycles + copy)))))
+    rest, parts = tiles - head, min(KEY_PARTS - 1, tiles - head)
+    bounds = [head + sum(-(-(rest - q) // parts) for q in range(k)) for k in range(1, parts + 1)] if parts else []
+    ends = [min(b * tile_keys, keys) for b in [head, *bounds]]
+    return tuple(ends + [keys] * (KEY_PARTS - len(ends)))
 
 
 def slot_read_cycles(rows: int, heads: int, keys: int, p) -> float:
@@ -260,9 +268,9 @@ class IndexerScoreAscend(AscendKernel):
                 "(2 x bwd_keys x D + M x D) x elem (k^T, k, q)"),
             cap("backward L0C capacity", lambda r, kn, st: (r * heads * kn + r * heads * dim + kn * dim) * 4, p.l0c_bytes,
                 "(M x bwd_keys + M x D + bwd_keys x D) x fp32 (P, dq, dk)"),
-            cap("backward L1 capacity", lambda r, kn, st: (r * heads * dim + (self.BWD_STREAM_SLOTS * kn if st else -(-keys // 16) * 16) * dim
+            cap("backward L1 capacity", lambda r, kn, st: (2 * r * heads * dim + (self.BWD_STREAM_SLOTS * kn if st else -(-keys // 16) * 16) * dim
                                                            + 2 * r * heads * kn) * e,
-                p.l1_usable, "(M x D + (every key, or BWD_STREAM_SLOTS streamed key tiles) x D + 2 x M x bwd_keys) x elem"),
+                p.l1_usable, "(2 x M x D + (every key, or BWD_STREAM_SLOTS streamed key tiles) x D + 2 x M x bwd_keys) x elem"),
             cap("backward UB capacity", ub, p.ub_usable, "per AIV: 2 P and g tiles, 2 coef tiles, w, work tiles, the dk conversion"),
         ]
         pipes = cells.pipes(("MTE2", "MTE1", "Cube", "FIX", "AIV MTE2", "Vector", "AIV MTE3"))
@@ -311,7 +319,7 @@ class IndexerScoreAscend(AscendKernel):
         m, bkn = int(knobs.get("bwd_rows", 1)) * heads, int(knobs.get("bwd_keys", 64))
         bwd_tile = sum(cube_tile_cycles(*mnk, e, hw, cores).cube for mnk in ((m, bkn, dim), (m, dim, bkn), (bkn, dim, m)))
         return {"fwd_key_ends": key_parts(min(int(knobs["key_chunk"]), keys), kn, dim, e, fwd_tile, p),
-                "bwd_key_ends": key_head(keys, bkn, dim, e, bwd_tile, p)}
+                "bwd_key_ends": key_head(keys, bkn, dim, e, bwd_tile, p, self.bwd_slots(knobs))}
 
     def verification_problems(self, problem: Problem, knobs: dict[str, int]) -> list[Problem]:
         """One batch row of (at most 64) queries over the cores, leaving a tail core; and two batch rows
