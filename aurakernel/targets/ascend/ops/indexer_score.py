@@ -65,6 +65,12 @@ def _cube_figures(problem: Problem, hw: HardwareProfile):
 KEY_PARTS = 4   # the resident keys' parts, each its own L1 buffer and event (the kernel's ResidentKeys)
 
 
+def _part_ends(bounds, tile_keys: int, keys: int) -> tuple[int, ...]:
+    """Tile bounds [0, b1, ..., tiles] as the keys each part ends at, KEY_PARTS of them (the unused at `keys`)."""
+    ends = [min(b * tile_keys, keys) for b in bounds[1:]]
+    return tuple(ends + [keys] * (KEY_PARTS - len(ends)))
+
+
 def key_parts(keys: int, tile_keys: int, dim: int, elem: int, tile_cycles: float, p) -> tuple[int, ...]:
     """The forward's resident keys' parts (the kernel's ResidentKeys) as the keys each ends at, KEY_PARTS
     of them (the unused ones at `keys`: empty): of every split at whole tiles into at most KEY_PARTS,
@@ -82,9 +88,7 @@ def key_parts(keys: int, tile_keys: int, dim: int, elem: int, tile_cycles: float
                 done = max(done, arrive) + tile_cycles
         return done
     splits = (cuts for n in range(min(KEY_PARTS, tiles)) for cuts in itertools.combinations(range(1, tiles), n))
-    best = min(((0, *cuts, tiles) for cuts in splits), key=first_pass)   # the first of equals: the fewest parts
-    ends = [min(b * tile_keys, keys) for b in best[1:]]
-    return tuple(ends + [keys] * (KEY_PARTS - len(ends)))
+    return _part_ends(min(((0, *cuts, tiles) for cuts in splits), key=first_pass), tile_keys, keys)   # of equals: the fewest parts
 
 
 def key_head(keys: int, tile_keys: int, dim: int, elem: int, tile_cycles: float, p, ahead: int) -> tuple[int, ...]:
@@ -98,9 +102,8 @@ def key_head(keys: int, tile_keys: int, dim: int, elem: int, tile_cycles: float,
     copy = tile_keys * dim * elem / p.l2_bytes_per_cycle
     head = max(min(ahead, tiles), min(tiles, max(1, math.ceil((tiles * copy + p.mte_latency) / (tile_cycles + copy)))))
     rest, parts = tiles - head, min(KEY_PARTS - 1, tiles - head)
-    bounds = [head + sum(-(-(rest - q) // parts) for q in range(k)) for k in range(1, parts + 1)] if parts else []
-    ends = [min(b * tile_keys, keys) for b in [head, *bounds]]
-    return tuple(ends + [keys] * (KEY_PARTS - len(ends)))
+    bounds = [head + sum(-(-(rest - q) // parts) for q in range(k)) for k in range(1, parts + 1)]
+    return _part_ends([0, head, *bounds], tile_keys, keys)
 
 
 def slot_read_cycles(rows: int, heads: int, keys: int, p) -> float:
@@ -308,9 +311,9 @@ class IndexerScoreAscend(AscendKernel):
                 "bwd_stream": int(knobs.get("bwd_stream", 0)), "bwd_slots": self.bwd_slots(knobs), "fwd_slots": self.FWD_SLOTS}
 
     def profile_params(self, problem: Problem, knobs: dict[str, int], hw: HardwareProfile) -> dict:
-        """The resident keys' first part, forward (per chunk) and backward: its tiles' work (forward: the
-        AIVs' read of a product slot, or the Cube's Mmad and Fixpipe; backward: the Cube's three Mmads)
-        hides the copy of the rest."""
+        """The resident keys' parts as the keys each ends at, forward (per chunk: key_parts) and backward
+        (key_head), sized against a tile's work (forward: the AIVs' read of a product slot, or the Cube's
+        Mmad and Fixpipe; backward: the Cube's three Mmads)."""
         _, _, heads, dim, keys = problem.shape
         e, cores, p, _ = _cube_figures(problem, hw)
         rows, kn = int(knobs["cube_rows"]), int(knobs["cube_keys"])
