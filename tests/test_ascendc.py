@@ -83,7 +83,7 @@ def test_sparse_attention_reads_each_rows_distinct_picks_and_spans_key_tiles():
     """The csa kernel gathers each listed entry once: the picks it reads are each row's distinct valid
     ones, ascending, then -1s, with their count (a repeated pick counts once in the dense mask too). Its
     verification covers positions with more keys than a tile, and fp32 is refused in one line (P V
-    transposes K's fractals: 16-bit data only)."""
+    transposes K's fractals: 16-bit data only), by the planner too, before any capacity."""
     import torch
     from aurakernel.errors import PlanInfeasible
     from aurakernel.targets.ascend.ops.sparse_attention import compact_picks
@@ -98,6 +98,11 @@ def test_sparse_attention_reads_each_rows_distinct_picks_and_spans_key_tiles():
         assert any(p.shape[4] > knobs[tile] and p.shape[2] > knobs[tile] for p in kernel.verification_problems(problem, knobs))
     with pytest.raises(PlanInfeasible, match="16-bit"):
         kernel.params(spec.problem("1x64x4096x512x128x512", "fp32", "csa"), knobs)
+    # the planner names what the kernel cannot compute, not the first capacity it would overflow
+    for shape, dtype, what in (("1x64x40x512x128x20", "fp32", "dtype: fp32: the Cube kernel takes 16-bit"),
+                               ("1x64x40x500x128x20", "bf16", "head_dim: 500 must be a multiple of 16")):
+        with pytest.raises(PlanInfeasible, match=what):
+            ascend.plan(spec, spec.problem(shape, dtype, "csa"), HW, target="ascend910b2", solver="highs")
 
 
 def test_sparse_attention_gathers_picks_a_short_gap_apart_in_one_copy(tmp_path):

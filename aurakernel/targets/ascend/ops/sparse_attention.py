@@ -287,6 +287,7 @@ class SparseAttentionAscend(AscendKernel):
         """The forward's tiling per AI core: per position its key tiles (gather, Q K^T, P V on the AIC;
         the softmax and O's update on the AIVs) under L1 / L0A / L0B / L0C / UB; objective the slowest
         pipe of the busiest core plus one tile's fill and the launch (the backward's phase beside it)."""
+        self.check(problem)
         batch, heads, seq, dim, window, extra = problem.shape
         e = problem.dtype.itemsize
         cores, p, hbm, per, keys_copies = self._figures(problem, hw)
@@ -447,8 +448,11 @@ class SparseAttentionAscend(AscendKernel):
         macs = 2 * batch * seq * heads * dim * SPEC.keys_per_query(problem)   # Q K^T and P V
         return {"forward": CubeWork(macs), "backward": CubeWork(2.5 * macs)}   # S, dP, dQ, dK, dV
 
-    def params(self, problem: Problem, knobs: dict[str, int]) -> dict:
-        batch, heads, seq, dim, window, extra = problem.shape
+    @staticmethod
+    def check(problem: Problem) -> None:
+        """What the kernel computes at all, whatever the tiling: said before the tiling model, whose
+        capacities would otherwise be the first to object (fp32 overflows L1 before its dtype is named)."""
+        _, heads, _, dim, _, _ = problem.shape
         if problem.dtype.itemsize != 2:
             raise PlanInfeasible("dtype", f"{problem.dtype.value}: the Cube kernel takes 16-bit q and kv (bf16); "
                                           "P V transposes K's fractals, which LoadData does for 16-bit data only")
@@ -456,6 +460,10 @@ class SparseAttentionAscend(AscendKernel):
             raise PlanInfeasible("heads", f"{heads} must be a multiple of 16 (the Cube's M; V4: 64 / 128)")
         if dim % 16:
             raise PlanInfeasible("head_dim", f"{dim} must be a multiple of 16 (V4: 512)")
+
+    def params(self, problem: Problem, knobs: dict[str, int]) -> dict:
+        batch, heads, seq, dim, window, extra = problem.shape
+        self.check(problem)
         tiles = {}
         for prefix in ("", "bwd_"):   # the forward's and the backward's own tiles
             kv_tile, d_chunk, o_chunk = (int(knobs[prefix + k]) for k in ("kv_tile", "d_chunk", "o_chunk"))
