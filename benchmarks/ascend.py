@@ -146,7 +146,8 @@ def main(argv=None) -> int:
     def knobs(k, cols):
         cube = (f"; Cube: rows {k['cube_rows']} x keys {k['cube_keys']}, chunk {k['key_chunk']}, q buffers "
                 f"{k['cube_buffers']}, AI cores {k['cube_blocks']}" if "cube_rows" in k else
-                f"; Cube: keys {k['kv_tile']} x D slices {k['d_chunk']} (backward {k['bwd_kv_tile']} x {k['bwd_d_chunk']}), "
+                f"; Cube: keys {k['kv_tile']}" + (f" (+ a last {k['pair_keys']} joined)" if k.get("pair_keys") else "")
+                + f" x D slices {k['d_chunk']} (backward {k['bwd_kv_tile']} x {k['bwd_d_chunk']}), "
                 f"AI cores {k['cube_blocks']}" if "kv_tile" in k else "")
         own = "".join(f" ({name.removesuffix('_tile_rows')} {v})" for name, v in k.items()
                       if name.endswith("_tile_rows") and name != "tile_rows")   # a phase's own tile rows

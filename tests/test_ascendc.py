@@ -158,6 +158,33 @@ def test_sparse_attention_kernels_tile_keys_each_their_own_way(tiles, tmp_path):
     assert {c.tensor for c in result.checks} >= {"y", "grad_q", "grad_kv", "grad_compressed_kv"}
 
 
+def test_sparse_attention_forward_joins_a_short_last_tile_to_the_one_before(tmp_path):
+    """hca's positions attend to a window of a whole key tile and a few compressed entries: as a tile of
+    their own the entries cost a softmax, a P V and an O update as large as the window's. With pair_keys
+    a last tile of that many keys joins the one before (its S and P V in Mmads of their own, added in
+    L0C): the forward verifies against the reference over positions whose window is a ring in L1 with
+    entries after it, and whose window spans tiles, and takes fewer emulated cycles; the planner picks it
+    for V4-Flash's hca at 1024 tokens (up to 8 entries a position)."""
+    import torch
+    from aurakernel.targets.ascend.ops.sparse_attention import position_tiles
+    spec, kernel = OPS["sparse_attention"], ascend.kernel_of(OPS["sparse_attention"])
+    assert [position_tiles(k, 64, 32) for k in (40, 64, 96, 97, 128, 160)] == [1, 1, 1, 2, 2, 2]
+    assert ascend.plan(spec, spec.problem("1x64x1024x512x128x128", "bf16", "hca"), HW, target="ascend910b2",
+                       solver="highs").knobs["pair_keys"] > 0
+    problem = spec.problem("1x32x160x256x64x8", "bf16", "hca")   # window 64, up to 20 entries
+    base = ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs").knobs | {"kv_tile": 64, "s_buffers": 1}
+    inputs = spec.make_inputs(problem, 0)
+    grad_out = {"y": torch.randn(*spec.reference(problem, inputs)["y"].shape, generator=torch.Generator().manual_seed(1))}
+    cycles = {}
+    for pk in (0, 32):
+        knobs = base | {"pair_keys": pk}
+        emu = ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, tmp_path / str(pk), HW), HW)
+        result = ascend.verify(spec, [problem, *kernel.verification_problems(problem, knobs)], knobs, emu, seeds=(0,))
+        assert result.passed, result.summary
+        cycles[pk] = kernel.run(problem, knobs, inputs, grad_out, emu)[2]["forward"].cycles
+    assert cycles[32] < 0.92 * cycles[0], cycles   # emulated: 18.7k against 21.7k cycles
+
+
 def test_sparse_attention_key_gradients_add_in_l2_where_they_fit(tmp_path, monkeypatch):
     """The backward's fp32 key-gradient accumulators take every position's atomic adds. Where they fit
     in half the L2 beside kv (V4-Flash at 1024 tokens; not at 65536) those adds are L2 traffic and only

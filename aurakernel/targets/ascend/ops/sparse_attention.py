@@ -98,11 +98,26 @@ csa is 2.6x, hca 2.4x.
   744k; hca bwd 478k -> 464k cycles.
   The plans predict fwd+bwd csa 680 us (669 emulated), hca 490 us (432): the backward's
   chain of latencies between the Cube and the vector cores is what the model sees least of.
+- hca's forward, traced (1024 tokens): a position is its window's tile (128 keys) and a tile of its
+  up to 8 ready entries, and that small tile cost as much as the window's: its S slot, softmax, P
+  slot, a P V of 64 x 512 fp32 through the workspace (four Fixpipes) and the vector cores' read and
+  update of all of O. The vector cores idled 42% of the launch (1.4k cycles at every position, waiting
+  on the Cube core's chain for the next one). A position's last tile of at most `pair_keys` keys now
+  joins the tile before (PositionKeys: tiles of kv_tile keys, the last up to kv_tile + pair_keys): its
+  rows follow the window's ring in the same L1 buffer, its S and P V are Mmads of their own (so L0B
+  keeps kv_tile-key slices), P V added in L0C, and the vector cores see one tile of up to kw = kv_tile +
+  pair_keys columns (one softmax, one O update). hca's forward 313.0k -> 228.6k cycles, as much as the
+  sliding window's alone (228.6k): fwd+bwd 432 -> 385 us. Tried first, and not kept: the short tile
+  as a tile of its own whose softmax shares the window tile's max (its P V added in L0C, one O update):
+  387k cycles, as the pair's second S then waited for the window's P V and nothing ran ahead. The
+  planner picks pair_keys (0, 32 or 64; hca only, where the last tile is short at every position) under
+  the wider tiles' capacities: 32 at 1024 and 4096 tokens (64 would need 528 KB of L1 with two q buffers).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import struct
 
 import torch
@@ -119,13 +134,15 @@ from ..kernel import AscendKernel
 
 TILING = "<8If"   # AkSparseAttentionTiling
 # the forward's knobs: keys per tile, D columns per Mmad, O columns per vector step, score tiles per
-# vector core, q buffers in L1 (two: the next position's copy runs under this one's tiles)
-KNOBS = ("kv_tile", "d_chunk", "o_chunk", "s_buffers", "q_buffers", "merge_gap")
+# vector core, q buffers in L1 (two: the next position's copy runs under this one's tiles), and the most
+# keys a position's last tile may have to join the tile before (pair_keys: one softmax, P V and O update
+# for both, where hca's few entries made a tile of their own after the window's)
+KNOBS = ("kv_tile", "d_chunk", "o_chunk", "s_buffers", "q_buffers", "merge_gap", "pair_keys")
 # the backward's own (its L1 holds dy and dS too, its L0C S, dP and the gradient slices, so its best
 # tiles differ): keys per tile, D columns per Mmad, dq columns per vector step, q / dy buffers in L1,
 # dQ / dKV slices in L0C (three: the Cube's next slices do not wait for the Fixpipes scattering one)
 BWD_KNOBS = ("bwd_kv_tile", "bwd_d_chunk", "bwd_o_chunk", "bwd_q_buffers", "g_buffers", "merge_gap")
-TAIL_MASK = 256 * 4 + 32   # UB of a tile's key mask: 256 column numbers, and at least a block of bits
+PAIR_KEYS = (0, 32, 64)    # pair_keys' values: whole 32-column steps of the softmax (a tile of KN + pair_keys columns)
 AIC_TURNS = 0.9            # the forward's share of its Cube core's gathers and L0 loads that do not overlap
 BWD_AIC_TURNS = 0.77       # the backward's, gathering two tiles ahead of its gradients (emulated: csa 0.80, hca 0.73)
 FIX_WAIT = 20              # cycles the backward's Cube waits a dQ / dKV slice with two slices in L0C (emulated at
@@ -139,6 +156,19 @@ GAPS = (0, 2)
 SLOT_PAD = 8               # -1s before the first position's slots (rendered into the kernels and the binding)
 BWD_KEY_TILES = 3          # key tiles in the backward's L1: a tile's gather one tile before its S, two before its gradients
 CVT = 2048                 # floats per step of the backward's key-gradient conversion
+
+
+def tail_mask_ub(kw: int) -> int:
+    """UB of a tile's key mask (KeyMask) at kw columns a row: the column numbers of whole rows in whole
+    32 B blocks of bits (256 of them for kw 64, 128 and 256; 1280 for 160), and at least a block of bits."""
+    return kw // math.gcd(kw, 256) * 256 * 4 + 32
+
+
+def position_tiles(keys: float, kn: int, pk: int = 0) -> int:
+    """A position's key tiles (PositionKeys::Tiles): kn keys each, the last the rest, which joins the tile
+    before where it has at most pk keys."""
+    tiles = max(1, math.ceil(keys / kn))
+    return tiles - 1 if pk and tiles > 1 and keys - (tiles - 1) * kn <= pk else tiles
 
 
 def hole_mask_ub(window: int, picks: int, gap: int, kn: int) -> int:
@@ -275,12 +305,13 @@ class SparseAttentionAscend(AscendKernel):
         per, blocks = position_split(batch * seq, cores)   # a core's positions come `blocks` apart
 
         @functools.cache
-        def keys_copies(gap: int, kn: int) -> tuple[float, float, float, float]:
-            """Mean keys and key tiles of kn per position, the copies that gather its keys, and the keys
-            the forward copies (its window in ring order where that is a tile of its own: window_rows)."""
+        def keys_copies(gap: int, kn: int, pk: int = 0) -> tuple[float, float, float, float]:
+            """Mean keys and key tiles of kn per position (a last tile of at most pk keys joined to the
+            one before), the copies that gather its keys, and the keys the forward copies (its window in
+            ring order where that is a tile of its own: window_rows)."""
             keys, runs = position_keys(problem.variant, seq, window, extra, gap)
             copied = sum(keys) - sum(min(s + 1, window) for s in range(seq)) + window_rows(keys, window, kn, blocks)
-            return sum(keys) / seq, sum(-(-k // kn) for k in keys) / seq, 1 + runs, copied / seq
+            return sum(keys) / seq, sum(position_tiles(k, kn, pk) for k in keys) / seq, 1 + runs, copied / seq
         return cores, p, hbm, per, keys_copies
 
     def cube_model(self, problem: Problem, hw: HardwareProfile) -> ChoiceModel:
@@ -298,50 +329,57 @@ class SparseAttentionAscend(AscendKernel):
                    "o_chunk": [c for c in (16, 32, 64, 128, 256) if dim % c == 0],
                    "s_buffers": [1, 2],
                    "q_buffers": [1, 2],
-                   "cube_blocks": [cores]}
+                   "pair_keys": list(PAIR_KEYS) if problem.variant == "hca" else [0],   # csa's and the window's
+                   "cube_blocks": [cores]}                                            # last tiles are mostly full
         domains |= {f"bwd_{k}": domains[k] for k in ("kv_tile", "d_chunk", "o_chunk", "q_buffers")} | {"g_buffers": [2, 3]}
         domains["bwd_o_chunk"] = [c for c in domains["o_chunk"] if c <= 128]   # wider dq slices never fit the backward's UB
 
         @functools.cache
-        def per_core(kn, dc, vc, sb, qb, gap):
-            keys, position_tiles, copies, copied = keys_copies(gap, kn)
-            tiles, n, chunks, vchunks = per * position_tiles, min(kn, keys), dim // dc, dim // vc
-            s = cube_tile_cycles(heads, n, dc, e, hw, cores, a_loads=heads // 16, b_loads=key_loads(kn, dc))
+        def per_core(kn, dc, vc, sb, qb, gap, pk):
+            keys, tiles_per_position, copies, copied = keys_copies(gap, kn, pk)
+            kw = kn + pk   # the widest tile's keys: the vector cores' tile width
+            tiles, chunks, vchunks = per * tiles_per_position, dim // dc, dim // vc
+            n = min(kn, keys) if pk == 0 else min(keys / tiles_per_position, kw)   # a tile's keys
+            # a joined tile's keys past kn are Mmads of their own, and its key slices a LoadData per D fractal column
+            s = cube_tile_cycles(heads, n, dc, e, hw, cores, a_loads=heads // 16, b_loads=key_loads(kn, dc) if pk == 0 else dc // 16)
             pv = cube_tile_cycles(heads, dc, n, e, hw, cores, a_loads=heads // 16, b_loads=-(-n // 16))
             gather = (1 + copies) * lat + heads * dim * e / hbm + copied * dim * e / l2   # q; the keys, L2 hits
-            vec = issue * (22 + 4 * kn // 64) + mine * kn / 64 * 9 + vchunks * (issue * (1 + -(-vc // 64)) + mine * vc / 64 * 2)
-            wait = 0 if sb == 2 else tiles * (lat + mine * kn * 4 / l2)   # one score tile: its copy in is not hidden
+            # every tile narrower than kw is masked: with pk > 0 every tile
+            vec = issue * (22 + 4 * -(-kw // 64)) + mine * kw / 64 * 9 + vchunks * (issue * (1 + -(-vc // 64)) + mine * vc / 64 * 2)
+            vec += (4 * issue + mine * kw / 64) if pk else 0
+            wait = 0 if sb == 2 else tiles * (lat + mine * kw * 4 / l2)   # one score tile: its copy in is not hidden
             # one y slice in UB: at a position's end each slice's y and y_lo copies out wait for the one before,
             # about a copy's latency a slice exposed (emulated, hca at 128 columns: 369k against 332k cycles
             # with two slices, 43 positions a core)
             wait += per * vchunks * lat
             mask_copies, mask_vec = key_mask_cycles(gap, tiles, per, lat, issue)
             return {"HBM": per * (3 * heads * dim * e + heads * 4) / hbm,   # the block's share: q; y, y_lo, lse
-                    "MTE2": per * gather + tiles * (lat + heads * kn * e / l2),
+                    "MTE2": per * gather + tiles * (lat + heads * (n if pk else kn) * e / l2),
                     "MTE1": tiles * (chunks * (s.mte1_a + s.mte1_b + pv.mte1_b) + pv.mte1_a),
                     "Cube": tiles * chunks * (s.cube + pv.cube),
                     "FIX": tiles * (s.fix + chunks * pv.fix),
-                    "AIV MTE2": tiles * (lat + mine * kn * 4 / l2 + vchunks * (lat + mine * vc * 4 / l2)) + mask_copies,
+                    "AIV MTE2": tiles * (lat + mine * kw * 4 / l2 + vchunks * (lat + mine * vc * 4 / l2)) + mask_copies,
                     "Vector": tiles * vec + wait + mask_vec,
-                    "AIV MTE3": tiles * (lat + mine * kn * e / l2) + per * 2 * vchunks * (lat + mine * vc * e / hbm),
+                    "AIV MTE3": tiles * (lat + mine * kw * e / l2) + per * 2 * vchunks * (lat + mine * vc * e / hbm),
                     "tile": tiles}
         cells = CubeCells(KNOBS, domains, per_core, hw)
         cap = cells.cap
-        constraints = [
-            cap("L1 capacity", lambda kn, dc, vc, sb, qb, gap: (qb * heads * dim + 2 * kn * dim + heads * kn) * e, p.l1_usable,
-                "(q_buffers x H x D + 2 x kv_tile x D + H x kv_tile) x elem (q, two key tiles, P)"),
-            cap("L0A capacity", lambda kn, dc, vc, sb, qb, gap: (2 * heads * dc + heads * kn) * e, p.l0a_bytes,
-                "(2 x H x d_chunk + H x kv_tile) x elem (q's slices, P)"),
-            cap("L0B capacity", lambda kn, dc, vc, sb, qb, gap: 2 * kn * dc * e, p.l0b_bytes, "2 x kv_tile x d_chunk x elem (K / V slices)"),
-            cap("L0C capacity", lambda kn, dc, vc, sb, qb, gap: (heads * kn + 2 * heads * dc) * 4, p.l0c_bytes,
-                "(H x kv_tile + 2 x H x d_chunk) x fp32 (S, two P V slices)"),
-            cap("UB capacity", lambda kn, dc, vc, sb, qb, gap: (sb * mine * kn * 4 + mine * kn * e + mine * vc * (2 * 4 + e)
-                                                       + mine * dim * 4 + TAIL_MASK + hole_mask_ub(window, extra, gap, kn) + mine * kn // 8
-                                                       + 9 * mine * 4 + 3 * mine * 32),
+        constraints = [   # kw = kv_tile + pair_keys: the widest tile's keys
+            cap("L1 capacity", lambda kn, dc, vc, sb, qb, gap, pk: (qb * heads * dim + 2 * (kn + pk) * dim + heads * (kn + pk)) * e,
+                p.l1_usable, "(q_buffers x H x D + 2 x kw x D + H x kw) x elem (q, two key tiles, P)"),
+            cap("L0A capacity", lambda kn, dc, vc, sb, qb, gap, pk: (2 * heads * dc + heads * (kn + pk)) * e, p.l0a_bytes,
+                "(2 x H x d_chunk + H x kw) x elem (q's slices, P)"),
+            cap("L0B capacity", lambda kn, dc, vc, sb, qb, gap, pk: 2 * kn * dc * e, p.l0b_bytes,
+                "2 x kv_tile x d_chunk x elem (K / V slices)"),
+            cap("L0C capacity", lambda kn, dc, vc, sb, qb, gap, pk: (heads * (kn + pk) + 2 * heads * dc) * 4, p.l0c_bytes,
+                "(H x kw + 2 x H x d_chunk) x fp32 (S, two P V slices)"),
+            cap("UB capacity", lambda kn, dc, vc, sb, qb, gap, pk: (sb * mine * (kn + pk) * 4 + mine * (kn + pk) * e + mine * vc * (2 * 4 + e)
+                                                           + mine * dim * 4 + tail_mask_ub(kn + pk) + hole_mask_ub(window, extra, gap, kn)
+                                                           + mine * (kn + pk) // 8 + 9 * mine * 4 + 3 * mine * 32),
                 p.ub_usable, "per AIV (H/2 heads): s_buffers S tiles, a P tile, two P V slices and a y slice of o_chunk, O (fp32), the key mask (with holes: a position's slots)"),
         ]
         # one q buffer: the next position's q is copied in only after this one's last L1 -> L0 load
-        exposed = cells.seconds(lambda kn, dc, vc, sb, qb, gap: 0 if qb == 2 else per * (lat + heads * dim * e / hbm))
+        exposed = cells.seconds(lambda kn, dc, vc, sb, qb, gap, pk: 0 if qb == 2 else per * (lat + heads * dim * e / hbm))
         # a vector core's copies and steps wait on one another (S in, softmax, P out, then O_t in and the
         # update), so its three pipes overlap only in part: emulated (csa at 1024 tokens, with random and
         # with consecutive picks, merge_gap 0 to 4), a vector core's time is that of its busiest two
@@ -369,8 +407,8 @@ class SparseAttentionAscend(AscendKernel):
 
         @functools.cache
         def per_core(kn, dc, vc, qb, gb, gap):
-            keys, position_tiles, copies, _ = keys_copies(gap, kn)
-            tiles, n, chunks, vchunks = per * position_tiles, min(kn, keys), dim // dc, dim // vc
+            keys, tiles_per_position, copies, _ = keys_copies(gap, kn)
+            tiles, n, chunks, vchunks = per * tiles_per_position, min(kn, keys), dim // dc, dim // vc
             s = cube_tile_cycles(heads, n, dc, e, hw, cores, a_loads=heads // 16, b_loads=key_loads(kn, dc))
             dq = cube_tile_cycles(heads, dc, n, e, hw, cores, a_loads=0, b_loads=-(-n // 16))
             dkv = cube_tile_cycles(n, dc, heads, e, hw, cores, a_loads=0, b_loads=heads // 16)
@@ -409,7 +447,7 @@ class SparseAttentionAscend(AscendKernel):
             cap("backward L0C capacity", lambda kn, dc, vc, qb, gb, gap: (2 * heads * kn + gb * max(heads, kn) * dc) * 4,
                 p.l0c_bytes, "(2 x H x kv_tile + g_buffers x max(H, kv_tile) x d_chunk) x fp32 (S, dP, dQ / dKV slices)"),
             cap("backward UB capacity", lambda kn, dc, vc, qb, gb, gap: (2 * mine * kn * 4 + 2 * mine * kn * e + 2 * mine * vc * (4 + 2 * e)
-                                                                + 2 * mine * vc * 4 + CVT * (4 + e) + TAIL_MASK
+                                                                + 2 * mine * vc * 4 + CVT * (4 + e) + tail_mask_ub(kn)
                                                                 + hole_mask_ub(window, extra, gap, kn) + mine * kn // 8
                                                                 + 7 * mine * 4 + 2 * mine * 32),
                 p.ub_usable, "per AIV: S and dP tiles, P and dS out, dq / y slices of o_chunk, the conversion step, the key mask (with holes: a position's slots)"),
@@ -486,9 +524,14 @@ class SparseAttentionAscend(AscendKernel):
         if merge_gap not in (GAPS if problem.variant == "csa" else (0,)):
             raise PlanInfeasible("merge_gap", f"{merge_gap}: one of {GAPS} for csa (entries between picks gathered "
                                               "as holes), 0 for hca and sliding")
+        pair_keys = int(knobs.get("pair_keys", 0))   # plans from before the knob joined no tiles
+        if pair_keys not in PAIR_KEYS or pair_keys > tiles["kv_tile"] or (pair_keys and merge_gap):
+            raise PlanInfeasible("pair_keys", f"{pair_keys}: one of {PAIR_KEYS}, at most kv_tile, and 0 where csa "
+                                              "gathers holes (merge_gap > 0: their mask is a tile of kv_tile keys)")
         return {"dtype": problem.dtype, "csa": problem.variant == "csa", "hca": problem.variant == "hca", "heads": int(heads),
                 "dim": int(dim), "window": int(window), **tiles, "s_buffers": s_buffers, "g_buffers": g_buffers,
                 "cube_blocks": int(knobs["cube_blocks"]), "merge_gap": merge_gap, "slot_pad": SLOT_PAD,
+                "pair_keys": pair_keys,
                 "bwd_key_tiles": BWD_KEY_TILES}
 
     def verification_problems(self, problem: Problem, knobs: dict[str, int]) -> list[Problem]:
@@ -536,7 +579,8 @@ class SparseAttentionAscend(AscendKernel):
         kn, bkn = knobs["kv_tile"], knobs["bwd_kv_tile"]
         y = torch.full((batch, seq, heads, dim), float("nan"), dtype=q.dtype)
         lse = torch.full((batch, seq, heads), float("nan"))
-        slots = workspace(blocks * (2 * heads * kn * 4 + 2 * heads * kn * 2 + heads * dim * 4))
+        kw = kn + int(knobs.get("pair_keys", 0))   # the forward's widest tile: its slots' columns
+        slots = workspace(blocks * (2 * heads * kw * 4 + 2 * heads * kw * 2 + heads * dim * 4))
         fwd_bufs = [*reads, to_bytes(y), to_bytes(y), to_bytes(lse), slots, tiling]
         # kv and the compressed kv stay in L2 (V4-Flash at 65536 tokens: 64 + 16 MB of the 192 MB): every
         # position gathers its keys from them, so all but their first read are L2 hits on the NPU (that
