@@ -112,6 +112,15 @@ csa is 2.6x, hca 2.4x.
   387k cycles, as the pair's second S then waited for the window's P V and nothing ran ahead. The
   planner picks pair_keys (0, 32 or 64; hca only, where the last tile is short at every position) under
   the wider tiles' capacities: 32 at 1024 and 4096 tokens (64 would need 528 KB of L1 with two q buffers).
+  The backward's positions are three tiles of 64 keys (two of the window, one of entries) and a joined
+  last tile does not fit there: three key tiles of 80 keys beside two q and dy buffers need 516 KB of
+  L1; with two key tiles (and two dQ / dKV slices in L0C) it took 494k cycles against 464k.
+- the backward's vector cores, traced (hca, 1024 tokens): their MTE2 is the busiest pipe (345k of 464k
+  cycles), much of it copies' latencies: at every position Delta read y, y_lo and dy a copy each per
+  128-column slice, 12 copies. Delta now takes as many columns a step as UB holds beside the tiles
+  (`delta_chunk`: 256 at V4-Flash widths), its fp32 steps in the space the accumulators' zeroing and
+  conversion steps use before and after the tiles: hca's backward 464.2k -> 445.0k cycles, csa's 744k
+  -> 710k; fwd+bwd hca 385 -> 374 us (1.47x of its bound), csa 669 -> 649 us (1.97x).
 """
 
 from __future__ import annotations
@@ -169,6 +178,22 @@ def position_tiles(keys: float, kn: int, pk: int = 0) -> int:
     before where it has at most pk keys."""
     tiles = max(1, math.ceil(keys / kn))
     return tiles - 1 if pk and tiles > 1 and keys - (tiles - 1) * kn <= pk else tiles
+
+
+def bwd_ub(mine: int, kn: int, vc: int, dv: int, e: int, holes: int) -> int:
+    """A backward vector core's UB: S and dP in, P and dS out (kn keys), the dq accumulator's and dq's
+    slices (vc columns), Delta's reads and fp32 steps (dv columns; the accumulators' zeroing and
+    conversion steps share that space, before and after the tiles), the key mask (`holes`: with csa's
+    holes, hole_mask_ub), the per-head vectors and their Brcb blocks."""
+    return (2 * mine * kn * (4 + e) + 2 * mine * vc * (4 + e) + 2 * mine * dv * e + max(2 * mine * dv * 4, CVT * (4 + e))
+            + tail_mask_ub(kn) + holes + mine * kn // 8 + 7 * mine * 4 + 2 * mine * 32)
+
+
+def delta_chunk(mine: int, dim: int, kn: int, vc: int, e: int, holes: int, ub_usable: int) -> int:
+    """Columns of D per step of the backward's Delta (three copies a step, y, y_lo and dy): the widest
+    multiple of vc dividing D that the UB holds (at V4-Flash widths 256 where the dq slices take 128)."""
+    widths = [dv for dv in range(dim, vc - 1, -vc) if dim % dv == 0 and dv % vc == 0]
+    return next((dv for dv in widths if bwd_ub(mine, kn, vc, dv, e, holes) <= ub_usable), vc)
 
 
 def hole_mask_ub(window: int, picks: int, gap: int, kn: int) -> int:
@@ -405,9 +430,13 @@ class SparseAttentionAscend(AscendKernel):
         in_l2 = self.gradients_stay_in_l2(problem, hw)
         add_rate = p.fix_bytes_per_cycle if in_l2 else hbm   # the dKV slices' atomic adds: L2 or the HBM share
 
+        def delta(kn, vc, gap):   # Delta's columns a step at these tiles (delta_chunk)
+            return delta_chunk(mine, dim, kn, vc, e, hole_mask_ub(window, extra, gap, kn), p.ub_usable)
+
         @functools.cache
         def per_core(kn, dc, vc, qb, gb, gap):
             keys, tiles_per_position, copies, _ = keys_copies(gap, kn)
+            dchunks = dim // delta(kn, vc, gap)
             tiles, n, chunks, vchunks = per * tiles_per_position, min(kn, keys), dim // dc, dim // vc
             s = cube_tile_cycles(heads, n, dc, e, hw, cores, a_loads=heads // 16, b_loads=key_loads(kn, dc))
             dq = cube_tile_cycles(heads, dc, n, e, hw, cores, a_loads=0, b_loads=-(-n // 16))
@@ -430,7 +459,8 @@ class SparseAttentionAscend(AscendKernel):
                     "Cube": tiles * chunks * (2 * s.cube + dq.cube + 2 * dkv.cube),
                     "FIX": tiles * (2 * s.fix + chunks * (dq.fix + dkv.fix + (scatter - 1) * issue)),
                     "AIV MTE2": tiles * (lat + 2 * mine * kn * 4 / l2)   # S and dP: one copy
-                                + per * vchunks * (4 * lat + mine * vc * e * (2 / hbm + 1 / l2) + mine * vc * 4 / l2) + mask_copies,
+                                + per * (3 * dchunks + vchunks) * lat   # Delta's y, y_lo and dy; the dq accumulator
+                                + per * vchunks * (mine * vc * e * (2 / hbm + 1 / l2) + mine * vc * 4 / l2) + mask_copies,
                     "Vector": tiles * vec + wait + per * vchunks * (issue * 7 + mine * vc / 64 * 6) + mask_vec,
                     "AIV MTE3": tiles * (lat + 2 * mine * kn * e / l2) + per * vchunks * (lat + mine * vc * e / hbm),   # P, dS; dq
                     "tile": tiles}
@@ -446,10 +476,8 @@ class SparseAttentionAscend(AscendKernel):
                 "2 x max(H, kv_tile) x d_chunk x elem (K, V, q^T, dy^T slices)"),
             cap("backward L0C capacity", lambda kn, dc, vc, qb, gb, gap: (2 * heads * kn + gb * max(heads, kn) * dc) * 4,
                 p.l0c_bytes, "(2 x H x kv_tile + g_buffers x max(H, kv_tile) x d_chunk) x fp32 (S, dP, dQ / dKV slices)"),
-            cap("backward UB capacity", lambda kn, dc, vc, qb, gb, gap: (2 * mine * kn * 4 + 2 * mine * kn * e + 2 * mine * vc * (4 + 2 * e)
-                                                                + 2 * mine * vc * 4 + CVT * (4 + e) + tail_mask_ub(kn)
-                                                                + hole_mask_ub(window, extra, gap, kn) + mine * kn // 8
-                                                                + 7 * mine * 4 + 2 * mine * 32),
+            cap("backward UB capacity", lambda kn, dc, vc, qb, gb, gap: bwd_ub(mine, kn, vc, delta(kn, vc, gap), e,
+                                                                               hole_mask_ub(window, extra, gap, kn)),
                 p.ub_usable, "per AIV: S and dP tiles, P and dS out, dq / y slices of o_chunk, the conversion step, the key mask (with holes: a position's slots)"),
         ]
         pipes = cells.pipes(("HBM", "MTE2", "MTE1", "Cube", "FIX", "AIV MTE2", "Vector", "AIV MTE3"))
@@ -533,6 +561,14 @@ class SparseAttentionAscend(AscendKernel):
                 "cube_blocks": int(knobs["cube_blocks"]), "merge_gap": merge_gap, "slot_pad": SLOT_PAD,
                 "pair_keys": pair_keys,
                 "bwd_key_tiles": BWD_KEY_TILES}
+
+    def profile_params(self, problem: Problem, knobs: dict[str, int], hw: HardwareProfile) -> dict:
+        """Delta's columns a step in the backward: as wide as the profile's UB holds beside its tiles."""
+        batch, heads, seq, dim, window, extra = problem.shape
+        kn, vc, gap = int(knobs["bwd_kv_tile"]), int(knobs["bwd_o_chunk"]), int(knobs.get("merge_gap", 0))
+        pipes = hw.ascend_pipes(cube_cores(hw))
+        return {"delta_chunk": delta_chunk(heads // 2, dim, kn, vc, problem.dtype.itemsize,
+                                           hole_mask_ub(window, extra, gap, kn), pipes.ub_usable)}
 
     def verification_problems(self, problem: Problem, knobs: dict[str, int]) -> list[Problem]:
         """Short sequences at the plan's heads and width: one batch row of 40 positions at the problem's
