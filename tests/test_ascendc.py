@@ -105,6 +105,24 @@ def test_sparse_attention_reads_each_rows_distinct_picks_and_spans_key_tiles():
             ascend.plan(spec, spec.problem(shape, dtype, "csa"), HW, target="ascend910b2", solver="highs")
 
 
+def _emulated_with(spec, problem, knobs, knob, values, tmp_path, verify=lambda value: True):
+    """Per value of one knob: both kernels rendered and run in the emulator at `problem` (and verified
+    against the reference at it and its verification shapes where `verify(value)`): {value: reports}."""
+    import torch
+    kernel = ascend.kernel_of(spec)
+    inputs = spec.make_inputs(problem, 0)
+    grad_out = {"y": torch.randn(*spec.reference(problem, inputs)["y"].shape, generator=torch.Generator().manual_seed(1))}
+    reports = {}
+    for value in values:
+        k = knobs | {knob: value}
+        emu = ascend.Emulated(spec, ascend.render_project(spec, problem, k, tmp_path / str(value), HW), HW)
+        if verify(value):
+            result = ascend.verify(spec, [problem, *kernel.verification_problems(problem, k)], k, emu, seeds=(0,))
+            assert result.passed, result.summary
+        reports[value] = kernel.run(problem, k, inputs, grad_out, emu)[2]
+    return reports
+
+
 def test_sparse_attention_gathers_picks_a_short_gap_apart_in_one_copy(tmp_path):
     """With merge_gap > 0 the slots list the entries between two picks at most that far apart as holes
     (-2 - entry): the Cube gathers a run of picks and holes in one copy, the vector cores mask the holes
@@ -121,22 +139,13 @@ def test_sparse_attention_gathers_picks_a_short_gap_apart_in_one_copy(tmp_path):
     dense = [position_keys("csa", 1024, 128, 128, gap) for gap in (0, 2)]
     assert dense[1][1] < dense[0][1] and sum(dense[1][0]) > sum(dense[0][0])   # fewer copies, more keys
 
-    spec, kernel = OPS["sparse_attention"], ascend.kernel_of(OPS["sparse_attention"])
+    spec = OPS["sparse_attention"]
     assert ascend.plan(spec, spec.problem("1x64x1024x512x128x128", "bf16", "csa"), HW, target="ascend910b2",
                        solver="highs").knobs["merge_gap"] == 2
     problem = spec.problem("1x16x160x128x16x24", "bf16", "csa")   # 24 picks of up to 40 ready entries
     knobs = ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs").knobs
-    inputs = spec.make_inputs(problem, 0)
-    grad_out = {"y": torch.randn(*spec.reference(problem, inputs)["y"].shape, generator=torch.Generator().manual_seed(1))}
-    gathered = {}
-    for gap in (0, 2):
-        k = knobs | {"merge_gap": gap}
-        emu = ascend.Emulated(spec, ascend.render_project(spec, problem, k, tmp_path / str(gap), HW), HW)
-        if gap:
-            result = ascend.verify(spec, kernel.verification_problems(problem, k), k, emu, seeds=(0,))
-            assert result.passed, result.summary
-        _, _, reports = kernel.run(problem, k, inputs, grad_out, emu)
-        gathered[gap] = sum(b.busy["MTE2"] for b in reports["forward"].blocks if b.core == "AIC")
+    reports = _emulated_with(spec, problem, knobs, "merge_gap", (0, 2), tmp_path, verify=lambda gap: gap > 0)
+    gathered = {gap: sum(b.busy["MTE2"] for b in r["forward"].blocks if b.core == "AIC") for gap, r in reports.items()}
     assert gathered[2] < 0.8 * gathered[0]   # emulated: 178k against 242k cycles
 
 
@@ -165,23 +174,14 @@ def test_sparse_attention_forward_joins_a_short_last_tile_to_the_one_before(tmp_
     L0C): the forward verifies against the reference over positions whose window is a ring in L1 with
     entries after it, and whose window spans tiles, and takes fewer emulated cycles; the planner picks it
     for V4-Flash's hca at 1024 tokens (up to 8 entries a position)."""
-    import torch
     from aurakernel.targets.ascend.ops.sparse_attention import position_tiles
-    spec, kernel = OPS["sparse_attention"], ascend.kernel_of(OPS["sparse_attention"])
+    spec = OPS["sparse_attention"]
     assert [position_tiles(k, 64, 32) for k in (40, 64, 96, 97, 128, 160)] == [1, 1, 1, 2, 2, 2]
     assert ascend.plan(spec, spec.problem("1x64x1024x512x128x128", "bf16", "hca"), HW, target="ascend910b2",
                        solver="highs").knobs["pair_keys"] > 0
     problem = spec.problem("1x32x160x256x64x8", "bf16", "hca")   # window 64, up to 20 entries
     base = ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs").knobs | {"kv_tile": 64, "s_buffers": 1}
-    inputs = spec.make_inputs(problem, 0)
-    grad_out = {"y": torch.randn(*spec.reference(problem, inputs)["y"].shape, generator=torch.Generator().manual_seed(1))}
-    cycles = {}
-    for pk in (0, 32):
-        knobs = base | {"pair_keys": pk}
-        emu = ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, tmp_path / str(pk), HW), HW)
-        result = ascend.verify(spec, [problem, *kernel.verification_problems(problem, knobs)], knobs, emu, seeds=(0,))
-        assert result.passed, result.summary
-        cycles[pk] = kernel.run(problem, knobs, inputs, grad_out, emu)[2]["forward"].cycles
+    cycles = {pk: r["forward"].cycles for pk, r in _emulated_with(spec, problem, base, "pair_keys", (0, 32), tmp_path).items()}
     assert cycles[32] < 0.92 * cycles[0], cycles   # emulated: 18.7k against 21.7k cycles
 
 
