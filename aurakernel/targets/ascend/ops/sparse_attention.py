@@ -478,7 +478,8 @@ class SparseAttentionAscend(AscendKernel):
                 p.l0c_bytes, "(2 x H x kv_tile + g_buffers x max(H, kv_tile) x d_chunk) x fp32 (S, dP, dQ / dKV slices)"),
             cap("backward UB capacity", lambda kn, dc, vc, qb, gb, gap: bwd_ub(mine, kn, vc, delta(kn, vc, gap), e,
                                                                                hole_mask_ub(window, extra, gap, kn)),
-                p.ub_usable, "per AIV: S and dP tiles, P and dS out, dq / y slices of o_chunk, the conversion step, the key mask (with holes: a position's slots)"),
+                p.ub_usable, "per AIV: S and dP tiles, P and dS out, dq slices of o_chunk, Delta's steps (the key gradients' "
+                             "conversion steps in their space), the key mask (with holes: a position's slots)"),
         ]
         pipes = cells.pipes(("HBM", "MTE2", "MTE1", "Cube", "FIX", "AIV MTE2", "Vector", "AIV MTE3"))
         # L1 holds three key tiles: the gather of tile t + 3 (MTE2) runs under tile t + 2's S and dP and
