@@ -980,7 +980,8 @@ def test_correct_kernel_passes_and_counts_pipes():
 
 def test_a_traced_run_writes_every_instruction_on_its_pipe(tmp_path, monkeypatch):
     """AK_TRACE=<file>: every core's instructions, per pipe, in issue order on that pipe, no two
-    overlapping, summing to the pipe's busy cycles of the report (two blocks of DOUBLE)."""
+    overlapping, summing to the pipe's busy cycles of the report, each named by the API call that
+    issued it (two blocks of DOUBLE)."""
     import struct
     from collections import defaultdict
     exe = emulator.build(DOUBLE, entry="k", nargs=2, hw=HW)
@@ -990,11 +991,13 @@ def test_a_traced_run_writes_every_instruction_on_its_pipe(tmp_path, monkeypatch
     assert report.ok, report.errors
     lines = trace.read_text().splitlines()
     assert lines[0].startswith("#") and "2 blocks" in lines[0]
-    spans = defaultdict(list)
+    spans, calls = defaultdict(list), defaultdict(list)
     for line in lines[1:]:
-        block, core, pipe, start, end = line.split()
+        block, core, pipe, start, end, call = line.split()
         spans[(int(block), core, pipe)].append((float(start), float(end)))
+        calls[(int(block), pipe)].append(call)
     assert {b for b, _, _ in spans} == {0, 1} and {p for _, _, p in spans} == {"MTE2", "MTE3", "V"}
+    assert calls[(1, "MTE2")] == ["DataCopy"] and calls[(1, "V")] == ["Muls"] and calls[(1, "MTE3")] == ["DataCopy"]
     names = {"V": "Vector", "S": "Scalar"}
     for (block, core, pipe), got in spans.items():
         assert all(s <= e <= s2 for (s, e), (s2, _) in zip(got, got[1:]))   # one at a time, in order

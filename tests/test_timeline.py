@@ -9,15 +9,15 @@ from aurakernel.emulator import timeline
 
 # two blocks of a mixed launch; block 1 ends last. Its AIC MTE2 idles 100-400 (the Cube and the AIV's
 # vector busy then) and 450-500 (its tail, only the AIV's copy out), and 400-450 is too short to list
-TRACE = """# /cache/ak_demo_fwd-0123, 2 blocks: block core pipe start end (cycles)
-0 AIC MTE2 0.0 50.0
-0 AIV0 V 50.0 80.0
-1 AIC MTE2 0.0 100.0
-1 AIC M 120.0 320.0
-1 AIV0 V 300.0 380.0
-1 AIC MTE2 400.0 420.0
-1 AIC MTE2 430.0 450.0
-1 AIV0 MTE3 450.0 500.0
+TRACE = """# /cache/ak_demo_fwd-0123, 2 blocks: block core pipe start end instruction (cycles)
+0 AIC MTE2 0.0 50.0 DataCopy
+0 AIV0 V 50.0 80.0 Exp
+1 AIC MTE2 0.0 100.0 DataCopy
+1 AIC M 120.0 320.0 Mmad
+1 AIV0 V 300.0 380.0 Exp
+1 AIC MTE2 400.0 420.0 DataCopy
+1 AIC MTE2 430.0 450.0 DataCopy
+1 AIV0 MTE3 450.0 500.0 DataCopyPad
 """
 
 
@@ -30,6 +30,7 @@ def test_summary_finds_the_slowest_block_and_what_ran_while_its_busiest_pipe_idl
     assert s.block == 1 and s.makespan == 500
     assert s.busy == {"AIC.Cube": 200, "AIC.MTE2": 140, "AIV0.MTE3": 50, "AIV0.Vector": 80}
     assert s.pipe == "AIC.Cube" and s.share("AIC.Cube") == pytest.approx(0.4)
+    assert list(s.calls.items())[:2] == [(("AIC.Cube", "Mmad"), [1, 200]), (("AIC.MTE2", "DataCopy"), [3, 140])]
     s = timeline.summarize(launches[0], pipe="AIC.MTE2", min_gap=40)
     assert [(g.start, g.end) for g in s.gaps] == [(100, 400), (450, 500)]   # longest first; 420-430 too short
     assert s.gaps[0].others == {"AIC.Cube": 200, "AIV0.Vector": 80} and s.gaps[1].others == {"AIV0.MTE3": 50}
@@ -44,6 +45,7 @@ def test_summary_cli_prints_the_tables_and_rejects_bad_input_in_one_line(tmp_pat
     out = subprocess.run([*cli, str(path), "--pipe", "AIC.MTE2", "--gap", "40"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "ak_demo_fwd-0123: block 1, 500 cycles" in out.stdout and "2 stretches, 350 cycles" in out.stdout
+    assert "costliest instructions" in out.stdout and "Mmad" in out.stdout
     for args, why in (([str(path), "--pipe", "AIC.FIX"], "ran nothing in block 1"),
                       ([str(path), "--block", "7"], "block 7 is not in the launch"),
                       ([str(path), "--launch", "bwd"], "no launch"),

@@ -18,6 +18,7 @@
 #include <functional>
 #include <mutex>
 #include <cstdio>
+#include <cstring>
 #include <memory>
 #include <sys/mman.h>
 #include <thread>
@@ -275,12 +276,13 @@ int main(int argc, char** argv) {
     if (ak::tracing) {
         FILE* f = fopen(trace, "a");
         if (f == nullptr) { fprintf(stderr, "AK_TRACE=%s: cannot be written\n", trace); return 2; }
-        fprintf(f, "# %s, %d blocks: block core pipe start end (cycles)\n", argv[0], block_dim);
+        fprintf(f, "# %s, %d blocks: block core pipe start end instruction (cycles)\n", argv[0], block_dim);
         for (int t = 0; t < nthreads; ++t) {
             const ak::Core& c = *cores[t];
             const std::string core = c.kind == AscendC::AIC ? "AIC" : "AIV" + std::to_string(c.sub_idx);
             for (const ak::Issued& i : c.c.timeline)
-                fprintf(f, "%lld %s %s %.1f %.1f\n", (long long)c.block_idx, core.c_str(), ak::pipe_name(i.pipe), i.start, i.end);
+                fprintf(f, "%lld %s %s %.1f %.1f %.*s\n", (long long)c.block_idx, core.c_str(), ak::pipe_name(i.pipe), i.start, i.end,
+                        int(strcspn(i.what, "< ")), i.what);   /* the name without template arguments */
         }
         fclose(f);
     }

@@ -1,9 +1,11 @@
 """Where an emulated kernel waits: a summary of an `AK_TRACE` pipe timeline.
 
 A traced run (`AK_TRACE=<file>`, see README.md "Timing") appends every core's instructions to the
-file, `block core pipe start end` a line, each launch after a `#` line naming its kernel. The
+file, `block core pipe start end instruction` a line (the API call that issued it), each launch after a
+`#` line naming its kernel. The
 kernel's time is its slowest block's; within that block the question is which pipe sets the pace
-and why it idles. `summarize` answers with the block's busy share per core and pipe, and the idle
+and why it idles. `summarize` answers with the block's busy share per core and pipe, which API calls
+that time went to (a kernel's costliest instructions, per pipe), and the idle
 stretches of one pipe (by default the busiest), each with what every other pipe did meanwhile: a
 stretch where the others are busy is a wait on them (a buffer, a flag); one where nothing runs is
 latency nobody hides.
@@ -30,6 +32,9 @@ class Launch:
     """One launch of a trace: its `#` line and every (block, core, pipe)'s instructions in pipe order."""
     header: str
     spans: dict[tuple[int, str, str], Spans] = field(default_factory=lambda: defaultdict(list))
+    # (block, core, pipe) -> instruction -> [count, busy cycles]
+    calls: dict[tuple[int, str, str], dict[str, list[float]]] = field(
+        default_factory=lambda: defaultdict(lambda: defaultdict(lambda: [0, 0.0])))
 
     def end(self, block: int) -> float:
         return max((e for (b, _, _), s in self.spans.items() if b == block for _, e in s), default=0.0)
@@ -55,6 +60,7 @@ class Summary:
     block: int
     makespan: float
     busy: dict[str, float]     # "core.pipe" -> busy cycles in the block
+    calls: dict[tuple[str, str], list[float]]   # ("core.pipe", instruction) -> [count, busy cycles], costliest first
     pipe: str                  # the pipe whose idle stretches are listed
     gaps: list[Gap]            # its idle stretches of at least the minimum, longest first
     idle_in_gaps: float        # their total
@@ -76,10 +82,15 @@ def read(path: Path) -> list[Launch]:
             launches.append(Launch(line.lstrip("# ")))
             continue
         parts = line.split()
-        if not launches or len(parts) != 5:
-            raise UserError(f"{path}:{n}: not an AK_TRACE line (`block core pipe start end` after a `#` line): {line[:80]!r}")
-        block, core, pipe, start, end = parts
-        launches[-1].spans[(int(block), core, PIPE_NAMES.get(pipe, pipe))].append((float(start), float(end)))
+        if not launches or len(parts) not in (5, 6):
+            raise UserError(f"{path}:{n}: not an AK_TRACE line (`block core pipe start end [instruction]` after a `#` "
+                            f"line): {line[:80]!r}")
+        block, core, pipe, start, end = parts[:5]
+        key = (int(block), core, PIPE_NAMES.get(pipe, pipe))
+        launches[-1].spans[key].append((float(start), float(end)))
+        call = launches[-1].calls[key][parts[5] if len(parts) == 6 else "?"]
+        call[0] += 1
+        call[1] += float(end) - float(start)
     if not launches:
         raise UserError(f"{path}: no launch in it (an AK_TRACE file starts with a `#` line)")
     return launches
@@ -98,6 +109,8 @@ def summarize(launch: Launch, block: int | None = None, pipe: str | None = None,
         raise UserError(f"block {block} is not in the launch: it has blocks {min(blocks)}..{max(blocks)}")
     mine = {f"{c}.{p}": s for (b, c, p), s in launch.spans.items() if b == block}
     busy = {k: sum(e - s for s, e in v) for k, v in sorted(mine.items())}
+    calls = {(f"{c}.{p}", name): v for (b, c, p), named in launch.calls.items() if b == block for name, v in named.items()}
+    calls = dict(sorted(calls.items(), key=lambda kv: -kv[1][1]))
     pipe = pipe or max(busy, key=busy.get)
     if pipe not in mine:
         raise UserError(f"pipe {pipe!r} ran nothing in block {block}: accepted are {', '.join(busy)}")
@@ -112,7 +125,7 @@ def summarize(launch: Launch, block: int | None = None, pipe: str | None = None,
             gaps.append(gap(prev, s))
         prev = max(prev, e)
     gaps.sort(key=lambda g: -g.length)
-    return Summary(launch.header, block, end, busy, pipe, gaps, sum(g.length for g in gaps))
+    return Summary(launch.header, block, end, busy, calls, pipe, gaps, sum(g.length for g in gaps))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block", type=int, help="default: the slowest block")
     ap.add_argument("--pipe", help="core.pipe whose idle stretches to list, e.g. AIC.MTE2 (default: the busiest)")
     ap.add_argument("--gap", type=float, default=300.0, help="shortest idle stretch listed, cycles")
-    ap.add_argument("--top", type=int, default=12, help="idle stretches listed")
+    ap.add_argument("--top", type=int, default=12, help="idle stretches and instructions listed")
     args = ap.parse_args(argv)
     console = Console()
     try:
@@ -143,6 +156,12 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in s.busy.items():
         t.add_row(k, f"{v:,.0f}", f"{s.share(k):.0%}")
     console.print(t)
+    c = Table(title=f"the costliest instructions of block {s.block}")
+    for col in ("core.pipe", "instruction", "count", "busy cycles", "share"):
+        c.add_column(col, justify="left" if col in ("core.pipe", "instruction") else "right")
+    for (key, name), (count, cycles) in list(s.calls.items())[:args.top]:
+        c.add_row(key, name, f"{count:,.0f}", f"{cycles:,.0f}", f"{cycles / s.makespan:.0%}" if s.makespan else "")
+    console.print(c)
     g = Table(title=f"{s.pipe} idle >= {args.gap:g} cycles: {len(s.gaps)} stretches, {s.idle_in_gaps:,.0f} cycles "
                     f"({s.idle_in_gaps / s.makespan:.0%} of the block)" if s.makespan else s.pipe)
     for col in ("from", "to", "cycles", "the other pipes meanwhile (busy cycles)"):

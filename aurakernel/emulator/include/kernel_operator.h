@@ -95,6 +95,7 @@ inline const char* pipe_name(int p) {
 struct Issued {
     int pipe;
     double start, end;
+    const char* what;   // the API call that issued it
 };
 inline bool tracing = false;
 
@@ -191,7 +192,9 @@ struct Core {
                          " reads, with no " + pipe_name(r) + " -> " + pipe_name(p) + " event between");
     }
     // Charge `cycles` to `pipe`, starting after its inputs are ready and its outputs are free.
-    void issue(Pipe pipe, double cycles, std::initializer_list<Slot*> reads, std::initializer_list<Slot*> writes) {
+    // `what` defaults to the calling API function's name, for the trace.
+    void issue(Pipe pipe, double cycles, std::initializer_list<Slot*> reads, std::initializer_list<Slot*> writes,
+               const char* what = __builtin_FUNCTION()) {
         const uint64_t now = ++seq;
         for (Slot* s : reads) if (s) check_sync(*s, pipe, false);
         for (Slot* s : writes) if (s) check_sync(*s, pipe, true);
@@ -205,7 +208,7 @@ struct Core {
         for (Slot* s : writes) if (s) s->ready = end;
         c.at[pipe] = end;
         c.busy[pipe] += cycles;
-        if (tracing) c.timeline.push_back({pipe, start, end});
+        if (tracing) c.timeline.push_back({pipe, start, end, what});
         c.instrs[pipe] += 1;
     }
 };
