@@ -326,18 +326,19 @@ def test_router_backward_scatters_packed_gradients_and_sums_a_repeated_expert(dt
 
 
 def test_router_topk_refuses_more_candidates_than_one_merge_sorts():
-    """The top-k kernel sorts the members of each row's top k + 1 groups (experts / 32 each) in one
-    merge of four 32-structure lists: V4's top-6 of 256 and 384 (and top-7 of 512) fit; top-8 of 512
-    would need 160 candidates a row and is refused in one line naming the limit."""
+    """The top-k kernel sorts the members of each row's top k + 1 groups (experts / 64 each) in at most
+    one merge of four 32-structure lists: V4's top-6 of 256 (one list: 8 groups of 4) and 384 (16
+    groups of 6, three lists), top-15 of 512 fit; top-16 of 512 would need 160 candidates a row and is
+    refused in one line naming the limit."""
     from aurakernel.errors import UserError
     spec, kernel = OPS["router"], ascend.kernel_of(OPS["router"])
     knobs = {"tile_rows": 16, "buffers": 2, "block_dim": 48}
-    assert [kernel.candidates(e, k) for e, k in ((256, 6), (384, 6), (512, 7))] == [64, 96, 128]
-    for shape in ("64x256x6", "64x384x6", "64x512x7"):
+    assert [kernel.candidates(e, k) for e, k in ((256, 6), (384, 6), (512, 7), (512, 15))] == [32, 96, 64, 128]
+    for shape in ("64x256x6", "64x384x6", "64x512x15"):
         kernel.params(spec.problem(shape, "bf16", "topk"), knobs)
-    with pytest.raises(UserError, match=r"top-8 of 512 experts.*at most 128"):
-        kernel.params(spec.problem("64x512x8", "bf16", "topk"), knobs)
-    kernel.params(spec.problem("64x512x8", "bf16", "hash"), knobs)   # hash routing sorts nothing
+    with pytest.raises(UserError, match=r"top-16 of 512 experts.*at most 128"):
+        kernel.params(spec.problem("64x512x16", "bf16", "topk"), knobs)
+    kernel.params(spec.problem("64x512x16", "bf16", "hash"), knobs)   # hash routing sorts nothing
 
 
 def test_adamw_update_matches_torch_in_emulator(tmp_path):

@@ -1,15 +1,24 @@
 """The AscendC kernel of router (templates/ascendc/): its planner phases, template values and emulator run.
 
 Where the time goes (ascend910b2, 8192 x 256 experts, top-6, bf16; 171 rows per vector core; emulator
-cycles per core; tiles of 24 rows, the most that fit the UB: 32 do not, and 24 against 16 cut the
+cycles per core; the backward's tiles of 24 rows, the most that fit its UB, and 24 against 16 cut the
 instructions per row, 22.1 -> 20.6 us for forward + backward):
-- forward (~20k cycles against an HBM bound of ~5.3k): the vector unit. Selection sorts only the
-  members of each row's top K + 1 groups (96 structures of 256, was 256 + two merges: 22.8k -> 18.7k
-  cycles), but the NPU's sorting and gathering instructions (Sort32, MrgSort, Gather) run at the
-  slow-op rate per 256 B they write (the emulator's estimate): ~45 cycles a row for selection alone
-  against the ~31 a row of its HBM share, then ~40 a row for the tail on [rows][32 B] compact tiles
-  (ascending order, weights, tie flag: issue-bound, 12 cycles an instruction). A core's short tile
-  comes first (only its copy runs before the vector unit starts): 20.1k -> 19.7k cycles.
+- forward (~16.9k cycles against an HBM bound of ~5.3k): the vector unit. Selection sorts only the
+  members of each row's top K + 1 groups (was all 256 + two merges: 22.8k -> 18.7k cycles), but the
+  NPU's sorting and gathering instructions (Sort32, MrgSort, Gather) run at the slow-op rate per 256 B
+  they write (the emulator's estimate). The traced instruction mix (`python -m
+  aurakernel.emulator.timeline`, a 24-row tile ~2.1k cycles) was ~40 cycles a row for selection
+  and ~32 for the tail on [rows][32 B] compact tiles (ascending order, weights, tie flag:
+  issue-bound, 12 cycles an instruction), against the ~31 a row of its HBM share. A core's short
+  tile comes first (only its copy runs before the vector unit starts): 20.1k -> 19.7k cycles. The
+  candidate tables start from one group's lanes, the rest by Progression (the vector unit waited
+  ~1k cycles on 192 scalar writes): 19.1k. Groups of experts j, j + 64, ... (64 groups of 4 at 256
+  experts, not 32 of 8): their maxima are two Sort32 lists merged, but the top 8 groups' 32 members
+  are one list, so the candidates' gathers and sort halve and their merge goes (a 24-row tile 2.1k
+  -> 1.9k cycles): 17.9k; that frees UB for 32-row forward tiles (`forward_tile_rows`: the forward
+  launch has its own, as the hash router's; the model's UB now counts the tail's tables exactly,
+  where whole rows of E rounded it to 204 KB against the 186 KB used), fewer instructions per row:
+  16.9k.
 - backward (~13k cycles against ~10k; was ~17k): the scatter of each row's K gradients on the
   scalar unit. A2/A3 have no vector Scatter (the documented one is Ascend 950's), so the scalar unit
   writes the K gradients one by one; it reads the row's experts and gradients (in the dtype) from the
@@ -93,22 +102,31 @@ class RouterAscend(AscendKernel):
                                  f32_tiles=(5 * lanes * 4 + lanes * e + lanes) / (experts * 4),
                                  instrs_per_tile=fast + slow, small_in_tiles=SIDE_TILES,
                                  own_tile_rows=True)   # its launch's UB holds no backward: larger tiles, fewer copies
-        else:   # per row v = s + bias (fp32), its 32 group maxima and their sorted structures, the CW
-            # candidates (two tables, the expert, its byte offset, value and sorted structure), the merge
+        else:   # per row v = s + bias (fp32), its 64 group maxima, their two sorted lists, merge queues and
+            # merged groups (4 QG structures each), the CW candidates (three tables, the expert, its byte
+            # offset, value and sorted structure), the iota; with several candidate lists their merge
             # queues and final lists (4Q structures each); the compact tiles and tables of the tail
             vp = -(-experts // 128) * 128
             q = -(-(top_k + 1) // 4) * 4
-            cw = self.candidates(experts, top_k)
-            scratch = vp * 4 + (64 + 32) * 4 + 32 * 8 + cw * (6 * 4 + 8) + 32 * 4 + 2 * 4 * q * 8
-            scratch += (2 + 32 + idx_bytes // 4) * 4 + 2 * 32 * 4 + 32 * 8 + idx_bytes + 3 * lanes * 4 + 16 + vp // 64 * 4
-            # per element of a row: cast, bias, the NaN sum, the maxima (fast); at the slow rate per 256 B
-            # written: the maxima's and the tail's Sort32, the two Gathers and Sort32 of the candidates, the merge.
+            cw, qg = self.candidates(experts, top_k), self.group_tops(experts, top_k)
+            merged = cw > 32   # the candidates are several Sort32 lists, merged
+            scratch = vp * 4 + 64 * 4 + 64 * 8 + 4 * qg * 8 + cw * (6 * 4 + 8) + 64 * 4 + merged * 2 * 4 * q * 8
+            # the tail's: gather offsets, the K experts and their keys, their sorted structures, the index
+            # words, the weights' sums and broadcast, a row's scratch, the tie values and lane masks, the
+            # gather tables (InitGather), ReduceSum's scratch
+            scratch += ((2 + 32 + idx_bytes // 4) * 4 + 2 * 32 * 4 + 32 * 8 + idx_bytes + 2 * lanes * 4 + 4 + e + 10
+                        + 4 + idx_bytes // 32 + 4 * lanes * 4 + lanes * e + lanes / 8 + vp * 4 / 256 * 4)
+            # per element of a row: cast, bias, the NaN sum, the maxima (fast), the groups' and candidates'
+            # copies to their merges; at the slow rate per 256 B written: the maxima's two lists and the
+            # tail's Sort32, the groups' merge, the two Gathers and Sort32 of the candidates, their merge.
             # The scratch (one per tile row, not queued) as whole fp32 rows of E
             fwd = AscendRowPhase("forward", 1, 0, 0, idx_bytes + lanes * e + 1, vp * 4 + 288, 0,
-                                 fast_ops_per_elem=4 + 4 * cw / experts + 30 * lanes * 4 / 256 / repeats,
-                                 slow_ops_per_elem=(128 + 4 * cw + 8 * q) / experts, instrs_per_chunk=0,
-                                 f32_tiles=-(-scratch // (experts * 4)), instrs_per_tile=50,
-                                 short_tile_first=True)   # vector-bound: its short tile's copy is all that waits
+                                 fast_ops_per_elem=4 + (4 * cw + 4 * qg + merged * 4 * q) / experts
+                                 + 30 * lanes * 4 / 256 / repeats,
+                                 slow_ops_per_elem=(192 + 8 * qg + 4 * cw + merged * 8 * q) / experts, instrs_per_chunk=0,
+                                 f32_tiles=scratch / (experts * 4), instrs_per_tile=50,
+                                 short_tile_first=True,   # vector-bound: its short tile's copy is all that waits
+                                 own_tile_rows=True)      # its launch holds no backward: 32 rows fit where the backward takes 24
         # logits in, d logits out; index and d weights in (two copies, SIDE_TILES tiles each); per row, beside the queues, the
         # compact tiles: the gathered logits and the fp32 gradients (one per tile parity), six of work,
         # and per parity the experts (int32) and the gradients in the dtype, which the scatter reads;
@@ -126,15 +144,24 @@ class RouterAscend(AscendKernel):
         return [fwd, bwd]
 
     @staticmethod
-    def candidates(experts: int, top_k: int) -> int:
-        """The top-k kernel's candidates per row: the members (VP / 32 each) of its top G groups, G >= K + 1
-        and G x members a multiple of 32 (whole Sort32 lists); the kernel's Init derives the same from the
-        run's E."""
-        members = -(-experts // 128) * 128 // 32
+    def top_groups(experts: int, top_k: int) -> int:
+        """The top-k kernel's G: the groups (of its 64, VP / 64 members each) whose members it sorts, G >=
+        K + 1 and G x members a multiple of 32 (whole Sort32 lists); its Init derives the same from the run's E."""
+        members = -(-experts // 128) * 128 // 64
         groups = top_k + 1
         while groups * members % 32:
             groups += 1
-        return groups * members
+        return groups
+
+    @classmethod
+    def candidates(cls, experts: int, top_k: int) -> int:
+        """The top-k kernel's candidates per row: the members of its top G groups."""
+        return cls.top_groups(experts, top_k) * (-(-experts // 128) * 128 // 64)
+
+    @classmethod
+    def group_tops(cls, experts: int, top_k: int) -> int:
+        """QG: the group maxima each of the two sorted lists gives their merge (G in whole 32 B)."""
+        return -(-cls.top_groups(experts, top_k) // 4) * 4
 
     def vector_floor(self, problem: Problem) -> dict[str, VectorWork]:
         """Per logit: the cast, the bias (top-k) and one pass of a selection (no selection reads a
@@ -152,10 +179,10 @@ class RouterAscend(AscendKernel):
                             f"(a row's experts are kept in 32 B of {problem.dtype.value})")
         if problem.variant != "hash" and self.candidates(experts, top_k) > 128:   # one merge of four candidate lists
             raise UserError(f"router on AscendC: top-{top_k} of {experts} experts; the top-k kernel sorts the members "
-                            f"of a row's top k + 1 groups (experts / 32 each), at most 128 (e.g. top-7 of 512, top-15 of 256)")
+                            f"of a row's top k + 1 groups (experts / 64 each), at most 128 (e.g. top-15 of 384 or 512)")
         return {"dtype": problem.dtype, "experts": int(experts), "top_k": int(top_k), "hash": problem.variant == "hash",
                 "scale": float(SCALE), "tile_rows": int(knobs["tile_rows"]), "side_tiles": SIDE_TILES,
-                "given_tile_rows": int(knobs.get("forward_tile_rows", knobs["tile_rows"])), "buffers": int(knobs["buffers"]),
+                "forward_tile_rows": int(knobs.get("forward_tile_rows", knobs["tile_rows"])), "buffers": int(knobs["buffers"]),
                 "block_dim": int(knobs["block_dim"])}
 
     def verification_problems(self, problem: Problem, knobs: dict[str, int]) -> list[Problem]:
