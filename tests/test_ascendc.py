@@ -45,6 +45,7 @@ SPREAD_TESTS = True   # no shared fixtures: xdist spreads these long emulator ca
     ("router", "topk", "52x384x6", "bf16"),             # V4-Pro: 384 routed experts, top-6
     ("router", "hash", "60x256x6", "bf16"),             # the hash layers: tid2eid's experts
     ("router", "topk", "52x256x6", "fp32"),
+    ("router", "topk", "44x512x12", "bf16"),            # 16 groups of 8 (four candidate lists merged), 16 sort lanes a row
     ("indexer_score", "default", "1x60x64x128x64", "bf16"),   # V4-Flash and V4-Pro: 64 heads x index_head_dim 128
     ("indexer_score", "default", "2x37x64x128x70", "fp32"),   # fp32 operands on the Cube: 16 x 8 fractals (vector backward)
     ("indexer_score", "default", "1x37x64x128x100", "fp16"),  # fp16: dq out of the Fixpipe as F322F16

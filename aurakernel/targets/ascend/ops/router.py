@@ -3,7 +3,7 @@
 Where the time goes (ascend910b2, 8192 x 256 experts, top-6, bf16; 171 rows per vector core; emulator
 cycles per core; the backward's tiles of 24 rows, the most that fit its UB, and 24 against 16 cut the
 instructions per row, 22.1 -> 20.6 us for forward + backward):
-- forward (~16.9k cycles against an HBM bound of ~5.3k): the vector unit. Selection sorts only the
+- forward (~15.8k cycles against an HBM bound of ~5.3k): the vector unit. Selection sorts only the
   members of each row's top K + 1 groups (was all 256 + two merges: 22.8k -> 18.7k cycles), but the
   NPU's sorting and gathering instructions (Sort32, MrgSort, Gather) run at the slow-op rate per 256 B
   they write (the emulator's estimate). The traced instruction mix (`python -m
@@ -18,7 +18,9 @@ instructions per row, 22.1 -> 20.6 us for forward + backward):
   -> 1.9k cycles): 17.9k; that frees UB for 32-row forward tiles (`forward_tile_rows`: the forward
   launch has its own, as the hash router's; the model's UB now counts the tail's tables exactly,
   where whole rows of E rounded it to 204 KB against the 186 KB used), fewer instructions per row:
-  16.9k.
+  16.9k. The tail's ascending sort of a row's K experts takes 8 lanes a row, four rows a Sort32 list
+  (keys -(expert + j VP) keep the list's rows apart), where each row was a list of 32 lanes, 26 of
+  them -inf: 15.8k.
 - backward (~13k cycles against ~10k; was ~17k): the scatter of each row's K gradients on the
   scalar unit. A2/A3 have no vector Scatter (the documented one is Ascend 950's), so the scalar unit
   writes the K gradients one by one; it reads the row's experts and gradients (in the dtype) from the
@@ -111,19 +113,20 @@ class RouterAscend(AscendKernel):
             cw, qg = self.candidates(experts, top_k), self.group_tops(experts, top_k)
             merged = cw > 32   # the candidates are several Sort32 lists, merged
             scratch = vp * 4 + 64 * 4 + 64 * 8 + 4 * qg * 8 + cw * (6 * 4 + 8) + 64 * 4 + merged * 2 * 4 * q * 8
-            # the tail's: gather offsets, the K experts and their keys, their sorted structures, the index
-            # words, the weights' sums and broadcast, a row's scratch, the tie values and lane masks, the
-            # gather tables (InitGather), ReduceSum's scratch
-            scratch += ((2 + 32 + idx_bytes // 4) * 4 + 2 * 32 * 4 + 32 * 8 + idx_bytes + 2 * lanes * 4 + 4 + e + 10
-                        + 4 + idx_bytes // 32 + 4 * lanes * 4 + lanes * e + lanes / 8 + vp * 4 / 256 * 4)
+            # the tail's: gather offsets and key offsets, the K experts and their keys (KP lanes a row), their
+            # sorted structures, the index words, the weights' sums and broadcast, a row's scratch, the tie
+            # values and lane masks, the gather tables (InitGather), ReduceSum's scratch
+            kp = self.sort_lanes(top_k)
+            scratch += ((2 + 2 * kp + idx_bytes // 4) * 4 + 3 * kp * 4 + kp * 8 + idx_bytes + 2 * lanes * 4 + 4 + e + 10
+                        + kp / 8 + idx_bytes / 32 + 4 * lanes * 4 + lanes * e + lanes / 8 + vp * 4 / 256 * 4)
             # per element of a row: cast, bias, the NaN sum, the maxima (fast), the groups' and candidates'
             # copies to their merges; at the slow rate per 256 B written: the maxima's two lists and the
             # tail's Sort32, the groups' merge, the two Gathers and Sort32 of the candidates, their merge.
-            # The scratch (one per tile row, not queued) as whole fp32 rows of E
+            # The scratch (one per tile row, not queued) in fp32 rows of E (a fraction: its bytes exactly)
             fwd = AscendRowPhase("forward", 1, 0, 0, idx_bytes + lanes * e + 1, vp * 4 + 288, 0,
                                  fast_ops_per_elem=4 + (4 * cw + 4 * qg + merged * 4 * q) / experts
                                  + 30 * lanes * 4 / 256 / repeats,
-                                 slow_ops_per_elem=(192 + 8 * qg + 4 * cw + merged * 8 * q) / experts, instrs_per_chunk=0,
+                                 slow_ops_per_elem=(128 + 2 * kp + 8 * qg + 4 * cw + merged * 8 * q) / experts, instrs_per_chunk=0,
                                  f32_tiles=scratch / (experts * 4), instrs_per_tile=50,
                                  short_tile_first=True,   # vector-bound: its short tile's copy is all that waits
                                  own_tile_rows=True)      # its launch holds no backward: 32 rows fit where the backward takes 24
@@ -157,6 +160,11 @@ class RouterAscend(AscendKernel):
     def candidates(cls, experts: int, top_k: int) -> int:
         """The top-k kernel's candidates per row: the members of its top G groups."""
         return cls.top_groups(experts, top_k) * (-(-experts // 128) * 128 // 64)
+
+    @staticmethod
+    def sort_lanes(top_k: int) -> int:
+        """KP: the lanes a row takes in the forward's ascending sort of its K experts (32 / KP rows a Sort32 list)."""
+        return 8 if top_k <= 8 else 16
 
     @classmethod
     def group_tops(cls, experts: int, top_k: int) -> int:
