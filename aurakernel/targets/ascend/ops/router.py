@@ -3,7 +3,7 @@
 Where the time goes (ascend910b2, 8192 x 256 experts, top-6, bf16; 171 rows per vector core; emulator
 cycles per core; the backward's tiles of 24 rows, the most that fit its UB, and 24 against 16 cut the
 instructions per row, 22.1 -> 20.6 us for forward + backward):
-- forward (~15.8k cycles against an HBM bound of ~5.3k): the vector unit. Selection sorts only the
+- forward (~15.0k cycles against an HBM bound of ~5.3k): the vector unit. Selection sorts only the
   members of each row's top K + 1 groups (was all 256 + two merges: 22.8k -> 18.7k cycles), but the
   NPU's sorting and gathering instructions (Sort32, MrgSort, Gather) run at the slow-op rate per 256 B
   they write (the emulator's estimate). The traced instruction mix (`python -m
@@ -20,7 +20,9 @@ instructions per row, 22.1 -> 20.6 us for forward + backward):
   where whole rows of E rounded it to 204 KB against the 186 KB used), fewer instructions per row:
   16.9k. The tail's ascending sort of a row's K experts takes 8 lanes a row, four rows a Sort32 list
   (keys -(expert + j VP) keep the list's rows apart), where each row was a list of 32 lanes, 26 of
-  them -inf: 15.8k.
+  them -inf: 15.8k. Every router kernel now copies its bias and first tiles in before it makes its
+  tables (InitGather, the selection's offsets: ~1.9k cycles of scalar writes and Progressions came
+  before any copy): 15.0k, the backward 11.2k -> 11.0k, the hash forward 7.8k -> 7.6k.
 - backward (~13k cycles against ~10k; was ~17k): the scatter of each row's K gradients on the
   scalar unit. A2/A3 have no vector Scatter (the documented one is Ascend 950's), so the scalar unit
   writes the K gradients one by one; it reads the row's experts and gradients (in the dtype) from the
