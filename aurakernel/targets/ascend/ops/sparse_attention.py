@@ -121,6 +121,11 @@ csa is 2.6x, hca 2.4x.
   (`delta_chunk`: 256 at V4-Flash widths), its fp32 steps in the space the accumulators' zeroing and
   conversion steps use before and after the tiles: hca's backward 464.2k -> 445.0k cycles, csa's 744k
   -> 710k; fwd+bwd hca 385 -> 374 us (1.47x of its bound), csa 669 -> 649 us (1.97x).
+- the backward's start, traced: the Cube core waited in the SyncAll for the vector cores' zeroing of
+  the accumulators (~3.7k cycles: the key mask's table, then the zeros' copies) and only then copied
+  its first keys, q and dy. It now copies the first tile's keys and the first position's q and dy
+  before that SyncAll (all the copies the first two tiles need took longer than the zeroing: 713k):
+  csa's backward 709.8k -> 706.5k cycles, hca's 445.0k -> 442.7k.
 """
 
 from __future__ import annotations
