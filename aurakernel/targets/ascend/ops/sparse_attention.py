@@ -126,6 +126,11 @@ csa is 2.6x, hca 2.4x.
   its first keys, q and dy. It now copies the first tile's keys and the first position's q and dy
   before that SyncAll (all the copies the first two tiles need took longer than the zeroing: 713k):
   csa's backward 709.8k -> 706.5k cycles, hca's 445.0k -> 442.7k.
+- the backward's end: after the last SyncAll each vector core turns its share of the fp32 key
+  gradients into T in steps that waited for every pipe (copy in, cast, copy out: ~680 cycles a step of
+  2048 floats); the steps now pass through the dQ / dKV queues, idle by then, two in flight: csa's
+  backward 706.5k -> 703.5k cycles, hca's 442.7k -> 440.3k (fwd+bwd csa 645.9 us, 1.96x of its
+  bound; hca 371.6 us, 1.46x).
 """
 
 from __future__ import annotations
@@ -169,7 +174,7 @@ HOLE_MASK_TILE, HOLE_MASK_POS = 4, 2   # with holes, vector instructions of KeyM
 GAPS = (0, 2)
 SLOT_PAD = 8               # -1s before the first position's slots (rendered into the kernels and the binding)
 BWD_KEY_TILES = 3          # key tiles in the backward's L1: a tile's gather one tile before its S, two before its gradients
-CVT = 2048                 # floats per step of the backward's key-gradient conversion
+CVT = 2048                 # floats per step of the backward's key-gradient zeroing
 
 
 def tail_mask_ub(kw: int) -> int:
@@ -187,10 +192,11 @@ def position_tiles(keys: float, kn: int, pk: int = 0) -> int:
 
 def bwd_ub(mine: int, kn: int, vc: int, dv: int, e: int, holes: int) -> int:
     """A backward vector core's UB: S and dP in, P and dS out (kn keys), the dq accumulator's and dq's
-    slices (vc columns), Delta's reads and fp32 steps (dv columns; the accumulators' zeroing and
-    conversion steps share that space, before and after the tiles), the key mask (`holes`: with csa's
+    slices (vc columns; the accumulators' conversion steps pass through them after the tiles), Delta's
+    reads and fp32 steps (dv columns; the accumulators' zeroing steps share that space, before the
+    tiles), the key mask (`holes`: with csa's
     holes, hole_mask_ub), the per-head vectors and their Brcb blocks."""
-    return (2 * mine * kn * (4 + e) + 2 * mine * vc * (4 + e) + 2 * mine * dv * e + max(2 * mine * dv * 4, CVT * (4 + e))
+    return (2 * mine * kn * (4 + e) + 2 * mine * vc * (4 + e) + 2 * mine * dv * e + max(2 * mine * dv * 4, CVT * 4)
             + tail_mask_ub(kn) + holes + mine * kn // 8 + 7 * mine * 4 + 2 * mine * 32)
 
 
