@@ -31,10 +31,12 @@ Then (16.8k + 40.4k -> 15.0k + 34.9k cycles, 31.8 -> 27.7 us, 1.74x -> 1.52x):
   when the one before is first used, so the first coefficients' copies no longer queue behind one
   large rest in the AIC's in-order MTE2: 34.9k.
 - the backward's Cube core copies its first q and keys before the SyncAll that waits for the AIVs'
-  zeroing of dk (it waited ~450 cycles on it first): 34.9k -> 34.6k.
+  zeroing of dk (it waited ~450 cycles on it first): 34.9k -> 34.6k; and its last SyncAll (every
+  core's adds into dk done, so the AIVs may convert it) comes before its last dq goes out, not after
+  (the AIVs waited for that Fixpipe): 33.8k (fwd+bwd 27.73 -> 27.13 us).
 What is left: the backward's start (~3.2k before the first P: q, then the keys' first part, which
-covers P's lead: a first part of one tile, the rest in three, took 35.4k) and its end (dq's Fixpipe
-and the dk conversion, ~2k); the Cube is ~90% busy in between. The forward's AIVs read at their L2
+covers P's lead: a first part of one tile, the rest in three, took 35.4k) and its end (the last dq
+Fixpipe beside the dk conversion, ~1k); the Cube is ~90% busy in between. The forward's AIVs read at their L2
 rate (~10k of its 15k; reading the first slot alone, so they start one Fixpipe sooner, took 15.2k).
 """
 
