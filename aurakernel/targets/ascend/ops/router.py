@@ -149,10 +149,15 @@ class RouterAscend(AscendKernel):
         return [fwd, bwd]
 
     @staticmethod
-    def top_groups(experts: int, top_k: int) -> int:
-        """The top-k kernel's G: the groups (of its 64, VP / 64 members each) whose members it sorts, G >=
-        K + 1 and G x members a multiple of 32 (whole Sort32 lists); its Init derives the same from the run's E."""
-        members = -(-experts // 128) * 128 // 64
+    def group_members(experts: int) -> int:
+        """M: the members of each of the top-k kernel's 64 groups (VP / 64, VP = E rounded up to 128)."""
+        return -(-experts // 128) * 128 // 64
+
+    @classmethod
+    def top_groups(cls, experts: int, top_k: int) -> int:
+        """The top-k kernel's G: the groups whose members it sorts, G >= K + 1 and G x M a multiple of 32
+        (whole Sort32 lists); its Init derives the same from the run's E."""
+        members = cls.group_members(experts)
         groups = top_k + 1
         while groups * members % 32:
             groups += 1
@@ -161,11 +166,12 @@ class RouterAscend(AscendKernel):
     @classmethod
     def candidates(cls, experts: int, top_k: int) -> int:
         """The top-k kernel's candidates per row: the members of its top G groups."""
-        return cls.top_groups(experts, top_k) * (-(-experts // 128) * 128 // 64)
+        return cls.top_groups(experts, top_k) * cls.group_members(experts)
 
     @staticmethod
     def sort_lanes(top_k: int) -> int:
-        """KP: the lanes a row takes in the forward's ascending sort of its K experts (32 / KP rows a Sort32 list)."""
+        """KP: the lanes a row takes in the forward's ascending sort of its K experts (32 / KP rows a Sort32
+        list; rendered into the kernel)."""
         return 8 if top_k <= 8 else 16
 
     @classmethod
@@ -192,6 +198,7 @@ class RouterAscend(AscendKernel):
                             f"of a row's top k + 1 groups (experts / 64 each), at most 128 (e.g. top-15 of 384 or 512)")
         return {"dtype": problem.dtype, "experts": int(experts), "top_k": int(top_k), "hash": problem.variant == "hash",
                 "scale": float(SCALE), "tile_rows": int(knobs["tile_rows"]), "side_tiles": SIDE_TILES,
+                "sort_lanes": self.sort_lanes(int(top_k)),
                 "forward_tile_rows": int(knobs.get("forward_tile_rows", knobs["tile_rows"])), "buffers": int(knobs["buffers"]),
                 "block_dim": int(knobs["block_dim"])}
 
