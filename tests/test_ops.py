@@ -243,3 +243,41 @@ def test_linear_cases_take_every_way_of_sharing_a_gemm():
                 ways.add(split_of(g, 2))
                 packed.add(g.a_stride >= PACK_A_STRIDE)
     assert ways == {"rows", "cols", "depth"} and packed == {True, False}
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_indexer_kept_and_recomputed_products_both_verify(dtype, host):
+    """indexer_score's backward either reads the products the forward kept or computes them again
+    (keep_products); both formulations match the reference, and only the kept one saves a tensor."""
+    spec = get_op("indexer_score")
+    problem = spec.problem("2x19x4x32x23", dtype)
+    plan = solve_tiling(host_kernel(spec).tiling_problem(problem, host), op="indexer_score", variant="default",
+                        shape=problem.shape, dtype=dtype, target="host")
+    for keep in (0, 1):
+        knobs = {**plan.knobs, "keep_products": keep}
+        cases = [(p, build_kernel(spec, p, knobs))
+                 for p in host_kernel(spec).verification_problems(problem, knobs, host.simd_bytes // 4)]
+        result = verify(spec, cases, seeds=(0, 1))
+        assert result.passed, f"keep_products={keep}: {result.summary}"
+        inputs = spec.make_inputs(problem, 0)
+        out = cases[0][1].empty_outputs(problem, inputs)
+        cases[0][1].run_forward(inputs, out)
+        assert out["products"].numel() == (2 * 19 * 4 * 23 if keep else 0)
+
+
+def test_indexer_keeps_its_products_only_where_memory_allows(host):
+    """The planner keeps the products (a GEMM fewer in the backward) at the benchmark's shape and
+    computes them again at V4-Flash's 4096 tokens, where they would take 1 GiB per CSA layer (on a
+    machine of 24 GiB, as this project's)."""
+    import dataclasses
+
+    memory = dict(host.memory)
+    memory["DRAM"] = dataclasses.replace(memory["DRAM"], capacity=24 * 2**30)
+    host = dataclasses.replace(host, memory=memory)
+    spec = get_op("indexer_score")
+    small = spec.problem("1x512x64x128x256", "fp32")
+    large = spec.problem("1x4096x64x128x1024", "bf16")
+    picks = {p.shape: solve_tiling(host_kernel(spec).tiling_problem(p, host), op="indexer_score", variant="default",
+                                   shape=p.shape, dtype=p.dtype.value, target="host").knobs["keep_products"]
+             for p in (small, large)}
+    assert picks == {small.shape: 1, large.shape: 0}

@@ -9,28 +9,34 @@ from ..dtypes import DType
 from ..ops.base import Problem
 from ..ops.indexer_score import SPEC
 from ..targets.host.library import built_kernel
-from ..targets.host.ops.indexer_score import _bwd, _fwd
+from ..targets.host.ops.indexer_score import _bwd, _fwd, kept_products
 from .base import Patch, bind
 from .torch_op import torch_op
 
 
-def _score_forward(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, kernel: str) -> torch.Tensor:
+def _score_forward(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scores, the products q.k where the plan keeps them for the backward: a residual)."""
     q, k, w = q.contiguous(), k.contiguous(), w.contiguous()
-    out = torch.empty(q.shape[0], q.shape[1], k.shape[1])
-    _fwd(built_kernel(kernel), q, k, w, out)
-    return out
+    built = built_kernel(kernel)
+    out, products = torch.empty(q.shape[0], q.shape[1], k.shape[1]), kept_products(built, q, k)
+    _fwd(built, q, k, w, out, products)
+    return out, products
 
 
-def _score_backward(g: torch.Tensor, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor,
+def _score_backward(g: torch.Tensor, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, products: torch.Tensor,
                     kernel: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     q, k, w = q.contiguous(), k.contiguous(), w.contiguous()
     dq, dk, dw = torch.empty_like(q), torch.empty_like(k), torch.empty_like(w)
-    _bwd(built_kernel(kernel), q, k, w, g.float().contiguous(), dq, dk, dw)
+    _bwd(built_kernel(kernel), q, k, w, g.float().contiguous(), products, dq, dk, dw)
     return dq, dk, dw
 
 
-OP = torch_op("indexer_score", _score_forward, _score_backward,
-              fake_forward=lambda q, k, w, kernel: q.new_empty(q.shape[0], q.shape[1], k.shape[1], dtype=torch.float32),
+def _fake_forward(q, k, w, kernel):
+    return (q.new_empty(q.shape[0], q.shape[1], k.shape[1], dtype=torch.float32),
+            kept_products(built_kernel(kernel), q, k))
+
+
+OP = torch_op("indexer_score", _score_forward, _score_backward, fake_forward=_fake_forward,
               saved=("q", "k", "w"), consts=("kernel",), grads=("q", "k", "w"))
 
 

@@ -66,13 +66,17 @@ def thread_candidates(cores: int) -> list[int]:
     return list(range(1, max(cores, 1) + 1))
 
 
-def rowwise_model(rows: int, cols: int, phases: list[RowwisePhase], hw: HardwareProfile,
-                  fixed: dict[str, int] | None = None, row_block: int = 1, resident_level: str = "L2",
-                  chunk_level: str = "L1") -> ChoiceModel:
+def rowwise_model(rows: int, cols: int, phases: list[RowwisePhase] | dict[int, list[RowwisePhase]],
+                  hw: HardwareProfile, fixed: dict[str, int] | None = None, row_block: int = 1,
+                  resident_level: str = "L2", chunk_level: str = "L1", formulation: str | None = None) -> ChoiceModel:
     """The tiling model of a row-wise kernel. `fixed` adds single-valued knobs (e.g. the vector
     width); `row_block` makes tiles whole GEMM row blocks; `resident_level` is the cache the tile must
     stay in between passes (a per-core share of it when the level is shared); `chunk_level` the one
-    a column chunk's working set must stay in while the tile's rows reuse it."""
+    a column chunk's working set must stay in while the tile's rows reuse it. With `formulation`,
+    `phases` maps each value of that knob to the phases the kernel then runs (the same launches,
+    e.g. an intermediate recomputed in the backward or kept from the forward), each priced alike."""
+    variants = phases if formulation else {0: phases}
+    choice = (formulation,) if formulation else ()
     cm = {**DEFAULTS, **hw.costmodel}
     clock = hw.clock_ghz * 1e9
     simd_elems = max(hw.simd_bytes // 4, 1)
@@ -81,6 +85,7 @@ def rowwise_model(rows: int, cols: int, phases: list[RowwisePhase], hw: Hardware
         "col_chunk": col_chunk_candidates(cols, simd_elems),
         "threads": thread_candidates(hw.cores),
         **{name: [value] for name, value in (fixed or {}).items()},
+        **({formulation: sorted(variants)} if formulation else {}),
     }
     frac = cm.get("cache_fraction", 0.5)
     chunk_mem = hw.memory[chunk_level]
@@ -97,28 +102,32 @@ def rowwise_model(rows: int, cols: int, phases: list[RowwisePhase], hw: Hardware
         return math.ceil(math.ceil(rows / tr) / th)
 
     constraints: list[Constraint] = []
-    resident = max(p.resident_bytes_per_row for p in phases)
-    fixed_bytes = max(p.fixed_resident_bytes for p in phases)
+    every = [p for ps in variants.values() for p in ps]
+    resident = max(p.resident_bytes_per_row for p in every)
+    fixed_bytes = max(p.fixed_resident_bytes for p in every)
     constraints.append(Constraint(
         f"{resident_level} capacity", Term.of(("tile_rows",), domains, lambda tr: tr * resident + fixed_bytes),
         resident_limit, f"tile_rows x {resident:,.0f} B + {fixed_bytes:,.0f} B"))
-    per_col = max(p.l1_bytes_per_col for p in phases)
+    per_col = max(p.l1_bytes_per_col for p in every)
     constraints.append(Constraint(
         f"{chunk_level} capacity (chunk)", Term.of(("col_chunk",), domains, lambda cc: cc * per_col), chunk_limit,
         f"col_chunk x {per_col:,.0f} B"))
 
+    def term(knobs: tuple[str, ...], fn, i: int) -> Term:
+        """fn(phase, *knob values) of the i-th phase, as the formulation's value picks it."""
+        return Term.of((*knobs, *choice), domains,
+                       lambda *v: fn(variants[v[-1] if choice else 0][i], *v[:len(knobs)]))
+
     model_phases = []
-    for p in phases:
-        dram = Term.of(("tile_rows", "threads"), domains,
-                       lambda tr, th, p=p: busiest_rows(tr, th) * p.dram_bytes_per_row
-                       / (hw.stream_bandwidth(th) / th) * cm["dram_time_scale"])
-        vector = Term.of(("tile_rows", "threads", "col_chunk"), domains,
-                         lambda tr, th, cc, p=p: busiest_rows(tr, th) * (
-                             p.vector_elems_per_row * cm["vector_cycles_per_elem"]
-                             + p.chunked_passes * math.ceil(cols / cc) * cm["chunk_overhead_cycles"]) / clock)
-        l2_pipe = Term.of(("tile_rows", "threads"), domains,
-                          lambda tr, th, p=p: busiest_tiles(tr, th) * p.l2_bytes_per_tile / l2_bw
-                          * cm["l2_time_scale"])
+    for i, p in enumerate(variants[min(variants)]):
+        dram = term(("tile_rows", "threads"), lambda p, tr, th: busiest_rows(tr, th) * p.dram_bytes_per_row
+                    / (hw.stream_bandwidth(th) / th) * cm["dram_time_scale"], i)
+        vector = term(("tile_rows", "threads", "col_chunk"),
+                      lambda p, tr, th, cc: busiest_rows(tr, th) * (
+                          p.vector_elems_per_row * cm["vector_cycles_per_elem"]
+                          + p.chunked_passes * math.ceil(cols / cc) * cm["chunk_overhead_cycles"]) / clock, i)
+        l2_pipe = term(("tile_rows", "threads"), lambda p, tr, th: busiest_tiles(tr, th) * p.l2_bytes_per_tile / l2_bw
+                       * cm["l2_time_scale"], i)
         overhead = Term.of(("tile_rows", "threads"), domains,
                            lambda tr, th: (hw.call_overhead_us + cm["phase_overhead_us"]
                                            + (hw.fork_overhead_us if th > 1 else 0.0)) * 1e-6
