@@ -137,6 +137,30 @@ def matmul_tflops(dtype: torch.dtype, n: int = 4096, budget_s: float = MATMUL_BU
     return 2 * size**3 / seconds / 1e12
 
 
+def own_gemm_tflops(size: int = 1024, repeats: int = 5) -> float:
+    """The fp32 rate of AuraKernel's own blocked GEMM (the linear kernel, as planned here) on a square
+    product, best of `repeats`: what the planner weighs against torch's (peak_tflops) where a kernel
+    may run either, since which is faster differs between machines (MKL on one AVX2 EPYC ran the LM
+    head's chunk GEMMs at 60-75% of the FMA peak, on another at 86%)."""
+    from .ops import get_op
+    from .planner import solve_tiling
+    from .targets.host.build import build_kernel
+    from .targets.host.ops import kernel_of
+
+    spec = get_op("linear")
+    problem = spec.problem(f"{size}x{size}x{size}", "fp32")
+    knobs = solve_tiling(kernel_of(spec).tiling_problem(problem, host_profile(calibrated=False)), op="linear",
+                         variant=problem.variant, shape=problem.shape, dtype="fp32", target="host").knobs
+    kernel = build_kernel(spec, problem, knobs)
+    x, w, y = torch.randn(size, size), torch.randn(size, size), torch.empty(size, size)
+    runs = []
+    for _ in range(repeats + 1):   # the first touches the buffers
+        t0 = time.perf_counter()
+        kernel.call("fwd", x, w, y, size, kernel.workspace("scratch"))
+        runs.append(time.perf_counter() - t0)
+    return 2 * size**3 / min(runs[1:]) / 1e12
+
+
 def theoretical_tflops(cores: int, clock_ghz: float, simd_bytes: int, flags: set[str]) -> dict[str, float]:
     """The peak the ISA allows, an estimate stated beside the measured one: two FMA pipes of the
     SIMD width per core (2 x lanes x 2 FLOP per cycle); bf16 through AMX tiles where the CPU has them
@@ -188,6 +212,9 @@ def calibrate(progress=None, attempts: int = 3) -> dict:
             progress(f"mm {name}")
         cal["peak_tflops"][name] = round(matmul_tflops(dtype), 4)
     cal["peak_tflops"]["fp16"] = cal["peak_tflops"]["bf16"]
+    if progress:
+        progress("own GEMM fp32")
+    cal["own_gemm_tflops"] = {"fp32": round(own_gemm_tflops(), 4)}
     hw = host_profile(calibrated=False)
     cal["theoretical_tflops"] = theoretical_tflops(cores, hw.clock_ghz, hw.simd_bytes, _cpu_flags())
     cal["theoretical_clock_ghz"] = round(hw.clock_ghz, 3)   # the OS's reported clock: turbo can exceed it

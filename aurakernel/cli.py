@@ -519,6 +519,8 @@ def calibrate(
         ideal = cal["theoretical_tflops"].get(k)
         t.add_row(f"matmul peak {k}", f"{v:.3f} TFLOP/s" + (f" (ISA peak ~{ideal:.2f} at the reported {cal['theoretical_clock_ghz']} GHz: an estimate)" if ideal else "")
                   + (" (no fast path on this CPU)" if k in cal["no_fast_path"] else ""))
+    for k, v in cal.get("own_gemm_tflops", {}).items():
+        t.add_row(f"AuraKernel's blocked GEMM {k}", f"{v:.3f} TFLOP/s (where a kernel may run either, the faster is planned)")
     out.print(t)
     for w in cal["warnings"]:
         out.print(f"[yellow]implausible after 3 attempts[/] {escape(w)}: the machine looks busy; re-run on an idle one")

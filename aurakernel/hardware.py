@@ -70,6 +70,8 @@ class HardwareProfile:
     extra: dict = field(default_factory=dict)  # target-specific figures (Ascend: pipes, UB reserve...)
     # threads -> GB/s of an update in place (read + write, no read-for-ownership); {}: not measured
     inplace_gbps: dict[int, float] = field(default_factory=dict)
+    # dtype -> TFLOP/s of AuraKernel's own blocked GEMM (host calibration); {}: not measured
+    own_gemm_tflops: dict[str, float] = field(default_factory=dict)
 
     def stream_bandwidth(self, threads: int) -> float:
         """Bytes per second when `threads` threads stream (a copy to fresh memory, counted as STREAM
@@ -89,6 +91,7 @@ class HardwareProfile:
             call_overhead_us=float(cal["call_overhead_us"]),
             fork_overhead_us=float(cal["fork_overhead_us"]),
             peak_tflops={k: float(v) for k, v in cal["peak_tflops"].items()},
+            own_gemm_tflops={k: float(v) for k, v in cal.get("own_gemm_tflops", {}).items()},
             costmodel={**self.costmodel, **{k: float(v) for k, v in cal.get("costmodel", {}).items()}},
             calibrated=True,
         )

@@ -24,6 +24,7 @@ def stand_ins(tmp_path, monkeypatch):
         monkeypatch.setattr(calibrate, probe, lambda *a, value=value, **k: value)
     monkeypatch.setattr(calibrate, "matmul_tflops", lambda dtype, **k: 1.0 if dtype.itemsize == 4 else 0.01)
     monkeypatch.setattr(calibrate, "_inplace_runs", lambda threads, **k: [14.0 * threads] * 5)
+    monkeypatch.setattr(calibrate, "own_gemm_tflops", lambda **k: 0.8)
     return monkeypatch
 
 
@@ -47,6 +48,7 @@ def test_a_busy_first_measurement_is_measured_again(stand_ins):
     assert load_calibration()["stream_gbps"] == cal["stream_gbps"]
     hw = host_profile()   # the profile takes both rates from the calibration
     assert hw.stream_bandwidth(1) == 10.0e9 and hw.inplace_bandwidth(1) == 14.0e9
+    assert hw.peak_tflops["fp32"] == 1.0 and hw.own_gemm_tflops == {"fp32": 0.8}   # torch's GEMM and ours
     assert cal["no_fast_path"] == ["bf16", "fp16"]
     assert "no fast matmul path for bf16, fp16" in calibrate.describe(cal) and "IMPLAUSIBLE" not in calibrate.describe(cal)
 
@@ -105,3 +107,9 @@ def test_the_theoretical_peak_follows_the_isa():
     assert avx512 == {"fp32": pytest.approx(0.256), "bf16": pytest.approx(0.512)}
     amx = calibrate.theoretical_tflops(2, 2.0, 64, {"avx512f", "amx_bf16"})
     assert amx["bf16"] == pytest.approx(4.096)
+
+
+def test_the_own_gemm_probe_times_the_linear_kernel():
+    """AuraKernel's blocked GEMM is timed on a real square product: a rate a machine could run at."""
+    rate = calibrate.own_gemm_tflops(size=256, repeats=2)
+    assert 1e-4 < rate < 100

@@ -281,3 +281,27 @@ def test_indexer_keeps_its_products_only_where_memory_allows(host):
                                    shape=p.shape, dtype=p.dtype.value, target="host").knobs["keep_products"]
              for p in (small, large)}
     assert picks == {small.shape: 1, large.shape: 0}
+
+
+def test_fused_linear_loss_runs_its_gemms_on_the_faster_of_ours_and_torchs(host):
+    """fp32 linear_cross_entropy's chunk GEMMs run on our blocked GEMM or on torch's (torch_gemm),
+    planned by the two rates this machine's calibration measured; without a measurement of ours it
+    keeps ours. Both formulations match the reference."""
+    import dataclasses
+
+    spec = get_op("linear_cross_entropy")
+    problem = spec.problem("300x64x1000", "fp32")
+
+    def pick(own):
+        hw = dataclasses.replace(host, peak_tflops={**host.peak_tflops, "fp32": 0.1}, own_gemm_tflops=own)
+        return solve_tiling(host_kernel(spec).tiling_problem(problem, hw), op=problem.op, variant="default",
+                            shape=problem.shape, dtype="fp32", target="host").knobs
+    assert pick({"fp32": 0.08})["torch_gemm"] == 1 and pick({"fp32": 0.12})["torch_gemm"] == 0
+    assert pick({})["torch_gemm"] == 0
+    for torch_gemm in (0, 1):
+        knobs = {**pick({"fp32": 0.1}), "torch_gemm": torch_gemm}
+        kernels = [(p, build_kernel(spec, p, knobs))
+                   for p in host_kernel(spec).verification_problems(problem, knobs, host.simd_bytes // 4)]
+        assert all(k.has("gemm") == (torch_gemm == 0) for _, k in kernels)
+        result = verify(spec, kernels, seeds=(0, 1))
+        assert result.passed, f"torch_gemm={torch_gemm}: {result.summary}"

@@ -135,9 +135,16 @@ def blocking(every: list[Gemm], hw) -> tuple[dict[str, list[int]], list[Constrai
         Constraint("L2 capacity (a panel of B and a block of A)",
                    Term.of(("kc", "nc", "mc"), domains, lambda kc, nc, mc: kc * (nc + mc) * 4), l2,
                    "kc x (nc + mc) x 4 B")]
-    rates = {"vec": vec, "peak": hw.peak_tflops.get("fp32", 0.1) * 1e12 / max(hw.cores, 1), "l2": l2,
+    rates = {"vec": vec, "peak": gemm_peak(hw, library=False), "l2": l2,
              "l2_bw": hw.memory["L2"].bandwidth_gbps * 1e9, "stream": hw.stream_bandwidth(hw.cores)}
     return domains, constraints, rates
+
+
+def gemm_peak(hw, library: bool) -> float:
+    """FLOP/s per core of torch's fp32 GEMM (`library`) or of our blocked one, as calibrated on this
+    machine (ours at torch's rate where it was not measured)."""
+    tflops = hw.peak_tflops.get("fp32", 0.1) if library else hw.own_gemm_tflops.get("fp32", hw.peak_tflops.get("fp32", 0.1))
+    return tflops * 1e12 / max(hw.cores, 1)
 
 
 class LinearHost(HostKernel):

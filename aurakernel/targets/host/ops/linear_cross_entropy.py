@@ -4,7 +4,11 @@ strided operands, _gemm_driver.h.j2: W^T and d logits^T read through their strid
 gradient accumulated in place, the blocking planned with the chunk); 16-bit ones take torch's
 (oneDNN/MKL: AMX where the CPU has it). On the AVX2 EPYC at 1024 x 1024 x 16384 fp32 that took the
 operator from 1.04x to 1.47x eager (860 vs 1266 ms, same run): MKL ran these shapes' GEMMs at
-60-75% of the FMA peak.
+60-75% of the FMA peak. On another AVX2 EPYC MKL ran them at ~86% and ours behind it (the operator
+0.89x eager in one `aurakernel bench` run; A/B of the same chunk loop, ours 824 against torch's 726
+ms), so which GEMM runs them is a knob (`torch_gemm`), planned from the two rates the machine's
+calibration measures (`aurakernel calibrate`: torch.mm's and our blocked GEMM's, 0.166 and 0.103
+TFLOP/s there): it now takes torch's, 1.24x eager and 1.14x torch.compile in one bench run.
 
 Where the time goes (V4's head, 4096 tokens x 4096 hidden x 129280 vocabulary, bf16): the three
 GEMMs are 13 TFLOP, nearly all of it; every chunk also streams the whole weight twice (logits,
@@ -27,7 +31,7 @@ from ....planner.costmodel import DEFAULTS, col_chunk_candidates, thread_candida
 from ....planner.model import ChoiceModel, Constraint, Phase, Term
 from ..kernel import HostKernel
 from ..library import Entry
-from .linear import Gemm, LinearHost, blocking, gemm_seconds
+from .linear import Gemm, LinearHost, blocking, gemm_peak, gemm_seconds
 
 # a chunk's logits may take this much memory, or as much as the hidden states (whichever is more):
 # the loss then holds a fixed, small share of what the unfused logits take
@@ -45,6 +49,12 @@ def chunk_rows_candidates(tokens: int) -> list[int]:
         if c >= tokens:
             return out
         c *= 2
+
+
+def own_gemm(problem: Problem, knobs: dict[str, int]) -> bool:
+    """Whether the chunk's GEMMs run on the kernel's own blocked GEMM: fp32, where the plan did not
+    find torch's faster on this machine (plans from before the choice: ours)."""
+    return problem.dtype.value == "fp32" and not knobs.get("torch_gemm", 0)
 
 
 def chunk_gemms(rows: int, hidden: int, vocab: int, chunk_rows: int) -> list[Gemm]:
@@ -89,7 +99,8 @@ def forward(kernel, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
 class LinearCrossEntropyHost(HostKernel):
     knob_docs = {"chunk_rows": "tokens per chunk (a chunk's logits are what the loss holds)",
                  "col_chunk": "vocabulary columns per sweep chunk (kept in L1)", "threads": "OpenMP threads",
-                 **{k: f"fp32: {doc}" for k, doc in LinearHost.knob_docs.items() if k != "threads"}}
+                 "torch_gemm": "fp32: 1 runs the chunk's GEMMs on torch's (MKL / oneDNN), 0 on the kernel's own",
+                 **{k: f"fp32, own GEMM: {doc}" for k, doc in LinearHost.knob_docs.items() if k != "threads"}}
     entries = {"rows": Entry("ak_lce_rows", ("ptr", "ptr", "ptr", "i64", "f32")),
                # fp32 builds only: the chunk's GEMMs (16-bit ones take torch's)
                "gemm": Entry("ak_lce_gemm", ("i64", "i64", "i64", "ptr", "i64", "i64", "ptr", "i64", "i64", "ptr", "i64",
@@ -131,16 +142,18 @@ class LinearCrossEntropyHost(HostKernel):
             return chunks(c) * (4 * hw.call_overhead_us + (hw.fork_overhead_us if th > 1 else 0.0)) * 1e-6
 
         pipes = {"DRAM": [Term.of(("chunk_rows",), domains, weight_traffic_s)]}
-        if problem.dtype.value == "fp32":   # the kernel's own blocked GEMM: its knobs, caches and cost
+        if problem.dtype.value == "fp32":   # the kernel's own blocked GEMM (its knobs, caches and cost) or torch's
             largest = max(domains["chunk_rows"])
             gemm_domains, gemm_constraints, rates = blocking(chunk_gemms(min(tokens, largest), hidden, vocab, largest), hw)
-            domains |= gemm_domains
+            # torch's is a choice where this machine's calibration timed ours (a tie otherwise: ours)
+            domains |= gemm_domains | {"torch_gemm": [0, 1] if hw.own_gemm_tflops else [0]}
             constraints += gemm_constraints
-            knobs = ("chunk_rows", "kc", "nc", "mc", "threads")
+            knobs = ("chunk_rows", "kc", "nc", "mc", "threads", "torch_gemm")
 
-            def blocked_s(which: int):
-                def cost(c: int, kc: int, nc: int, mc: int, th: int) -> float:
-                    return chunks(c) * sum(gemm_seconds(g, kc, nc, mc, th, **rates)[which]
+            def blocked_s(which: int):   # the same GEMMs either way, at the calibrated rate of the one that runs them
+                def cost(c: int, kc: int, nc: int, mc: int, th: int, library: int) -> float:
+                    at = {**rates, "peak": gemm_peak(hw, library=bool(library))}
+                    return chunks(c) * sum(gemm_seconds(g, kc, nc, mc, th, **at)[which]
                                            for g in chunk_gemms(min(c, tokens), hidden, vocab, c))
                 return cost
             pipes["GEMM"] = [Term.of(knobs, domains, blocked_s(0))]
@@ -158,8 +171,9 @@ class LinearCrossEntropyHost(HostKernel):
 
     def render_params(self, problem: Problem, knobs: dict[str, int]) -> dict:
         params = {"dtype": problem.dtype, "vocab": int(problem.shape[2]), "chunk_rows": int(knobs["chunk_rows"]),
-                  "col_chunk": int(knobs["col_chunk"]), "threads": int(knobs["threads"])}
-        if problem.dtype.value == "fp32":   # the GEMMs' blocking
+                  "col_chunk": int(knobs["col_chunk"]), "threads": int(knobs["threads"]),
+                  "own_gemm": own_gemm(problem, knobs)}
+        if own_gemm(problem, knobs):   # the GEMMs' blocking
             params |= {"hidden": int(problem.shape[1]), **{k: int(knobs[k]) for k in ("kc", "nc", "mc", "vec")}}
         return params
 
