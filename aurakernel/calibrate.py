@@ -125,40 +125,50 @@ def _mm_seconds(dtype: torch.dtype, n: int, reps: int) -> float:
     return statistics.median(runs)
 
 
-def matmul_tflops(dtype: torch.dtype, n: int = 4096, budget_s: float = MATMUL_BUDGET_S) -> float:
-    """The best square GEMM rate on all threads: sized up from 512 to at most `n` while one product
-    stays within `budget_s` (a dtype without a fast path stays small and costs seconds)."""
-    size, seconds = 512, _mm_seconds(dtype, 512, 3)
-    while size * 2 <= n and seconds * 8 <= budget_s:
+def _sized_rate(seconds, n: int, budget_s: float) -> float:
+    """TFLOP/s of a square product timed by seconds(size, repeats): sized up from 512 to at most `n`
+    while one product stays within `budget_s`; from 1024 up the best of 5 (then at the machine's rate)."""
+    size, t = 512, seconds(512, 3)
+    while size * 2 <= n and t * 8 <= budget_s:
         size *= 2
-        seconds = _mm_seconds(dtype, size, 3)
-    if size >= 1024:   # large enough to be at the machine's rate: the best of 5
-        seconds = _mm_seconds(dtype, size, 5)
-    return 2 * size**3 / seconds / 1e12
+        t = seconds(size, 3)
+    if size >= 1024:
+        t = seconds(size, 5)
+    return 2 * size**3 / t / 1e12
 
 
-def own_gemm_tflops(size: int = 1024, repeats: int = 5) -> float:
-    """The fp32 rate of AuraKernel's own blocked GEMM (the linear kernel, as planned here) on a square
-    product, best of `repeats`: what the planner weighs against torch's (peak_tflops) where a kernel
-    may run either, since which is faster differs between machines (MKL on one AVX2 EPYC ran the LM
-    head's chunk GEMMs at 60-75% of the FMA peak, on another at 86%)."""
+def matmul_tflops(dtype: torch.dtype, n: int = 4096, budget_s: float = MATMUL_BUDGET_S) -> float:
+    """torch.mm's best square GEMM rate on all threads (a dtype without a fast path stays small and
+    costs seconds)."""
+    return _sized_rate(lambda size, reps: _mm_seconds(dtype, size, reps), n, budget_s)
+
+
+def own_gemm_tflops(n: int = 4096, budget_s: float = MATMUL_BUDGET_S) -> float:
+    """The fp32 rate of AuraKernel's own blocked GEMM (the linear kernel, as planned here), sized as
+    torch.mm's probe is: what the planner weighs against torch's (peak_tflops) where a kernel may run
+    either, since which is faster differs between machines (MKL on one AVX2 EPYC ran the LM head's
+    chunk GEMMs at 60-75% of the FMA peak, on another at 86%)."""
     from .ops import get_op
     from .planner import solve_tiling
     from .targets.host.build import build_kernel
     from .targets.host.ops import kernel_of
 
-    spec = get_op("linear")
-    problem = spec.problem(f"{size}x{size}x{size}", "fp32")
-    knobs = solve_tiling(kernel_of(spec).tiling_problem(problem, host_profile(calibrated=False)), op="linear",
-                         variant=problem.variant, shape=problem.shape, dtype="fp32", target="host").knobs
-    kernel = build_kernel(spec, problem, knobs)
-    x, w, y = torch.randn(size, size), torch.randn(size, size), torch.empty(size, size)
-    runs = []
-    for _ in range(repeats + 1):   # the first touches the buffers
-        t0 = time.perf_counter()
-        kernel.call("fwd", x, w, y, size, kernel.workspace("scratch"))
-        runs.append(time.perf_counter() - t0)
-    return 2 * size**3 / min(runs[1:]) / 1e12
+    spec, hw = get_op("linear"), host_profile(calibrated=False)
+
+    def seconds(size: int, reps: int) -> float:
+        problem = spec.problem(f"{size}x{size}x{size}", "fp32")
+        knobs = solve_tiling(kernel_of(spec).tiling_problem(problem, hw), op="linear", variant=problem.variant,
+                             shape=problem.shape, dtype="fp32", target="host").knobs
+        kernel = build_kernel(spec, problem, knobs)
+        x, w, y = torch.randn(size, size), torch.randn(size, size), torch.empty(size, size)
+        kernel.call("fwd", x, w, y, size, kernel.workspace("scratch"))   # touches the buffers
+        runs = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            kernel.call("fwd", x, w, y, size, kernel.workspace("scratch"))
+            runs.append(time.perf_counter() - t0)
+        return statistics.median(runs)
+    return _sized_rate(seconds, n, budget_s)
 
 
 def theoretical_tflops(cores: int, clock_ghz: float, simd_bytes: int, flags: set[str]) -> dict[str, float]:
