@@ -7,8 +7,9 @@ operator from 1.04x to 1.47x eager (860 vs 1266 ms, same run): MKL ran these sha
 60-75% of the FMA peak. On another AVX2 EPYC MKL ran them at ~86% and ours behind it (the operator
 0.89x eager in one `aurakernel bench` run; A/B of the same chunk loop, ours 824 against torch's 726
 ms), so which GEMM runs them is a knob (`torch_gemm`), planned from the two rates the machine's
-calibration measures (`aurakernel calibrate`: torch.mm's and our blocked GEMM's at the same square size, 0.179 and 0.145
-TFLOP/s there): it now takes torch's, 1.24x eager and 1.14x torch.compile in one bench run.
+calibration measures (`aurakernel calibrate`: torch.mm's and our blocked GEMM's at one square size,
+0.179 and 0.145 TFLOP/s there): it now takes torch's, 1.24x eager and 1.14x torch.compile in one
+bench run.
 
 Where the time goes (V4's head, 4096 tokens x 4096 hidden x 129280 vocabulary, bf16): the three
 GEMMs are 13 TFLOP, nearly all of it; every chunk also streams the whole weight twice (logits,
