@@ -296,12 +296,12 @@ def test_fused_linear_loss_runs_its_gemms_on_the_faster_of_ours_and_torchs(host)
         hw = dataclasses.replace(host, peak_tflops={**host.peak_tflops, "fp32": 0.1}, own_gemm_tflops=own)
         return solve_tiling(host_kernel(spec).tiling_problem(problem, hw), op=problem.op, variant="default",
                             shape=problem.shape, dtype="fp32", target="host").knobs
-    assert pick({"fp32": 0.08})["torch_gemm"] == 1 and pick({"fp32": 0.12})["torch_gemm"] == 0
-    assert pick({})["torch_gemm"] == 0
+    ours = pick({"fp32": 0.12})
+    assert ours["torch_gemm"] == 0 and pick({"fp32": 0.08})["torch_gemm"] == 1 and pick({})["torch_gemm"] == 0
     for torch_gemm in (0, 1):
-        knobs = {**pick({"fp32": 0.1}), "torch_gemm": torch_gemm}
+        knobs = {**ours, "torch_gemm": torch_gemm}
         kernels = [(p, build_kernel(spec, p, knobs))
                    for p in host_kernel(spec).verification_problems(problem, knobs, host.simd_bytes // 4)]
         assert all(k.has("gemm") == (torch_gemm == 0) for _, k in kernels)
-        result = verify(spec, kernels, seeds=(0, 1))
+        result = verify(spec, kernels, seeds=(0,))
         assert result.passed, f"torch_gemm={torch_gemm}: {result.summary}"
