@@ -82,6 +82,17 @@ def test_capacities_are_respected_and_bind(host):
     assert plan.binding_constraint.startswith("L2 capacity")
 
 
+def test_a_plan_without_its_explanation_is_the_same_plan(host):
+    """predicted_us (the profiler's modeled step) skips the binding-constraint analysis, a solve per
+    constraint: the knobs and the predicted time are those of the explained plan."""
+    problem = SPEC.problem("4096x4096", "bf16", "weighted")
+    model = host_kernel(SPEC).tiling_problem(problem, shrink(host, "L2", 256 * 1024))
+    plans = [solve_tiling(model, op="rms_norm", variant="weighted", shape=problem.shape, dtype="bf16", target="host",
+                          explain=explain) for explain in (True, False)]
+    assert plans[0].knobs == plans[1].knobs and plans[0].predicted_us == plans[1].predicted_us
+    assert plans[0].binding_constraint.startswith("L2 capacity") and plans[1].binding_constraint == "not analysed"
+
+
 def test_l1_limits_the_column_chunk(host):
     """On a machine with ample bandwidth the loop overhead of small chunks is what costs, so the
     L1 that caps the chunk is the binding constraint."""

@@ -111,7 +111,10 @@ def _binding(model: ChoiceModel, choice: dict[str, int], objective: float,
 
 
 def solve_tiling(model: ChoiceModel, *, op: str, variant: str, shape: tuple[int, ...], dtype: str,
-                 target: str, solver: str = "highs", time_limit_s: float = 10.0) -> Plan:
+                 target: str, solver: str = "highs", time_limit_s: float = 10.0, explain: bool = True) -> Plan:
+    """The model's optimal knobs and predicted time; with `explain`, also the constraint that binds
+    (a solve per constraint, with it dropped: most of the time for models with many constraints, and
+    unneeded where only the predicted time is wanted)."""
     if any(not vals for vals in model.domains.values()):
         empty = [k for k, vals in model.domains.items() if not vals]
         raise UserError(f"no candidate values for knob(s) {', '.join(empty)} at shape {shape}")
@@ -125,7 +128,7 @@ def solve_tiling(model: ChoiceModel, *, op: str, variant: str, shape: tuple[int,
         raise PlanInfeasible(culprit, "no combination of knob values satisfies it together with the others")
     assert model.feasible(sol.choice), "solver returned an assignment that violates a capacity"
     objective, detail = model.evaluate(sol.choice)
-    binding = _binding(model, sol.choice, objective, solver, deadline)
+    binding = _binding(model, sol.choice, objective, solver, deadline) if explain else "not analysed"
     return Plan(
         op=op, variant=variant, shape=tuple(shape), dtype=dtype, target=target,
         knobs=dict(sorted(sol.choice.items())), predicted_us=objective * 1e6,

@@ -73,24 +73,26 @@ def schedule(spec: OpSpec, problem: Problem, hw: HardwareProfile, knobs: dict[st
     return {name: (pipe, solve_schedule(pipe, time_limit_s)) for name, pipe in pipelines(spec, problem, hw, knobs).items()}
 
 
-def cube_plan(spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, solver: str) -> Plan | None:
+def cube_plan(spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, solver: str,
+              explain: bool = True) -> Plan | None:
     """The tiling of the kernel's Cube phases (its cube_model), or None for a vector-only kernel."""
     cube = kernel_of(spec).cube_model(problem, hw)
     return None if cube is None else solve_tiling(cube, op=problem.op, variant=problem.variant, shape=problem.shape,
-                                                  dtype=problem.dtype.value, target=target, solver=solver)
+                                                  dtype=problem.dtype.value, target=target, solver=solver, explain=explain)
 
 
 def plan(spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, solver: str,
-         scheduled: bool = True) -> Plan:
+         scheduled: bool = True, explain: bool = True) -> Plan:
     """Tiling (the UB-partition MILP), then, where the template renders one, the pipeline schedule
-    of each phase at that tiling; a schedule that cannot be solved leaves the plain order."""
+    of each phase at that tiling; a schedule that cannot be solved leaves the plain order. Without
+    `scheduled` and `explain` (what predicted_us needs): no schedules and no binding constraint."""
     rows = model(spec, problem, hw)
     if rows.phases:
-        the_plan = solve_tiling(rows, solver=solver, **_plan_fields(problem, target))
+        the_plan = solve_tiling(rows, solver=solver, explain=explain, **_plan_fields(problem, target))
     else:   # every phase runs on the Cube: the row-wise knobs only fill the template's unused vector part
         the_plan = Plan(knobs={k: v[0] for k, v in rows.domains.items()}, predicted_us=0.0, pipes_us={},
                         binding_constraint="", solver=solver, solve_s=0.0, status="optimal", **_plan_fields(problem, target))
-    return _finish(spec, problem, hw, the_plan, target=target, solver=solver, scheduled=scheduled)
+    return _finish(spec, problem, hw, the_plan, target=target, solver=solver, scheduled=scheduled, explain=explain)
 
 
 def _plan_fields(problem: Problem, target: str) -> dict:
@@ -109,9 +111,9 @@ def plan_at(spec: OpSpec, problem: Problem, hw: HardwareProfile, row_knobs: dict
 
 
 def _finish(spec: OpSpec, problem: Problem, hw: HardwareProfile, the_plan: Plan, *, target: str, solver: str,
-            scheduled: bool) -> Plan:
+            scheduled: bool, explain: bool = True) -> Plan:
     """A row-wise tiling with the Cube phases' own plan merged in, then its pipeline schedules."""
-    on_cube = cube_plan(spec, problem, hw, target=target, solver=solver)
+    on_cube = cube_plan(spec, problem, hw, target=target, solver=solver, explain=explain)
     if on_cube is not None:   # the Cube phases' own tiling, solved apart and merged; a knob both models
         # name is the Cube model's (mHC's forward `chunk`: no row phase's time reads it)
         the_plan.knobs = dict(sorted({**the_plan.knobs, **on_cube.knobs}.items()))
@@ -354,7 +356,7 @@ class AscendTarget:
         return load_profile("host")   # the training step runs here; its problems are planned for the NPU
 
     def predicted_us(self, spec: OpSpec, problem: Problem, hw: HardwareProfile) -> float:
-        return plan(spec, problem, hw, target=hw.name, solver="highs").predicted_us
+        return plan(spec, problem, hw, target=hw.name, solver="highs", scheduled=False, explain=False).predicted_us
 
     def tune(self, spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, solver: str,
              with_compiled: bool = False, with_compiled_kernel: bool = False, out_dir: Path | None = None,

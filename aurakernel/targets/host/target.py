@@ -71,12 +71,13 @@ class HostTarget:
     def profiling_hardware(self, hw: HardwareProfile) -> HardwareProfile:
         return hw
 
-    def plan(self, spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, solver: str = "highs") -> Plan:
+    def plan(self, spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, solver: str = "highs",
+             explain: bool = True) -> Plan:
         return solve_tiling(kernel_of(spec).tiling_problem(problem, hw), op=problem.op, variant=problem.variant,
-                            shape=problem.shape, dtype=problem.dtype.value, target=target, solver=solver)
+                            shape=problem.shape, dtype=problem.dtype.value, target=target, solver=solver, explain=explain)
 
     def predicted_us(self, spec: OpSpec, problem: Problem, hw: HardwareProfile) -> float:
-        return self.plan(spec, problem, hw, target=hw.name).predicted_us
+        return self.plan(spec, problem, hw, target=hw.name, explain=False).predicted_us
 
     def tune(self, spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, solver: str,
              with_compiled: bool, with_compiled_kernel: bool = False, out_dir: Path | None = None,
