@@ -209,6 +209,14 @@ def _cpu_flags() -> set[str]:
     return flags
 
 
+def physical_memory_bytes() -> int:
+    """This machine's RAM (0 where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 0
+
+
 def free_memory_bytes() -> int:
     """Memory this machine has free now (physical pages available)."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
@@ -309,6 +317,8 @@ def host_profile(calibrated: bool = True) -> HardwareProfile:
     for level, size in _caches().items():
         if level in base["memory"]:
             base["memory"][level]["capacity"] = size
+    if ram := physical_memory_bytes():
+        base["memory"]["DRAM"]["capacity"] = ram
     base["stream_gbps"] = {t: v for t, v in base["stream_gbps"].items() if int(t) <= base["cores"]} or {1: 8.0}
     profile = _profile_from_dict(base)
     if calibrated:

@@ -113,3 +113,12 @@ def test_the_own_gemm_probe_times_the_linear_kernel():
     """AuraKernel's blocked GEMM is timed on a real square product: a rate a machine could run at."""
     rate = calibrate.own_gemm_tflops(n=512)
     assert 1e-4 < rate < 100
+
+
+def test_the_host_profile_reads_the_machines_memory():
+    """The memory a plan may fill (indexer_score's kept products) is this machine's RAM, not the
+    profile's default."""
+    from aurakernel.hardware import physical_memory_bytes
+
+    ram = physical_memory_bytes()
+    assert ram > 2**30 and host_profile(calibrated=False).memory["DRAM"].capacity == ram
