@@ -105,13 +105,19 @@ def rowwise_model(rows: int, cols: int, phases: list[RowwisePhase] | dict[int, l
     every = [p for ps in variants.values() for p in ps]
     resident = max(p.resident_bytes_per_row for p in every)
     fixed_bytes = max(p.fixed_resident_bytes for p in every)
-    constraints.append(Constraint(
-        f"{resident_level} capacity", Term.of(("tile_rows",), domains, lambda tr: tr * resident + fixed_bytes),
-        resident_limit, f"tile_rows x {resident:,.0f} B + {fixed_bytes:,.0f} B"))
     per_col = max(p.l1_bytes_per_col for p in every)
-    constraints.append(Constraint(
-        f"{chunk_level} capacity (chunk)", Term.of(("col_chunk",), domains, lambda cc: cc * per_col), chunk_limit,
-        f"col_chunk x {per_col:,.0f} B"))
+    if resident_level == chunk_level:   # the tile and a chunk's working set share that level
+        constraints.append(Constraint(
+            f"{resident_level} capacity (tile and chunk)",
+            Term.of(("tile_rows", "col_chunk"), domains, lambda tr, cc: tr * resident + fixed_bytes + cc * per_col),
+            resident_limit, f"tile_rows x {resident:,.0f} B + {fixed_bytes:,.0f} B + col_chunk x {per_col:,.0f} B"))
+    else:
+        constraints.append(Constraint(
+            f"{resident_level} capacity", Term.of(("tile_rows",), domains, lambda tr: tr * resident + fixed_bytes),
+            resident_limit, f"tile_rows x {resident:,.0f} B + {fixed_bytes:,.0f} B"))
+        constraints.append(Constraint(
+            f"{chunk_level} capacity (chunk)", Term.of(("col_chunk",), domains, lambda cc: cc * per_col), chunk_limit,
+            f"col_chunk x {per_col:,.0f} B"))
 
     def term(knobs: tuple[str, ...], fn, i: int) -> Term:
         """fn(phase, *knob values) of the i-th phase, as the formulation's value picks it."""

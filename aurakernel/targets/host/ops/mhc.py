@@ -114,7 +114,10 @@ class MhcHost(HostKernel):
         # calls (K = the chunk), so the chunk is planned against the L3 share too. Held to the L2 share,
         # col_chunk was 128 at every width, where the widest chunks ran fastest (AVX2 EPYC, fwd+bwd,
         # one run each: 1024x4x256 fp32 3.39 ms at 128, 2.35 at 1024; 1024x4x4096 bf16 50.6 ms at
-        # 128, 40.9 at 2048)
+        # 128, 40.9 at 2048). The tile and the chunk share that L3 share (one constraint on both):
+        # held to it apart, 1024x4x4096 bf16 took 4096-column chunks beside a 2 MB tile, and its
+        # backward ran at 20.0-21.9 ms (best of 15) against 18.0-18.8 at 2048 (AVX2 EPYC, interleaved);
+        # through the bench's module, fwd+bwd 30.7 -> 27.1 ms (1.23x -> 1.40x torch.compile)
         return rowwise_model(rows, hc * d, self.phases(problem), hw, fixed={"vec": max(hw.simd_bytes // 4, 4)}, row_block=8,
                              resident_level="L3", chunk_level="L3")
 
