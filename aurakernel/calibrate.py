@@ -19,6 +19,7 @@ seconds, not minutes, and is reported as having none.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 
@@ -114,15 +115,20 @@ def call_overhead_us() -> float:
     return statistics.median(runs) * 1e6
 
 
-def _mm_seconds(dtype: torch.dtype, n: int, reps: int) -> float:
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    torch.mm(a, b)
+def _median_seconds(fn, reps: int) -> float:
+    """The median of `reps` timed calls of fn, after one untimed call (first touches, lazy setup)."""
+    fn()
     runs = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        torch.mm(a, b)
+        fn()
         runs.append(time.perf_counter() - t0)
     return statistics.median(runs)
+
+
+def _mm_seconds(dtype: torch.dtype, n: int, reps: int) -> float:
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    return _median_seconds(lambda: torch.mm(a, b), reps)
 
 
 def _sized_rate(seconds, n: int, budget_s: float) -> float:
@@ -155,20 +161,16 @@ def own_gemm_tflops(n: int = 4096, budget_s: float = MATMUL_BUDGET_S) -> float:
 
     spec, hw = get_op("linear"), host_profile(calibrated=False)
 
-    def seconds(size: int, reps: int) -> float:
+    @functools.cache
+    def product(size: int):   # the kernel and its operands, built once per size (each size is timed twice)
         problem = spec.problem(f"{size}x{size}x{size}", "fp32")
         knobs = solve_tiling(kernel_of(spec).tiling_problem(problem, hw), op="linear", variant=problem.variant,
-                             shape=problem.shape, dtype="fp32", target="host").knobs
+                             shape=problem.shape, dtype="fp32", target="host", explain=False).knobs
         kernel = build_kernel(spec, problem, knobs)
         x, w, y = torch.randn(size, size), torch.randn(size, size), torch.empty(size, size)
-        kernel.call("fwd", x, w, y, size, kernel.workspace("scratch"))   # touches the buffers
-        runs = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            kernel.call("fwd", x, w, y, size, kernel.workspace("scratch"))
-            runs.append(time.perf_counter() - t0)
-        return statistics.median(runs)
-    return _sized_rate(seconds, n, budget_s)
+        return lambda: kernel.call("fwd", x, w, y, size, kernel.workspace("scratch"))
+
+    return _sized_rate(lambda size, reps: _median_seconds(product(size), reps), n, budget_s)
 
 
 def theoretical_tflops(cores: int, clock_ghz: float, simd_bytes: int, flags: set[str]) -> dict[str, float]:

@@ -143,8 +143,8 @@ def blocking(every: list[Gemm], hw) -> tuple[dict[str, list[int]], list[Constrai
 def gemm_peak(hw, library: bool) -> float:
     """FLOP/s per core of torch's fp32 GEMM (`library`) or of our blocked one, as calibrated on this
     machine (ours at torch's rate where it was not measured)."""
-    tflops = hw.peak_tflops.get("fp32", 0.1) if library else hw.own_gemm_tflops.get("fp32", hw.peak_tflops.get("fp32", 0.1))
-    return tflops * 1e12 / max(hw.cores, 1)
+    rates = hw.peak_tflops if library else {**hw.peak_tflops, **hw.own_gemm_tflops}
+    return rates.get("fp32", 0.1) * 1e12 / max(hw.cores, 1)
 
 
 class LinearHost(HostKernel):
