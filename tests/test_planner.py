@@ -3,6 +3,7 @@ from HiGHS and CP-SAT, binding and infeasible constraints named."""
 
 import dataclasses
 import itertools
+import time
 
 import pytest
 
@@ -46,7 +47,7 @@ def test_milp_finds_the_exhaustive_optimum(host, shape, dtype, variant, solver):
     assert sol.objective == pytest.approx(best_obj, rel=1e-6 if solver == "highs" else 1e-3)
 
 
-@pytest.mark.parametrize("solver", ["highs", "cpsat"])
+@pytest.mark.parametrize("solver", ["highs", "cpsat", "scip"])
 def test_candidates_that_run_for_minutes_still_plan(solver):
     """A long problem (V4's csa attention at 65536 tokens) has candidates of hundreds of seconds beside
     overheads of microseconds: the solvers still find the exhaustive optimum (HiGHS called such a
@@ -60,6 +61,24 @@ def test_candidates_that_run_for_minutes_still_plan(solver):
     sol = solve(model, solver)
     assert sol.status == "optimal"
     assert sol.objective == pytest.approx(exhaustive(model)[0], rel=1e-6 if solver == "highs" else 1e-3)
+
+
+@pytest.mark.parametrize("solver", ["highs", "cpsat", "scip"])
+def test_each_constraint_is_left_out_alone_where_two_share_a_name(solver):
+    """A kernel's forward and backward both have a "UB capacity": the binding analysis re-solves
+    without one at a time (by position, not name), the other still holding, and names the one whose
+    removal gains most, with its own usage. The terms over one knob set share their cell weights."""
+    from aurakernel.planner.model import relaxed
+    domains = {"a": [1, 2, 3, 4], "b": [1, 2, 3, 4]}
+    pipe = [Term.of(("a", "b"), domains, lambda a, b: 10.0 / a), Term.of(("a", "b"), domains, lambda a, b: 1.0 / b)]
+    model = ChoiceModel(domains, [Constraint("UB capacity", Term.of(("a",), domains, float), 2, "a"),
+                                  Constraint("UB capacity", Term.of(("a", "b"), domains, lambda a, b: b), 3, "b")],
+                        [Phase("forward", {"Vector": pipe})])
+    tried = relaxed(model, solver, [0, 1], deadline=time.perf_counter() + 10)
+    assert tried[0].choice == {"a": 4, "b": 3} and tried[1].choice == {"a": 2, "b": 4}
+    plan = solve_tiling(model, op="x", variant="v", shape=(1,), dtype="fp32", target="host", solver=solver)
+    assert plan.knobs == {"a": 2, "b": 3}
+    assert plan.binding_constraint == "UB capacity (a = 2 of 2 B)"
 
 
 def test_highs_and_cpsat_agree(host):

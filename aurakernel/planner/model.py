@@ -8,6 +8,10 @@ Formulation (every tiling model in AuraKernel has this shape):
         sum_{t : t_k = v} z[t] = x[k,v]  for every k in K, v in V_k,
         which force z to the single cell picked by the x (so z needs no integrality), and its value
         is sum_t c[t] z[t]                                                               (exact)
+        Every term over the same K shares one z (the same cell is picked for all of them), and the
+        terms of one sum (a pipe's, a phase's additive ones) over the same K are added into one
+        table first: sparse attention's Cube model has 26 terms over two knob sets, 17.9k cells
+        each with its own z before, 1.1k now.
     capacity j:        usage_term_j <= limit_j                                       (per memory level)
     phase p, pipe q:   T_p >= sum of the pipe's terms                         (epigraph of the max)
     minimise           sum_p (T_p + sum of the phase's additive terms)
@@ -100,8 +104,8 @@ class Solution:
 
 
 def solve(model: ChoiceModel, solver: str = "highs", time_limit_s: float = 10.0,
-          drop: str | None = None) -> Solution:
-    """Solve the model (optionally without constraint `drop`) with the named solver."""
+          drop: int | None = None) -> Solution:
+    """Solve the model (optionally without its constraint number `drop`) with the named solver."""
     if solver not in SOLVERS:
         raise UserError(f"unknown solver {solver!r}: accepted are {', '.join(SOLVERS)}")
     if not time_limit_s > 0:
@@ -116,6 +120,40 @@ def solve(model: ChoiceModel, solver: str = "highs", time_limit_s: float = 10.0,
 
 def _cells(term: Term, domains: dict[str, list[int]]):
     return list(itertools.product(*(domains[k] for k in term.knobs)))
+
+
+def _merged(terms) -> list[Term]:
+    """The terms of one sum, those over the same knobs added into one table (in first-seen order)."""
+    by_knobs: dict[tuple[str, ...], dict[tuple[int, ...], float]] = {}
+    for t in terms:
+        table = by_knobs.setdefault(t.knobs, {})
+        for cell, v in t.table.items():
+            table[cell] = table.get(cell, 0.0) + v
+    return [Term(k, table) for k, table in by_knobs.items()]
+
+
+class _CellWeights:
+    """The z of each knob set, made once per model (with its marginal constraints) by `new(cells,
+    bounds)`, which returns the variables in cell order and adds the marginals through `marginal(vars,
+    x_var)`: every term over that knob set reads the same z."""
+
+    def __init__(self, domains: dict[str, list[int]], new_vars, marginal):
+        self.domains, self.new_vars, self.marginal = domains, new_vars, marginal
+        self.made: dict[tuple[str, ...], tuple[list, list]] = {}
+
+    def of(self, term: Term) -> tuple[list, list]:
+        """(cells, z) of the term's knob set."""
+        if term.knobs not in self.made:
+            cells = _cells(term, self.domains)
+            z = self.new_vars(len(cells))
+            for pos, k in enumerate(term.knobs):
+                members: dict[int, list] = {v: [] for v in self.domains[k]}
+                for i, c in enumerate(cells):
+                    members[c[pos]].append(z[i])
+                for v, zs in members.items():
+                    self.marginal(zs, k, v)
+            self.made[term.knobs] = (cells, z)
+        return self.made[term.knobs]
 
 
 def _time_scale(model: ChoiceModel) -> float:
@@ -142,66 +180,119 @@ def one_pyomo_model_at_a_time(solve):
     return serialised
 
 
+class _HighsModel:
+    """The model in Pyomo, built once, solved by HiGHS with any one capacity left out (deactivated,
+    not rebuilt: the binding analysis solves it once per constraint)."""
+
+    def __init__(self, model: ChoiceModel):
+        import pyomo.environ as pyo
+        from pyomo.contrib.solver.common.factory import SolverFactory
+
+        self.pyo = pyo
+        self.m = m = pyo.ConcreteModel()
+        self.xs = sorted({(k, v) for k, vals in model.domains.items() for v in vals})
+        m.x = pyo.Var(self.xs, domain=pyo.Binary)
+        m.one_value = pyo.ConstraintList()
+        for k, vals in model.domains.items():
+            m.one_value.add(sum(m.x[k, v] for v in vals) == 1)
+
+        m.z = pyo.Block()
+        m.marginals = pyo.ConstraintList()
+        counter = itertools.count()
+
+        def new_vars(n: int):
+            z = pyo.Var(range(n), bounds=(0, 1))
+            m.z.add_component(f"z{next(counter)}", z)
+            return [z[i] for i in range(n)]
+
+        weights = _CellWeights(model.domains, new_vars, lambda zs, k, v: m.marginals.add(sum(zs) == m.x[k, v]))
+
+        def expr(terms, scale: float = 1.0):
+            # in the units _time_scale picks, which keep the LP well scaled
+            out = 0
+            for term in _merged(terms):
+                if len(term.knobs) == 1:
+                    k = term.knobs[0]
+                    out = out + sum(term.table[(v,)] * scale * m.x[k, v] for v in model.domains[k])
+                else:
+                    cells, z = weights.of(term)
+                    out = out + sum(term.table[c] * scale * z[i] for i, c in enumerate(cells))
+            return out
+
+        m.capacity = pyo.ConstraintList()
+        self.capacity = [m.capacity.add(expr([c.usage]) <= c.limit) for c in model.constraints]
+        m.T = pyo.Var(range(len(model.phases)), domain=pyo.NonNegativeReals)
+        m.epigraph = pyo.ConstraintList()
+        objective = 0
+        scale = _time_scale(model)
+        for i, ph in enumerate(model.phases):
+            for terms in ph.pipes.values():
+                m.epigraph.add(m.T[i] >= expr(terms, scale))
+            objective = objective + m.T[i] + expr(ph.additive, scale)
+        m.obj = pyo.Objective(expr=objective, sense=pyo.minimize)
+        self.opt = SolverFactory("highs")
+
+    def solve(self, time_limit_s: float, drop: int | None) -> Solution:
+        from pyomo.contrib.solver.common.results import TerminationCondition
+
+        if drop is not None:
+            self.capacity[drop].deactivate()
+        try:
+            res = self.opt.solve(self.m, time_limit=time_limit_s, load_solutions=False,
+                                 raise_exception_on_nonoptimal_result=False)
+        finally:
+            if drop is not None:
+                self.capacity[drop].activate()
+        tc = res.termination_condition
+        if tc in (TerminationCondition.provenInfeasible, TerminationCondition.infeasibleOrUnbounded):
+            return Solution("infeasible", None, None, 0.0)
+        if res.incumbent_objective is None:
+            status = "timeout" if tc == TerminationCondition.maxTimeLimit else "infeasible"
+            return Solution(status, None, None, 0.0)
+        res.solution_loader.load_vars()
+        choice = {k: v for (k, v) in self.xs if self.pyo.value(self.m.x[k, v]) > 0.5}
+        status = "optimal" if tc == TerminationCondition.convergenceCriteriaSatisfied else "feasible"
+        return Solution(status, choice, None, 0.0)
+
+
 @one_pyomo_model_at_a_time
-def _solve_highs(model: ChoiceModel, time_limit_s: float, drop: str | None) -> Solution:
-    import pyomo.environ as pyo
-    from pyomo.contrib.solver.common.factory import SolverFactory
-    from pyomo.contrib.solver.common.results import TerminationCondition
-
-    m = pyo.ConcreteModel()
-    xs = {(k, v) for k, vals in model.domains.items() for v in vals}
-    m.x = pyo.Var(sorted(xs), domain=pyo.Binary)
-    m.one_value = pyo.ConstraintList()
-    for k, vals in model.domains.items():
-        m.one_value.add(sum(m.x[k, v] for v in vals) == 1)
-
-    m.z = pyo.Block()
-    m.marginals = pyo.ConstraintList()
-    counter = itertools.count()
-
-    def expr(term: Term):
-        # in the units _time_scale picks, which keep the LP well scaled
-        if len(term.knobs) == 1:
-            k = term.knobs[0]
-            return sum(term.table[(v,)] * m.x[k, v] for v in model.domains[k])
-        cells = _cells(term, model.domains)
-        name = f"z{next(counter)}"
-        z = pyo.Var(range(len(cells)), bounds=(0, 1))
-        m.z.add_component(name, z)
-        for pos, k in enumerate(term.knobs):
-            for v in model.domains[k]:
-                m.marginals.add(sum(z[i] for i, c in enumerate(cells) if c[pos] == v) == m.x[k, v])
-        return sum(term.table[c] * z[i] for i, c in enumerate(cells))
-
-    m.capacity = pyo.ConstraintList()
-    for c in model.constraints:
-        if c.name != drop:
-            m.capacity.add(expr(c.usage) <= c.limit)
-    m.T = pyo.Var(range(len(model.phases)), domain=pyo.NonNegativeReals)
-    m.epigraph = pyo.ConstraintList()
-    objective = 0
-    scale = _time_scale(model)
-    for i, ph in enumerate(model.phases):
-        for terms in ph.pipes.values():
-            m.epigraph.add(m.T[i] >= sum(expr(t) * scale for t in terms))
-        objective = objective + m.T[i] + sum(expr(t) * scale for t in ph.additive)
-    m.obj = pyo.Objective(expr=objective, sense=pyo.minimize)
-
-    opt = SolverFactory("highs")
-    res = opt.solve(m, time_limit=time_limit_s, load_solutions=False, raise_exception_on_nonoptimal_result=False)
-    tc = res.termination_condition
-    if tc in (TerminationCondition.provenInfeasible, TerminationCondition.infeasibleOrUnbounded):
-        return Solution("infeasible", None, None, 0.0)
-    if res.incumbent_objective is None:
-        status = "timeout" if tc == TerminationCondition.maxTimeLimit else "infeasible"
-        return Solution(status, None, None, 0.0)
-    res.solution_loader.load_vars()
-    choice = {k: v for (k, v) in sorted(xs) if pyo.value(m.x[k, v]) > 0.5}
-    status = "optimal" if tc == TerminationCondition.convergenceCriteriaSatisfied else "feasible"
-    return Solution(status, choice, None, 0.0)
+def _solve_highs(model: ChoiceModel, time_limit_s: float, drop: int | None) -> Solution:
+    return _HighsModel(model).solve(time_limit_s, drop)
 
 
-def _solve_cpsat(model: ChoiceModel, time_limit_s: float, drop: str | None) -> Solution:
+@one_pyomo_model_at_a_time
+def _relaxed_highs(model: ChoiceModel, drops: list[int], deadline: float, until) -> dict[int, Solution]:
+    built, out = _HighsModel(model), {}
+    for i in drops:
+        if deadline - time.perf_counter() <= 0:
+            break
+        t0 = time.perf_counter()
+        out[i] = sol = built.solve(deadline - time.perf_counter(), i)
+        sol.solve_s = time.perf_counter() - t0
+        if sol.choice is not None:
+            sol.objective = model.evaluate(sol.choice)[0]
+        if until(sol):
+            break
+    return out
+
+
+def relaxed(model: ChoiceModel, solver: str, drops: list[int], deadline: float, until=lambda sol: False) -> dict[int, Solution]:
+    """The model solved once without each of the constraints numbered in `drops`, in order, while
+    time is left before `deadline` (perf_counter seconds) and until a solution meets `until`:
+    {number: Solution} of the solves made. HiGHS builds the model once for all of them."""
+    if solver == "highs":
+        return _relaxed_highs(model, drops, deadline, until)
+    out = {}
+    for i in drops:
+        if deadline - time.perf_counter() <= 0:
+            break
+        out[i] = sol = solve(model, solver, deadline - time.perf_counter(), drop=i)
+        if until(sol):
+            break
+    return out
+
+
+def _solve_cpsat(model: ChoiceModel, time_limit_s: float, drop: int | None) -> Solution:
     from ortools.sat.python import cp_model
 
     m = cp_model.CpModel()
@@ -209,28 +300,31 @@ def _solve_cpsat(model: ChoiceModel, time_limit_s: float, drop: str | None) -> S
     for k, vals in model.domains.items():
         m.AddExactlyOne(x[k, v] for v in vals)
 
-    def expr(term: Term, scale: float):
-        if len(term.knobs) == 1:
-            k = term.knobs[0]
-            return sum(round(term.table[(v,)] * scale) * x[k, v] for v in model.domains[k])
-        cells = _cells(term, model.domains)
-        z = [m.NewBoolVar("z") for _ in cells]
-        for pos, k in enumerate(term.knobs):
-            for v in model.domains[k]:
-                m.Add(sum(z[i] for i, c in enumerate(cells) if c[pos] == v) == x[k, v])
-        return sum(round(term.table[c] * scale) * z[i] for i, c in enumerate(cells))
+    weights = _CellWeights(model.domains, lambda n: [m.NewBoolVar("z") for _ in range(n)],
+                           lambda zs, k, v: m.Add(sum(zs) == x[k, v]))
 
-    for c in model.constraints:
-        if c.name != drop:
-            m.Add(expr(c.usage, 1.0) <= math.floor(c.limit))
+    def expr(terms, scale: float):
+        out = 0
+        for term in _merged(terms):
+            if len(term.knobs) == 1:
+                k = term.knobs[0]
+                out = out + sum(round(term.table[(v,)] * scale) * x[k, v] for v in model.domains[k])
+            else:
+                cells, z = weights.of(term)
+                out = out + sum(round(term.table[c] * scale) * z[i] for i, c in enumerate(cells))
+        return out
+
+    for i, c in enumerate(model.constraints):
+        if i != drop:
+            m.Add(expr([c.usage], 1.0) <= math.floor(c.limit))
     ns = 1e9  # seconds -> integer nanoseconds
     objective = 0
     for ph in model.phases:
         horizon = sum(max(t.table.values()) for terms in ph.pipes.values() for t in terms)
         T = m.NewIntVar(0, int(math.ceil(horizon * ns)) + 1, f"T_{ph.name}")
         for terms in ph.pipes.values():
-            m.Add(T >= sum(expr(t, ns) for t in terms))
-        objective = objective + T + sum(expr(t, ns) for t in ph.additive)
+            m.Add(T >= expr(terms, ns))
+        objective = objective + T + expr(ph.additive, ns)
     m.Minimize(objective)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit_s
@@ -244,7 +338,7 @@ def _solve_cpsat(model: ChoiceModel, time_limit_s: float, drop: str | None) -> S
     return Solution("optimal" if status == cp_model.OPTIMAL else "feasible", choice, None, 0.0)
 
 
-def _solve_scip(model: ChoiceModel, time_limit_s: float, drop: str | None) -> Solution:
+def _solve_scip(model: ChoiceModel, time_limit_s: float, drop: int | None) -> Solution:
     """The HiGHS formulation (continuous z, microsecond epigraphs) through pyscipopt."""
     from pyscipopt import SCIP_PARAMSETTING, Model, quicksum
 
@@ -259,33 +353,39 @@ def _solve_scip(model: ChoiceModel, time_limit_s: float, drop: str | None) -> So
     for k, vals in model.domains.items():
         m.addCons(quicksum(x[k, v] for v in vals) == 1)
 
-    def expr(term: Term, scale: float, limit: float | None = None):
-        # a capacity cell beyond the limit is excluded outright: its (often huge, "never fits")
-        # coefficient would otherwise wreck SCIP's numerics
+    weights = _CellWeights(model.domains, lambda n: [m.addVar(lb=0.0, ub=1.0) for _ in range(n)],
+                           lambda zs, k, v: m.addCons(quicksum(zs) == x[k, v]))
+
+    def expr(terms, scale: float, limit: float | None = None):
+        # a capacity cell beyond the limit is excluded outright (its z, or its x, fixed at 0): its
+        # (often huge, "never fits") coefficient would otherwise wreck SCIP's numerics
         def coef(value: float) -> float:
             return 0.0 if limit is not None and value > limit else value * scale
-        if len(term.knobs) == 1:
-            k = term.knobs[0]
-            for v in model.domains[k]:
-                if limit is not None and term.table[(v,)] > limit:
-                    m.chgVarUb(x[k, v], 0.0)
-            return quicksum(coef(term.table[(v,)]) * x[k, v] for v in model.domains[k])
-        cells = _cells(term, model.domains)
-        z = [m.addVar(lb=0.0, ub=0.0 if limit is not None and term.table[c] > limit else 1.0) for c in cells]
-        for pos, k in enumerate(term.knobs):
-            for v in model.domains[k]:
-                m.addCons(quicksum(z[i] for i, c in enumerate(cells) if c[pos] == v) == x[k, v])
-        return quicksum(coef(term.table[c]) * z[i] for i, c in enumerate(cells))
+        out = 0
+        for term in _merged(terms):
+            if len(term.knobs) == 1:
+                k = term.knobs[0]
+                for v in model.domains[k]:
+                    if limit is not None and term.table[(v,)] > limit:
+                        m.chgVarUb(x[k, v], 0.0)
+                out = out + quicksum(coef(term.table[(v,)]) * x[k, v] for v in model.domains[k])
+            else:
+                cells, z = weights.of(term)
+                for i, c in enumerate(cells):
+                    if limit is not None and term.table[c] > limit:
+                        m.chgVarUb(z[i], 0.0)
+                out = out + quicksum(coef(term.table[c]) * z[i] for i, c in enumerate(cells))
+        return out
 
-    for c in model.constraints:
-        if c.name != drop:
-            m.addCons(expr(c.usage, 1.0, c.limit) <= c.limit)
+    for i, c in enumerate(model.constraints):
+        if i != drop:
+            m.addCons(expr([c.usage], 1.0, c.limit) <= c.limit)
     objective = 0
     for ph in model.phases:
         T = m.addVar(lb=0.0, name=f"T_{ph.name}")
         for terms in ph.pipes.values():
-            m.addCons(T >= quicksum(expr(t, 1e6) for t in terms))
-        objective = objective + T + quicksum(expr(t, 1e6) for t in ph.additive)
+            m.addCons(T >= expr(terms, 1e6))
+        objective = objective + T + expr(ph.additive, 1e6)
     m.setObjective(objective, "minimize")
     m.optimize()
     status = m.getStatus()

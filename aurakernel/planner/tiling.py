@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import PlanInfeasible, UserError
-from .model import ChoiceModel, solve
+from .model import ChoiceModel, relaxed, solve
 
 TilingProblem = ChoiceModel
 
@@ -78,24 +78,34 @@ def _left(deadline: float) -> float:
     return deadline - time.perf_counter()
 
 
+def _excludes_some(c) -> bool:
+    """Whether some candidate breaks the constraint: one every candidate meets binds nothing, and
+    re-solving without it (a solve per constraint) cannot change the answer."""
+    return max(c.usage.table.values()) > c.limit * (1 + 1e-9)
+
+
 def _culprit(model: ChoiceModel, solver: str, deadline: float) -> str:
-    for c in model.constraints:
-        if _left(deadline) <= 0:
-            return "the constraints together (the search for one stopped at the time limit)"
-        if solve(model, solver, _left(deadline), drop=c.name).choice is not None:
-            return c.name
+    drops = [i for i, c in enumerate(model.constraints) if _excludes_some(c)]
+    tried = relaxed(model, solver, drops, deadline, until=lambda sol: sol.choice is not None)
+    for i, sol in tried.items():
+        if sol.choice is not None:
+            return model.constraints[i].name
+    if len(tried) < len(drops):
+        return "the constraints together (the search for one stopped at the time limit)"
     return "the constraints together"
 
 
 def _binding(model: ChoiceModel, choice: dict[str, int], objective: float,
              solver: str, deadline: float) -> str:
     best_gain, best = 0.0, None
-    for c in model.constraints:
-        if _left(deadline) <= 0:
-            return "not analysed (time limit)"
-        relaxed = solve(model, solver, _left(deadline), drop=c.name)
-        if relaxed.objective is not None:
-            gain = (objective - relaxed.objective) / objective
+    drops = [i for i, c in enumerate(model.constraints) if _excludes_some(c)]
+    tried = relaxed(model, solver, drops, deadline)
+    if len(tried) < len(drops):
+        return "not analysed (time limit)"
+    for i, sol in tried.items():
+        c = model.constraints[i]
+        if sol.objective is not None:
+            gain = (objective - sol.objective) / objective
             if gain > max(best_gain, BINDING_GAIN):
                 best_gain, best = gain, c
     if best is not None:
