@@ -28,6 +28,11 @@ _CACHE = os.environ.get("AURAKERNEL_TEST_CACHE_DIR") or _own_temp_dir("aurakerne
 os.environ["AURAKERNEL_TEST_CACHE_DIR"] = os.environ["AURAKERNEL_CACHE_DIR"] = _CACHE
 os.environ["AURAKERNEL_DB"] = str(Path(_own_temp_dir("aurakernel-db-")) / "tuning.sqlite")
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+# The two xdist workers share two cores, and each one's OpenMP threads (torch's, our kernels') spun
+# at every barrier while the other worker held a core: idle threads now sleep instead. Set before
+# any worker loads libgomp (it reads the policy once); the suite took 16.7 min with spinning, 12.2
+# without. Tests only: a lone process (train, bench) keeps the default, which answers faster.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from aurakernel.hardware import calibration_path  # noqa: E402
 from aurakernel.paths import write_text_atomic  # noqa: E402
