@@ -1716,16 +1716,37 @@ void Mmad(const LocalTensor<T>& dst, const LocalTensor<U>& fm, const LocalTensor
     const U* a = fm.ak_ptr();
     const S* b = filter.ak_ptr();
     T* c = dst.ak_ptr();
-    for (uint32_t i = 0; i < m1 * 16; ++i)
-        for (uint32_t j = 0; j < n1 * 16; ++j) {
-            T& out = c[((j / 16) * m1 + i / 16) * 256 + (i % 16) * 16 + j % 16];
-            if (i >= p.m || j >= p.n) { out = __builtin_nanf(""); continue; }
-            float acc = p.cmatrixInitVal ? 0.0f : float(out);
-            for (uint32_t kk = 0; kk < p.k; ++kk)
-                acc += detail::to_f(a[((i / 16) * k1 + kk / c0) * 16 * c0 + (i % 16) * c0 + kk % c0]) *
-                       detail::to_f(b[((kk / c0) * n1 + j / 16) * c0 * 16 + (j % 16) * c0 + kk % c0]);
-            out = acc;
+    // The fractals unpacked once into dense fp32 (A: row i's k values; B: per k, the n1 x 16 columns),
+    // then each output row accumulated over k in order, 16 columns at a time: every output is the
+    // same sequence of fp32 adds as one dot product at a time, without the fractal index arithmetic
+    // per MAC (most of a Cube kernel's emulation time).
+    const uint32_t cols = n1 * 16;
+    thread_local std::vector<float> af, bt, acc;
+    af.resize(size_t(p.m) * p.k);
+    bt.resize(size_t(p.k) * cols);
+    acc.resize(cols);
+    for (uint32_t i = 0; i < p.m; ++i)
+        for (uint32_t kk = 0; kk < p.k; ++kk)
+            af[size_t(i) * p.k + kk] = detail::to_f(a[((i / 16) * k1 + kk / c0) * 16 * c0 + (i % 16) * c0 + kk % c0]);
+    for (uint32_t kk = 0; kk < p.k; ++kk)
+        for (uint32_t j = 0; j < cols; ++j)
+            bt[size_t(kk) * cols + j] = detail::to_f(b[((kk / c0) * n1 + j / 16) * c0 * 16 + (j % 16) * c0 + kk % c0]);
+    auto at = [&](uint32_t i, uint32_t j) -> T& { return c[((j / 16) * m1 + i / 16) * 256 + (i % 16) * 16 + j % 16]; };
+    for (uint32_t i = 0; i < m1 * 16; ++i) {
+        if (i >= p.m) {
+            for (uint32_t j = 0; j < cols; ++j) at(i, j) = __builtin_nanf("");
+            continue;
         }
+        for (uint32_t j = 0; j < cols; ++j) acc[j] = p.cmatrixInitVal || j >= p.n ? 0.0f : float(at(i, j));
+        const float* ar = &af[size_t(i) * p.k];
+        for (uint32_t kk = 0; kk < p.k; ++kk) {
+            const float x = ar[kk];
+            const float* br = &bt[size_t(kk) * cols];
+            for (uint32_t jb = 0; jb < cols; jb += 16)
+                for (uint32_t jj = 0; jj < 16; ++jj) acc[jb + jj] += x * br[jb + jj];
+        }
+        for (uint32_t j = 0; j < cols; ++j) at(i, j) = j < p.n ? acc[j] : __builtin_nanf("");
+    }
     const double macs = double(m1) * 16 * n1 * 16 * k1 * c0;
     ak::core().issue(ak::CUBE, AK_VEC_ISSUE + macs / (sizeof(U) == 4 ? AK_CUBE_MACS_FP32 : AK_CUBE_MACS_16BIT),
                      {fm.slot(), filter.slot(), p.cmatrixInitVal ? nullptr : dst.slot()}, {dst.slot()});
