@@ -1721,10 +1721,9 @@ void Mmad(const LocalTensor<T>& dst, const LocalTensor<U>& fm, const LocalTensor
     // same sequence of fp32 adds as one dot product at a time, without the fractal index arithmetic
     // per MAC (most of a Cube kernel's emulation time).
     const uint32_t cols = n1 * 16;
-    thread_local std::vector<float> af, bt, acc;
+    thread_local std::vector<float> af, bt;
     af.resize(size_t(p.m) * p.k);
     bt.resize(size_t(p.k) * cols);
-    acc.resize(cols);
     for (uint32_t i = 0; i < p.m; ++i)
         for (uint32_t kk = 0; kk < p.k; ++kk)
             af[size_t(i) * p.k + kk] = detail::to_f(a[((i / 16) * k1 + kk / c0) * 16 * c0 + (i % 16) * c0 + kk % c0]);
@@ -1737,15 +1736,17 @@ void Mmad(const LocalTensor<T>& dst, const LocalTensor<U>& fm, const LocalTensor
             for (uint32_t j = 0; j < cols; ++j) at(i, j) = __builtin_nanf("");
             continue;
         }
-        for (uint32_t j = 0; j < cols; ++j) acc[j] = p.cmatrixInitVal || j >= p.n ? 0.0f : float(at(i, j));
-        const float* ar = &af[size_t(i) * p.k];
-        for (uint32_t kk = 0; kk < p.k; ++kk) {
-            const float x = ar[kk];
-            const float* br = &bt[size_t(kk) * cols];
-            for (uint32_t jb = 0; jb < cols; jb += 16)
-                for (uint32_t jj = 0; jj < 16; ++jj) acc[jb + jj] += x * br[jb + jj];
+        const float* __restrict ar = &af[size_t(i) * p.k];
+        for (uint32_t jb = 0; jb < cols; jb += 16) {
+            float acc[16];   // one fractal row of C, in registers
+            for (uint32_t jj = 0; jj < 16; ++jj) acc[jj] = p.cmatrixInitVal || jb + jj >= p.n ? 0.0f : float(at(i, jb + jj));
+            const float* __restrict br = &bt[jb];
+            for (uint32_t kk = 0; kk < p.k; ++kk, br += cols) {
+                const float x = ar[kk];
+                for (uint32_t jj = 0; jj < 16; ++jj) acc[jj] += x * br[jj];
+            }
+            for (uint32_t jj = 0; jj < 16; ++jj) at(i, jb + jj) = jb + jj < p.n ? acc[jj] : __builtin_nanf("");
         }
-        for (uint32_t j = 0; j < cols; ++j) at(i, j) = j < p.n ? acc[j] : __builtin_nanf("");
     }
     const double macs = double(m1) * 16 * n1 * 16 * k1 * c0;
     ak::core().issue(ak::CUBE, AK_VEC_ISSUE + macs / (sizeof(U) == 4 ? AK_CUBE_MACS_FP32 : AK_CUBE_MACS_16BIT),
