@@ -74,10 +74,6 @@ def _check_each_constraint(model: ChoiceModel) -> None:
                                          f"the limit is {c.limit:,.0f} B")
 
 
-def _left(deadline: float) -> float:
-    return deadline - time.perf_counter()
-
-
 def _excludes_some(c) -> bool:
     """Whether some candidate breaks the constraint: one every candidate meets binds nothing, and
     re-solving without it (a solve per constraint) cannot change the answer."""
