@@ -110,10 +110,17 @@ def solve(model: ChoiceModel, solver: str = "highs", time_limit_s: float = 10.0,
         raise UserError(f"unknown solver {solver!r}: accepted are {', '.join(SOLVERS)}")
     if not time_limit_s > 0:
         raise UserError(f"the solver time limit must be positive, got {time_limit_s!r} s")
+    solver_fn = {"highs": _solve_highs, "cpsat": _solve_cpsat, "scip": _solve_scip}[solver]
+    return _timed(model, lambda: solver_fn(model, time_limit_s, drop))
+
+
+def _timed(model: ChoiceModel, run) -> Solution:
+    """run()'s Solution with its time and its objective evaluated exactly (CP-SAT works on rounded
+    coefficients)."""
     t0 = time.perf_counter()
-    sol = {"highs": _solve_highs, "cpsat": _solve_cpsat, "scip": _solve_scip}[solver](model, time_limit_s, drop)
+    sol = run()
     sol.solve_s = time.perf_counter() - t0
-    if sol.choice is not None:  # re-evaluate exactly (CP-SAT works on rounded coefficients)
+    if sol.choice is not None:
         sol.objective = model.evaluate(sol.choice)[0]
     return sol
 
@@ -133,9 +140,9 @@ def _merged(terms) -> list[Term]:
 
 
 class _CellWeights:
-    """The z of each knob set, made once per model (with its marginal constraints) by `new(cells,
-    bounds)`, which returns the variables in cell order and adds the marginals through `marginal(vars,
-    x_var)`: every term over that knob set reads the same z."""
+    """The z of each knob set, made once per model: `new_vars(n)` makes its n variables (in cell
+    order), `marginal(zs, knob, value)` adds the constraint sum(zs) == x[knob, value]. Every term over
+    that knob set reads the same z."""
 
     def __init__(self, domains: dict[str, list[int]], new_vars, marginal):
         self.domains, self.new_vars, self.marginal = domains, new_vars, marginal
@@ -154,6 +161,17 @@ class _CellWeights:
                     self.marginal(zs, k, v)
             self.made[term.knobs] = (cells, z)
         return self.made[term.knobs]
+
+    def linear(self, terms, x):
+        """(coefficient, variable) pairs whose sum is the terms' sum: x[knob, value] for a one-knob
+        term, the knob set's z for the others (the terms over one knob set added first)."""
+        for term in _merged(terms):
+            if len(term.knobs) == 1:
+                k = term.knobs[0]
+                yield from ((term.table[(v,)], x[k, v]) for v in self.domains[k])
+            else:
+                cells, z = self.of(term)
+                yield from ((term.table[c], z[i]) for i, c in enumerate(cells))
 
 
 def _time_scale(model: ChoiceModel) -> float:
@@ -207,17 +225,8 @@ class _HighsModel:
 
         weights = _CellWeights(model.domains, new_vars, lambda zs, k, v: m.marginals.add(sum(zs) == m.x[k, v]))
 
-        def expr(terms, scale: float = 1.0):
-            # in the units _time_scale picks, which keep the LP well scaled
-            out = 0
-            for term in _merged(terms):
-                if len(term.knobs) == 1:
-                    k = term.knobs[0]
-                    out = out + sum(term.table[(v,)] * scale * m.x[k, v] for v in model.domains[k])
-                else:
-                    cells, z = weights.of(term)
-                    out = out + sum(term.table[c] * scale * z[i] for i, c in enumerate(cells))
-            return out
+        def expr(terms, scale: float = 1.0):   # in the units _time_scale picks, which keep the LP well scaled
+            return sum(coef * scale * var for coef, var in weights.linear(terms, m.x))
 
         m.capacity = pyo.ConstraintList()
         self.capacity = [m.capacity.add(expr([c.usage]) <= c.limit) for c in model.constraints]
@@ -261,35 +270,28 @@ def _solve_highs(model: ChoiceModel, time_limit_s: float, drop: int | None) -> S
 
 
 @one_pyomo_model_at_a_time
-def _relaxed_highs(model: ChoiceModel, drops: list[int], deadline: float, until) -> dict[int, Solution]:
-    built, out = _HighsModel(model), {}
-    for i in drops:
-        if deadline - time.perf_counter() <= 0:
-            break
-        t0 = time.perf_counter()
-        out[i] = sol = built.solve(deadline - time.perf_counter(), i)
-        sol.solve_s = time.perf_counter() - t0
-        if sol.choice is not None:
-            sol.objective = model.evaluate(sol.choice)[0]
-        if until(sol):
-            break
-    return out
+def _with_highs_model(model: ChoiceModel, use):
+    """use(solve_one) with solve_one(time_limit_s, drop) solving one Pyomo model, built once."""
+    return use(_HighsModel(model).solve)
 
 
 def relaxed(model: ChoiceModel, solver: str, drops: list[int], deadline: float, until=lambda sol: False) -> dict[int, Solution]:
     """The model solved once without each of the constraints numbered in `drops`, in order, while
     time is left before `deadline` (perf_counter seconds) and until a solution meets `until`:
     {number: Solution} of the solves made. HiGHS builds the model once for all of them."""
+    def each(solve_without) -> dict[int, Solution]:
+        out = {}
+        for i in drops:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                break
+            out[i] = sol = solve_without(i, left)
+            if until(sol):
+                break
+        return out
     if solver == "highs":
-        return _relaxed_highs(model, drops, deadline, until)
-    out = {}
-    for i in drops:
-        if deadline - time.perf_counter() <= 0:
-            break
-        out[i] = sol = solve(model, solver, deadline - time.perf_counter(), drop=i)
-        if until(sol):
-            break
-    return out
+        return _with_highs_model(model, lambda solve_one: each(lambda i, left: _timed(model, lambda: solve_one(left, i))))
+    return each(lambda i, left: solve(model, solver, left, drop=i))
 
 
 def _solve_cpsat(model: ChoiceModel, time_limit_s: float, drop: int | None) -> Solution:
@@ -304,15 +306,7 @@ def _solve_cpsat(model: ChoiceModel, time_limit_s: float, drop: int | None) -> S
                            lambda zs, k, v: m.Add(sum(zs) == x[k, v]))
 
     def expr(terms, scale: float):
-        out = 0
-        for term in _merged(terms):
-            if len(term.knobs) == 1:
-                k = term.knobs[0]
-                out = out + sum(round(term.table[(v,)] * scale) * x[k, v] for v in model.domains[k])
-            else:
-                cells, z = weights.of(term)
-                out = out + sum(round(term.table[c] * scale) * z[i] for i, c in enumerate(cells))
-        return out
+        return sum(round(coef * scale) * var for coef, var in weights.linear(terms, x))
 
     for i, c in enumerate(model.constraints):
         if i != drop:
@@ -359,23 +353,12 @@ def _solve_scip(model: ChoiceModel, time_limit_s: float, drop: int | None) -> So
     def expr(terms, scale: float, limit: float | None = None):
         # a capacity cell beyond the limit is excluded outright (its z, or its x, fixed at 0): its
         # (often huge, "never fits") coefficient would otherwise wreck SCIP's numerics
-        def coef(value: float) -> float:
-            return 0.0 if limit is not None and value > limit else value * scale
-        out = 0
-        for term in _merged(terms):
-            if len(term.knobs) == 1:
-                k = term.knobs[0]
-                for v in model.domains[k]:
-                    if limit is not None and term.table[(v,)] > limit:
-                        m.chgVarUb(x[k, v], 0.0)
-                out = out + quicksum(coef(term.table[(v,)]) * x[k, v] for v in model.domains[k])
-            else:
-                cells, z = weights.of(term)
-                for i, c in enumerate(cells):
-                    if limit is not None and term.table[c] > limit:
-                        m.chgVarUb(z[i], 0.0)
-                out = out + quicksum(coef(term.table[c]) * z[i] for i, c in enumerate(cells))
-        return out
+        pairs = list(weights.linear(terms, x))
+        if limit is not None:
+            for coef, var in pairs:
+                if coef > limit:
+                    m.chgVarUb(var, 0.0)
+        return quicksum((0.0 if limit is not None and coef > limit else coef * scale) * var for coef, var in pairs)
 
     for i, c in enumerate(model.constraints):
         if i != drop:
