@@ -131,6 +131,17 @@ csa is 2.6x, hca 2.4x.
   2048 floats); the steps now pass through the dQ / dKV queues, idle by then, two in flight: csa's
   backward 706.5k -> 703.5k cycles, hca's 442.7k -> 440.3k (fwd+bwd csa 645.9 us, 1.96x of its
   bound; hca 371.6 us, 1.46x).
+- the forward's position ends, traced (csa): a vector core's Finish (y and y_lo out, a slice at a
+  time through one UB buffer: ~3k cycles) came before the next position's second softmax, so the Cube
+  core, its P V of the next tile done, waited for that P (its MTE2 idle 31% of the launch). The vector
+  cores now make that P first where the tile is the next position's (not where it is a later one's:
+  their m and l are kept per position parity), and O_t goes to one of two P V slots in turn (the Cube
+  core writes O_{t+1} while the vector cores still read O_t; the workspace grows by H x D fp32 per AI
+  core): csa's forward 459.2k -> 442.1k cycles (fwd+bwd 645.9 -> 636.4 us, 1.93x of its bound); hca's
+  unchanged (228.6k: its positions' tiles are paced by the chain within one). What paces csa's forward
+  now: the Cube core's gathers (MTE2, 318k busy) and L0 loads (MTE1, 191k) taking turns, as above;
+  the window's ring is reused only after a position of two tiles, and half of the positions at 1024
+  tokens have three (505 of 1024; 82k of the 123k window rows are copied).
 """
 
 from __future__ import annotations
@@ -628,7 +639,7 @@ class SparseAttentionAscend(AscendKernel):
         y = torch.full((batch, seq, heads, dim), float("nan"), dtype=q.dtype)
         lse = torch.full((batch, seq, heads), float("nan"))
         kw = kn + int(knobs.get("pair_keys", 0))   # the forward's widest tile: its slots' columns
-        slots = workspace(blocks * (2 * heads * kw * 4 + 2 * heads * kw * 2 + heads * dim * 4))
+        slots = workspace(blocks * (2 * heads * kw * 4 + 2 * heads * kw * 2 + 2 * heads * dim * 4))
         fwd_bufs = [*reads, to_bytes(y), to_bytes(y), to_bytes(lse), slots, tiling]
         # kv and the compressed kv stay in L2 (V4-Flash at 65536 tokens: 64 + 16 MB of the 192 MB): every
         # position gathers its keys from them, so all but their first read are L2 hits on the NPU (that
