@@ -1271,19 +1271,23 @@ def test_indexer_cube_starts_on_the_first_keys_while_the_rest_arrive(monkeypatch
     assert split["forward"] < whole["forward"] and split["backward"] < whole["backward"], (split, whole)
 
 
-@pytest.mark.parametrize("variant", ["sliding", "hca", "csa"])
-def test_sparse_attention_forward_keeps_a_whole_window_tile_in_ring_order(variant, tmp_path):
+@pytest.mark.parametrize("variant,q_buffers,cube_blocks", [("sliding", 2, 24), ("hca", 2, 24), ("csa", 2, 24), ("sliding", 1, 8),
+                                                         ("hca", 1, 24)])
+def test_sparse_attention_forward_keeps_a_whole_window_tile_in_ring_order(variant, q_buffers, cube_blocks, tmp_path):
     """Where the window is a key tile of its own (window = kv_tile), the forward keeps it in L1 as a
-    ring and copies only the kv rows its buffer's earlier window lacks (sliding: the core's position two
-    back; hca: the previous one, its entries in the other buffer; csa where the previous one had two
-    tiles), never across batch rows. Both kernels verify over two batch rows; for sliding and hca the
-    forward's Cube side moves exactly the L2 bytes that predicts: the rows the planner's window_rows
-    counts, every tile's P in and its S and P V out."""
+    ring and copies only the kv rows its buffer's earlier window lacks (two key buffers, beside two q
+    buffers: sliding the core's position two back; hca the previous one, its entries in the other
+    buffer; csa where the previous one had two tiles. Three, beside one q buffer: sliding three back
+    (on 8 AI cores: 24 positions), hca none of its positions of two tiles), never across batch rows. Both kernels verify over two
+    batch rows; for sliding and hca the forward's Cube side moves exactly the L2 bytes that predicts:
+    the rows the planner's window_rows counts, every tile's P in and its S and P V out."""
     import torch
-    from aurakernel.targets.ascend.ops.sparse_attention import position_keys, position_split, window_rows
+    from aurakernel.targets.ascend.ops.sparse_attention import key_buffers, position_keys, position_split, window_rows
     spec, kernel = OPS["sparse_attention"], ascend.kernel_of(OPS["sparse_attention"])
     problem = spec.problem(f"2x16x200x128x64x{dict(sliding=1, hca=16, csa=8)[variant]}", "bf16", variant)
-    knobs = ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs").knobs | {"kv_tile": 64, "d_chunk": 64}
+    knobs = ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs").knobs | {"kv_tile": 64, "d_chunk": 64,
+                                                                                          "q_buffers": q_buffers,
+                                                                                          "cube_blocks": cube_blocks}
     emu = ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, tmp_path, HW), HW)
     result = ascend.verify(spec, [problem], knobs, emu, seeds=(0,))
     assert result.passed, result.summary
@@ -1294,8 +1298,9 @@ def test_sparse_attention_forward_keeps_a_whole_window_tile_in_ring_order(varian
     _, _, reports = kernel.run(problem, knobs, inputs, grad_out, emu)
     batch, heads, seq, dim, window, extra = problem.shape
     keys, _ = position_keys(variant, seq, window, extra)   # each batch row's
-    rows = batch * window_rows(keys, window, 64, position_split(batch * seq, knobs["cube_blocks"])[1])
-    assert rows < 0.9 * batch * sum(min(s + 1, window) for s in range(seq))
+    rows = batch * window_rows(keys, window, 64, position_split(batch * seq, knobs["cube_blocks"])[1], key_buffers(knobs["q_buffers"]))
+    if variant == "sliding" or q_buffers == 2:   # hca with three key buffers: a window's buffer last held entries
+        assert rows < 0.9 * batch * sum(min(s + 1, window) for s in range(seq))
     tiles = batch * [(min(64, int(k) - 64 * j)) for k in keys for j in range(-(-int(k) // 64))]   # each tile's keys
     entries = batch * sum(k - min(s + 1, window) for s, k in enumerate(keys))
     expected = 2 * ((rows + entries) * dim + len(tiles) * heads * 64) + sum(4 * heads * (n + dim) for n in tiles)

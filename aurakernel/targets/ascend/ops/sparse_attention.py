@@ -49,7 +49,8 @@ csa is 2.6x, hca 2.4x.
   forward at 484k cycles), so it prices those: at the plans it predicts csa within 6% (826 against
   782 us) and hca within 13% (592 against 522), both high. A third key tile in L1 (the gather one
   tile further ahead of P V) does not fit beside two q buffers at 128-key tiles (528 KB): with one q
-  buffer it took 536k cycles against 485k, and at 64-key tiles 664k against 690k, both behind. In
+  buffer it took 536k cycles against 485k, and at 64-key tiles 664k against 690k, both behind (it is
+  kept now: see the third key tile below, with the gather a walk of its own and q copied early). In
   the backward (P and dS in one L1 buffer, to stay within the 8 MTE1 -> MTE2 event IDs) it took the
   same 920k cycles: the turns there come from the Cube's MTE2 queue, in order, where each tile's P
   and dS copies wait on the vector cores' flag before the gathers queued after them.
@@ -142,6 +143,21 @@ csa is 2.6x, hca 2.4x.
   now: the Cube core's gathers (MTE2, 318k busy) and L0 loads (MTE1, 191k) taking turns, as above;
   the window's ring is reused only after a position of two tiles, and half of the positions at 1024
   tokens have three (505 of 1024; 82k of the 123k window rows are copied).
+- a third key tile in L1 beside one q buffer (464 KB where two q buffers and three key tiles need 528):
+  the gather is its own walk, up to K_BUFFERS tiles ahead of P V, so tile t + 2's copy no longer waits
+  for P_t V_t's L0 loads, and a position's q is copied as soon as the walk reaches its first tile,
+  under the P V before (staged with its S, after that position's gathers, it cost two-buffer csa 47k
+  cycles: the gathers wait on a buffer, q on nothing). Where positions have three tiles (csa) the
+  window's buffer is again the previous position's: window_rows counts the rows each buffer lacks for
+  any number of buffers. csa's forward 442.1k -> 396.2k cycles, fwd+bwd 636.4 -> 611.0 us (1.93x ->
+  1.86x of its bound; forward 1.72x its own HBM traffic); its Cube core's MTE2 and MTE1 now overlap to
+  0.79 of their sum (AIC_TURNS_3, against 0.9 with two key tiles), and the planner takes one q buffer
+  for csa at 1024 and 4096 tokens (the V4-Flash step modeled 2187.0 -> 2181.1 ms); hca keeps two (its
+  joined tiles of 160 keys leave no room for a third, and with three its window's buffer holds entries).
+  The q buffer's wait, priced on its own before (a copy per position), is inside that emulated share.
+  Tried and not kept: q and dy in the backward's L1 a D slice at a time, each slice's fractals in ZZ
+  order, so a slice's A (and B transposed) is one LoadData where it takes one per 16 heads: MTE1 -102k
+  cycles, but four copies of each where there was one queue in the in-order MTE2: 703.5k -> 740.9k.
 """
 
 from __future__ import annotations
@@ -174,6 +190,8 @@ KNOBS = ("kv_tile", "d_chunk", "o_chunk", "s_buffers", "q_buffers", "merge_gap",
 BWD_KNOBS = ("bwd_kv_tile", "bwd_d_chunk", "bwd_o_chunk", "bwd_q_buffers", "g_buffers", "merge_gap")
 PAIR_KEYS = (0, 32, 64)    # pair_keys' values: whole 32-column steps of the softmax (a tile of KN + pair_keys columns)
 AIC_TURNS = 0.9            # the forward's share of its Cube core's gathers and L0 loads that do not overlap
+AIC_TURNS_3 = 0.79         # the same with three key tiles in L1 (one q buffer): the gather runs two tiles ahead
+                           # (emulated, csa at 1024 tokens: 396k cycles against MTE2 + MTE1 of 501k)
 BWD_AIC_TURNS = 0.77       # the backward's, gathering two tiles ahead of its gradients (emulated: csa 0.80, hca 0.73)
 FIX_WAIT = 20              # cycles the backward's Cube waits a dQ / dKV slice with two slices in L0C (emulated at
                            # 1024 tokens, three against two: csa 921k / 957k, hca 597k / 616k cycles)
@@ -239,6 +257,11 @@ def key_mask_cycles(gap: int, tiles: float, positions: float, lat: float, issue:
     return positions * lat, (tiles * HOLE_MASK_TILE + positions * HOLE_MASK_POS) * issue
 
 
+def key_buffers(q_buffers: int) -> int:
+    """The forward's key tiles in L1 (the kernel's K_BUFFERS): three beside one q buffer, else two."""
+    return 3 if q_buffers == 1 else 2
+
+
 def aic_turns(pipes: dict[str, float], share: float = AIC_TURNS) -> float:
     """The Cube core's gathers (MTE2) and L0 loads (MTE1) taking turns in part: `share` of their sum."""
     return share * (pipes["MTE2"] + pipes["MTE1"])
@@ -300,22 +323,27 @@ def position_keys(variant: str, seq: int, window: int, extra: int, gap: int = 0)
     return tuple(keys), runs / seq
 
 
-def window_rows(keys: tuple[float, ...], window: int, kn: int, apart: int) -> float:
+def window_rows(keys: tuple[float, ...], window: int, kn: int, apart: int, buffers: int = 2) -> float:
     """The window's kv rows the forward copies over a batch row's positions, `keys` each (position_keys).
     Where the window is a key tile of its own (kn == window, full from position window - 1 on) that tile
     stays in L1 in ring order and copies only the rows its buffer's earlier window lacks. Its buffer (of
-    two, in turn) last held the tile two before it: the window of the core's previous position (a
-    core's positions are `apart` apart: position_split's AI cores) where that one had two tiles, of the
-    one before where both had one (windows alone: sliding); else compressed entries, and the whole
-    window is copied."""
+    `buffers`, in turn) last held the tile that many before it: the window of a core's earlier position
+    (a core's positions are `apart` apart: position_split's AI cores) where the tiles of the positions
+    since then, that one's included, are exactly `buffers` (two buffers: the previous position of two
+    tiles, or the two before of one each; three: the previous one of three tiles, ...); else compressed
+    entries, and the whole window is copied."""
     def tiles(s: int) -> int:
-        return -(-int(keys[s]) // kn) if s >= window - 1 else 0   # 0: a partial window, never held in ring order
+        return -(-int(keys[s]) // kn)
 
     rows = 0.0
     for s in range(len(keys)):
-        p1, p2 = s - apart, s - 2 * apart
-        back = 0 if kn != window or s < window - 1 or p1 < 0 else \
-            1 if tiles(p1) == 2 else 2 if tiles(p1) == 1 and p2 >= 0 and tiles(p2) == 1 else 0
+        back, behind, k = 0, 0, 0
+        if kn == window and s >= window - 1:
+            while behind < buffers and s - (k + 1) * apart >= 0:
+                k += 1
+                behind += tiles(s - k * apart)
+                if behind == buffers and s - k * apart >= window - 1:   # that position's window, in ring order
+                    back = k
         rows += min(window, back * apart) if back else min(s + 1, window)
     return rows
 
@@ -352,12 +380,12 @@ class SparseAttentionAscend(AscendKernel):
         per, blocks = position_split(batch * seq, cores)   # a core's positions come `blocks` apart
 
         @functools.cache
-        def keys_copies(gap: int, kn: int, pk: int = 0) -> tuple[float, float, float, float]:
+        def keys_copies(gap: int, kn: int, pk: int = 0, buffers: int = 2) -> tuple[float, float, float, float]:
             """Mean keys and key tiles of kn per position (a last tile of at most pk keys joined to the
             one before), the copies that gather its keys, and the keys the forward copies (its window in
-            ring order where that is a tile of its own: window_rows)."""
+            ring order where that is a tile of its own, in one of `buffers` key tiles: window_rows)."""
             keys, runs = position_keys(problem.variant, seq, window, extra, gap)
-            copied = sum(keys) - sum(min(s + 1, window) for s in range(seq)) + window_rows(keys, window, kn, blocks)
+            copied = sum(keys) - sum(min(s + 1, window) for s in range(seq)) + window_rows(keys, window, kn, blocks, buffers)
             return sum(keys) / seq, sum(position_tiles(k, kn, pk) for k in keys) / seq, 1 + runs, copied / seq
         return cores, p, hbm, per, keys_copies
 
@@ -383,7 +411,7 @@ class SparseAttentionAscend(AscendKernel):
 
         @functools.cache
         def per_core(kn, dc, vc, sb, qb, gap, pk):
-            keys, tiles_per_position, copies, copied = keys_copies(gap, kn, pk)
+            keys, tiles_per_position, copies, copied = keys_copies(gap, kn, pk, key_buffers(qb))
             kw = kn + pk   # the widest tile's keys: the vector cores' tile width
             tiles, chunks, vchunks = per * tiles_per_position, dim // dc, dim // vc
             n = min(kn, keys) if pk == 0 else min(keys / tiles_per_position, kw)   # a tile's keys
@@ -412,8 +440,10 @@ class SparseAttentionAscend(AscendKernel):
         cells = CubeCells(KNOBS, domains, per_core, hw)
         cap = cells.cap
         constraints = [   # kw = kv_tile + pair_keys: the widest tile's keys
-            cap("L1 capacity", lambda kn, dc, vc, sb, qb, gap, pk: (qb * heads * dim + 2 * (kn + pk) * dim + heads * (kn + pk)) * e,
-                p.l1_usable, "(q_buffers x H x D + 2 x kw x D + H x kw) x elem (q, two key tiles, P)"),
+            cap("L1 capacity", lambda kn, dc, vc, sb, qb, gap, pk: (qb * heads * dim + key_buffers(qb) * (kn + pk) * dim
+                                                                  + heads * (kn + pk)) * e,
+                p.l1_usable, "(q_buffers x H x D + (5 - q_buffers) x kw x D + H x kw) x elem (q, two key tiles or three "
+                "beside one q buffer, P)"),
             cap("L0A capacity", lambda kn, dc, vc, sb, qb, gap, pk: (2 * heads * dc + heads * (kn + pk)) * e, p.l0a_bytes,
                 "(2 x H x d_chunk + H x kw) x elem (q's slices, P)"),
             cap("L0B capacity", lambda kn, dc, vc, sb, qb, gap, pk: 2 * kn * dc * e, p.l0b_bytes,
@@ -425,8 +455,8 @@ class SparseAttentionAscend(AscendKernel):
                                                            + mine * (kn + pk) // 8 + 9 * mine * 4 + 3 * mine * 32),
                 p.ub_usable, "per AIV (H/2 heads): s_buffers S tiles, a P tile, two P V slices and a y slice of o_chunk, O (fp32), the key mask (with holes: a position's slots)"),
         ]
-        # one q buffer: the next position's q is copied in only after this one's last L1 -> L0 load
-        exposed = cells.seconds(lambda kn, dc, vc, sb, qb, gap, pk: 0 if qb == 2 else per * (lat + heads * dim * e / hbm))
+        # one q buffer (three key tiles): the next position's q waits for this one's last S, its copy issued
+        # under the P V before the next position's first S; what of it is exposed is in AIC_TURNS_3's emulated share
         # a vector core's copies and steps wait on one another (S in, softmax, P out, then O_t in and the
         # update), so its three pipes overlap only in part: emulated (csa at 1024 tokens, with random and
         # with consecutive picks, merge_gap 0 to 4), a vector core's time is that of its busiest two
@@ -436,9 +466,10 @@ class SparseAttentionAscend(AscendKernel):
         # (MTE2) follows it, so the two pipes mostly take turns, as in the backward (emulated at 1024
         # tokens: 0.81-0.95 of their sum; with wider O slices and fewer vector copies the forward took
         # the same time, 484k cycles)
-        cube = cells.seconds(lambda *cell: aic_turns(per_core(*cell)))
+        cube = cells.seconds(lambda kn, dc, vc, sb, qb, gap, pk: aic_turns(per_core(kn, dc, vc, sb, qb, gap, pk),
+                                                                             AIC_TURNS if key_buffers(qb) == 2 else AIC_TURNS_3))
         forward = Phase("forward", cells.pipes(("HBM", "MTE2", "MTE1", "Cube", "FIX", "AIV MTE2", "Vector", "AIV MTE3"))
-                        | {"AIV sequence": [aiv], "AIC sequence": [cube]}, [cells.tile_fill(), cells.launch(), exposed])
+                        | {"AIV sequence": [aiv], "AIC sequence": [cube]}, [cells.tile_fill(), cells.launch()])
         return self.cube_choice_model(problem, hw, domains, forward, constraints)
 
     def backward_model(self, problem: Problem, hw: HardwareProfile, domains: dict) -> tuple[Phase, list[Constraint]]:
