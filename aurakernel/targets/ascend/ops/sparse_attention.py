@@ -151,10 +151,16 @@ csa is 2.6x, hca 2.4x.
   window's buffer is again the previous position's: window_rows counts the rows each buffer lacks for
   any number of buffers. csa's forward 442.1k -> 396.2k cycles, fwd+bwd 636.4 -> 611.0 us (1.93x ->
   1.86x of its bound; forward 1.72x its own HBM traffic); its Cube core's MTE2 and MTE1 now overlap to
-  0.79 of their sum (AIC_TURNS_3, against 0.9 with two key tiles), and the planner takes one q buffer
+  0.79 of their sum (AIC_TURNS_3, 0.77 with the halves below; 0.9 with two key tiles), and the planner takes one q buffer
   for csa at 1024 and 4096 tokens (the V4-Flash step modeled 2187.0 -> 2181.1 ms); hca keeps two (its
   joined tiles of 160 keys leave no room for a third, and with three its window's buffer holds entries).
   The q buffer's wait, priced on its own before (a copy per position), is inside that emulated share.
+- O_t is flagged to the vector cores in halves of D (flag 2 per half, OPARTS): they read and add the
+  first half while the Cube core's Fixpipes write the second, where they waited for all four slices
+  (the chain P_t out -> P_t V_t -> O_t in paced the forward's vector cores, idle ~1.2k cycles a tile):
+  csa's forward 396.2k -> 385.5k cycles (fwd+bwd 611.0 -> 605.0 us, 1.84x); hca's unchanged (at its
+  own HBM traffic). A flag per o_chunk slice overflowed the cross-core counter (15) at V4-Pro's
+  32-column slices, 16 a tile.
   Tried and not kept: q and dy in the backward's L1 a D slice at a time, each slice's fractals in ZZ
   order, so a slice's A (and B transposed) is one LoadData where it takes one per 16 heads: MTE1 -102k
   cycles, but four copies of each where there was one queue in the in-order MTE2: 703.5k -> 740.9k.
@@ -190,8 +196,8 @@ KNOBS = ("kv_tile", "d_chunk", "o_chunk", "s_buffers", "q_buffers", "merge_gap",
 BWD_KNOBS = ("bwd_kv_tile", "bwd_d_chunk", "bwd_o_chunk", "bwd_q_buffers", "g_buffers", "merge_gap")
 PAIR_KEYS = (0, 32, 64)    # pair_keys' values: whole 32-column steps of the softmax (a tile of KN + pair_keys columns)
 AIC_TURNS = 0.9            # the forward's share of its Cube core's gathers and L0 loads that do not overlap
-AIC_TURNS_3 = 0.79         # the same with three key tiles in L1 (one q buffer): the gather runs two tiles ahead
-                           # (emulated, csa at 1024 tokens: 396k cycles against MTE2 + MTE1 of 501k)
+AIC_TURNS_3 = 0.77         # the same with three key tiles in L1 (one q buffer): the gather runs two tiles ahead
+                           # (emulated, csa at 1024 tokens: 385.5k cycles against MTE2 + MTE1 of 501k)
 BWD_AIC_TURNS = 0.77       # the backward's, gathering two tiles ahead of its gradients (emulated: csa 0.80, hca 0.73)
 FIX_WAIT = 20              # cycles the backward's Cube waits a dQ / dKV slice with two slices in L0C (emulated at
                            # 1024 tokens, three against two: csa 921k / 957k, hca 597k / 616k cycles)
