@@ -155,6 +155,13 @@ csa is 2.6x, hca 2.4x.
   for csa at 1024 and 4096 tokens (the V4-Flash step modeled 2187.0 -> 2181.1 ms); hca keeps two (its
   joined tiles of 160 keys leave no room for a third, and with three its window's buffer holds entries).
   The q buffer's wait, priced on its own before (a copy per position), is inside that emulated share.
+- the backward's Cube core, traced: at every position it waited ~2.6k cycles for the next tile's P and
+  dS, queued in its in-order MTE2 behind the next position's q and dy (64 KB each from HBM, ~2k cycles
+  a copy), issued together once the position began. dy now comes a tile after q (Fetch), so each
+  holds one tile's P and dS back, not two copies' worth: csa's backward 703.5k -> 661.3k cycles, hca's
+  440.3k -> 430.6k (fwd+bwd csa 605.0 -> 581.6 us, hca 371.6 -> 366.2 us); BWD_AIC_TURNS 0.77 -> 0.68.
+  Halves of each (four copies a position, one a tile) took 669.7k: their latencies cost more than
+  they hid; dy two tiles after q 663.5k.
 - O_t is flagged to the vector cores in halves of D (flag 2 per half, OPARTS): they read and add the
   first half while the Cube core's Fixpipes write the second, where they waited for all four slices
   (the chain P_t out -> P_t V_t -> O_t in paced the forward's vector cores, idle ~1.2k cycles a tile):
@@ -198,7 +205,8 @@ PAIR_KEYS = (0, 32, 64)    # pair_keys' values: whole 32-column steps of the sof
 AIC_TURNS = 0.9            # the forward's share of its Cube core's gathers and L0 loads that do not overlap
 AIC_TURNS_3 = 0.77         # the same with three key tiles in L1 (one q buffer): the gather runs two tiles ahead
                            # (emulated, csa at 1024 tokens: 385.5k cycles against MTE2 + MTE1 of 501k)
-BWD_AIC_TURNS = 0.77       # the backward's, gathering two tiles ahead of its gradients (emulated: csa 0.80, hca 0.73)
+BWD_AIC_TURNS = 0.68       # the backward's, gathering two tiles ahead of its gradients, the next position's dy a
+                           # tile after its q (emulated: csa 0.70, hca 0.67; with both at once 0.80 and 0.73)
 FIX_WAIT = 20              # cycles the backward's Cube waits a dQ / dKV slice with two slices in L0C (emulated at
                            # 1024 tokens, three against two: csa 921k / 957k, hca 597k / 616k cycles)
 HOLE_MASK_TILE, HOLE_MASK_POS = 4, 2   # with holes, vector instructions of KeyMask per tile and per position
