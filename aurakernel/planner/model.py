@@ -264,9 +264,8 @@ class _HighsModel:
         return Solution(status, choice, None, 0.0)
 
 
-@one_pyomo_model_at_a_time
 def _solve_highs(model: ChoiceModel, time_limit_s: float, drop: int | None) -> Solution:
-    return _HighsModel(model).solve(time_limit_s, drop)
+    return _with_highs_model(model, lambda solve_one: solve_one(time_limit_s, drop))
 
 
 @one_pyomo_model_at_a_time

@@ -74,14 +74,14 @@ def _check_each_constraint(model: ChoiceModel) -> None:
                                          f"the limit is {c.limit:,.0f} B")
 
 
-def _excludes_some(c) -> bool:
-    """Whether some candidate breaks the constraint: one every candidate meets binds nothing, and
-    re-solving without it (a solve per constraint) cannot change the answer."""
-    return max(c.usage.table.values()) > c.limit * (1 + 1e-9)
+def _droppable(model: ChoiceModel) -> list[int]:
+    """The constraints (by position) some candidate breaks: one every candidate meets binds nothing,
+    and re-solving without it (a solve per constraint) cannot change the answer."""
+    return [i for i, c in enumerate(model.constraints) if max(c.usage.table.values()) > c.limit * (1 + 1e-9)]
 
 
 def _culprit(model: ChoiceModel, solver: str, deadline: float) -> str:
-    drops = [i for i, c in enumerate(model.constraints) if _excludes_some(c)]
+    drops = _droppable(model)
     tried = relaxed(model, solver, drops, deadline, until=lambda sol: sol.choice is not None)
     for i, sol in tried.items():
         if sol.choice is not None:
@@ -94,7 +94,7 @@ def _culprit(model: ChoiceModel, solver: str, deadline: float) -> str:
 def _binding(model: ChoiceModel, choice: dict[str, int], objective: float,
              solver: str, deadline: float) -> str:
     best_gain, best = 0.0, None
-    drops = [i for i, c in enumerate(model.constraints) if _excludes_some(c)]
+    drops = _droppable(model)
     tried = relaxed(model, solver, drops, deadline)
     if len(tried) < len(drops):
         return "not analysed (time limit)"

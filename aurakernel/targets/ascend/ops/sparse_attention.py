@@ -151,7 +151,7 @@ csa is 2.6x, hca 2.4x.
   window's buffer is again the previous position's: window_rows counts the rows each buffer lacks for
   any number of buffers. csa's forward 442.1k -> 396.2k cycles, fwd+bwd 636.4 -> 611.0 us (1.93x ->
   1.86x of its bound; forward 1.72x its own HBM traffic); its Cube core's MTE2 and MTE1 now overlap to
-  0.79 of their sum (AIC_TURNS_3, 0.77 with the halves below; 0.9 with two key tiles), and the planner takes one q buffer
+  0.79 of their sum (AIC_TURNS[3], 0.77 with the halves below; 0.9 with two key tiles), and the planner takes one q buffer
   for csa at 1024 and 4096 tokens (the V4-Flash step modeled 2187.0 -> 2181.1 ms); hca keeps two (its
   joined tiles of 160 keys leave no room for a third, and with three its window's buffer holds entries).
   The q buffer's wait, priced on its own before (a copy per position), is inside that emulated share.
@@ -202,9 +202,10 @@ KNOBS = ("kv_tile", "d_chunk", "o_chunk", "s_buffers", "q_buffers", "merge_gap",
 # dQ / dKV slices in L0C (three: the Cube's next slices do not wait for the Fixpipes scattering one)
 BWD_KNOBS = ("bwd_kv_tile", "bwd_d_chunk", "bwd_o_chunk", "bwd_q_buffers", "g_buffers", "merge_gap")
 PAIR_KEYS = (0, 32, 64)    # pair_keys' values: whole 32-column steps of the softmax (a tile of KN + pair_keys columns)
-AIC_TURNS = 0.9            # the forward's share of its Cube core's gathers and L0 loads that do not overlap
-AIC_TURNS_3 = 0.77         # the same with three key tiles in L1 (one q buffer): the gather runs two tiles ahead
-                           # (emulated, csa at 1024 tokens: 385.5k cycles against MTE2 + MTE1 of 501k)
+# the forward's share of its Cube core's gathers and L0 loads that do not overlap, by its key tiles in L1:
+# with three (one q buffer) the gather runs two tiles ahead (emulated, csa at 1024 tokens: 385.5k cycles
+# against MTE2 + MTE1 of 501k)
+AIC_TURNS = {2: 0.9, 3: 0.77}
 BWD_AIC_TURNS = 0.68       # the backward's, gathering two tiles ahead of its gradients, the next position's dy a
                            # tile after its q (emulated: csa 0.70, hca 0.67; with both at once 0.80 and 0.73)
 FIX_WAIT = 20              # cycles the backward's Cube waits a dQ / dKV slice with two slices in L0C (emulated at
@@ -276,7 +277,7 @@ def key_buffers(q_buffers: int) -> int:
     return 3 if q_buffers == 1 else 2
 
 
-def aic_turns(pipes: dict[str, float], share: float = AIC_TURNS) -> float:
+def aic_turns(pipes: dict[str, float], share: float) -> float:
     """The Cube core's gathers (MTE2) and L0 loads (MTE1) taking turns in part: `share` of their sum."""
     return share * (pipes["MTE2"] + pipes["MTE1"])
 
@@ -470,7 +471,7 @@ class SparseAttentionAscend(AscendKernel):
                 p.ub_usable, "per AIV (H/2 heads): s_buffers S tiles, a P tile, two P V slices and a y slice of o_chunk, O (fp32), the key mask (with holes: a position's slots)"),
         ]
         # one q buffer (three key tiles): the next position's q waits for this one's last S, its copy issued
-        # under the P V before the next position's first S; what of it is exposed is in AIC_TURNS_3's emulated share
+        # under the P V before the next position's first S; what of it is exposed is in AIC_TURNS[3], emulated
         # a vector core's copies and steps wait on one another (S in, softmax, P out, then O_t in and the
         # update), so its three pipes overlap only in part: emulated (csa at 1024 tokens, with random and
         # with consecutive picks, merge_gap 0 to 4), a vector core's time is that of its busiest two
@@ -481,7 +482,7 @@ class SparseAttentionAscend(AscendKernel):
         # tokens: 0.81-0.95 of their sum; with wider O slices and fewer vector copies the forward took
         # the same time, 484k cycles)
         cube = cells.seconds(lambda kn, dc, vc, sb, qb, gap, pk: aic_turns(per_core(kn, dc, vc, sb, qb, gap, pk),
-                                                                             AIC_TURNS if key_buffers(qb) == 2 else AIC_TURNS_3))
+                                                                             AIC_TURNS[key_buffers(qb)]))
         forward = Phase("forward", cells.pipes(("HBM", "MTE2", "MTE1", "Cube", "FIX", "AIV MTE2", "Vector", "AIV MTE3"))
                         | {"AIV sequence": [aiv], "AIC sequence": [cube]}, [cells.tile_fill(), cells.launch()])
         return self.cube_choice_model(problem, hw, domains, forward, constraints)
