@@ -168,6 +168,17 @@ csa is 2.6x, hca 2.4x.
   csa's forward 396.2k -> 385.5k cycles (fwd+bwd 611.0 -> 605.0 us, 1.84x); hca's unchanged (at its
   own HBM traffic). A flag per o_chunk slice overflowed the cross-core counter (15) at V4-Pro's
   32-column slices, 16 a tile.
+- a position's end, traced (hca-like early positions of csa, the Cube idle ~2k cycles a position): Finish
+  took y's fp32 rounding error in a P V buffer (inPV_) for each slice, so the next position's first O_t
+  reads waited for Finish's slices, and that position's next S read queued behind them in the vector
+  cores' in-order MTE2. The first slice's error now goes to a P V buffer and each later one's to the O
+  slice before it (done with by then): csa's forward 385.5k -> 381.8k cycles (hca's unchanged).
+  Measured, and not a lever: the O update's multiply by alpha (dropped for timing: 385.4k), a quarter of
+  O_t's reads (381.2k) or of its Fixpipes (381.5k); every gather but a 16-row copy took 356.7k, where no
+  pipe is busier than 61%: the chain S -> P -> P V across the Cube and vector cores, not one pipe, sets
+  the pace. A core's positions in runs of consecutive ones (their windows share all but a row; dealt in
+  turn, every other round reversed) took 401.0k (runs of 2) to 467.4k (runs of 8): the rows saved are
+  few, the imbalance of whole runs is not.
   Tried and not kept: q and dy in the backward's L1 a D slice at a time, each slice's fractals in ZZ
   order, so a slice's A (and B transposed) is one LoadData where it takes one per 16 heads: MTE1 -102k
   cycles, but four copies of each where there was one queue in the in-order MTE2: 703.5k -> 740.9k.
