@@ -374,6 +374,17 @@ def window_rows(keys: tuple[float, ...], window: int, kn: int, apart: int, buffe
     return rows
 
 
+def slot_bytes(heads: int, dim: int, keys: int, slots: int) -> int:
+    """An AI core's workspace slots (one source for the kernels' layout, the binding's workspace and the
+    emulator runs): `slots` fp32 score tiles (S; the backward's S and dP) and as many 16-bit probability
+    tiles (P; P and dS) of heads x keys, then two fp32 heads x dim (the forward's P V slots, the backward's
+    dQ accumulators)."""
+    return slots * heads * keys * (4 + 2) + 2 * heads * dim * 4
+
+
+FWD_SLOTS, BWD_SLOTS = 2, 4   # the forward's S and P slots (tile t in slot t % 2); the backward's two each of S, dP / P, dS
+
+
 def position_split(positions: int, cores: int) -> tuple[int, int]:
     """Positions per AI core and the AI cores used (as AkSparseAttentionMakeTiling)."""
     per = -(-positions // max(1, min(positions, cores)))
@@ -640,7 +651,9 @@ class SparseAttentionAscend(AscendKernel):
                 "dim": int(dim), "window": int(window), **tiles, "s_buffers": s_buffers, "g_buffers": g_buffers,
                 "cube_blocks": int(knobs["cube_blocks"]), "merge_gap": merge_gap, "slot_pad": SLOT_PAD,
                 "pair_keys": pair_keys,
-                "bwd_key_tiles": BWD_KEY_TILES}
+                "bwd_key_tiles": BWD_KEY_TILES,
+                "fwd_slot_bytes": slot_bytes(heads, dim, tiles["kv_tile"] + pair_keys, FWD_SLOTS),
+                "bwd_slot_bytes": slot_bytes(heads, dim, tiles["bwd_kv_tile"], BWD_SLOTS)}
 
     def profile_params(self, problem: Problem, knobs: dict[str, int], hw: HardwareProfile) -> dict:
         """Delta's columns a step in the backward: as wide as the profile's UB holds beside its tiles."""
@@ -696,7 +709,7 @@ class SparseAttentionAscend(AscendKernel):
         y = torch.full((batch, seq, heads, dim), float("nan"), dtype=q.dtype)
         lse = torch.full((batch, seq, heads), float("nan"))
         kw = kn + int(knobs.get("pair_keys", 0))   # the forward's widest tile: its slots' columns
-        slots = workspace(blocks * (2 * heads * kw * 4 + 2 * heads * kw * 2 + 2 * heads * dim * 4))
+        slots = workspace(blocks * slot_bytes(heads, dim, kw, FWD_SLOTS))
         fwd_bufs = [*reads, to_bytes(y), to_bytes(y), to_bytes(lse), slots, tiling]
         # kv and the compressed kv stay in L2 (V4-Flash at 65536 tokens: 64 + 16 MB of the 192 MB): every
         # position gathers its keys from them, so all but their first read are L2 hits on the NPU (that
@@ -706,7 +719,7 @@ class SparseAttentionAscend(AscendKernel):
         dy = grad_out["y"].to(q.dtype).contiguous()                      # [B, S, H, D], as y
         dq, dkv, dckv = (torch.full_like(t, float("nan")) for t in (q, inputs["kv"], ckv))
         dsinks = torch.full((heads,), float("nan"))
-        slots = workspace(blocks * (4 * heads * bkn * 4 + 4 * heads * bkn * 2 + 2 * heads * dim * 4))
+        slots = workspace(blocks * slot_bytes(heads, dim, bkn, BWD_SLOTS))
         acc = workspace((batch * seq + batch * entries_of(problem)) * dim * 4)   # fp32 dkv and dckv, added into
         bwd_bufs = [*reads, to_bytes(y), to_bytes(y_lo), to_bytes(lse), to_bytes(dy), to_bytes(dq), to_bytes(dkv), to_bytes(dckv),
                     to_bytes(dsinks), slots, acc, bytearray(tiling)]
