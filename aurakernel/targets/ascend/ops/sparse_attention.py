@@ -178,7 +178,13 @@ csa is 2.6x, hca 2.4x.
   pipe is busier than 61%: the chain S -> P -> P V across the Cube and vector cores, not one pipe, sets
   the pace. A core's positions in runs of consecutive ones (their windows share all but a row; dealt in
   turn, every other round reversed) took 401.0k (runs of 2) to 467.4k (runs of 8): the rows saved are
-  few, the imbalance of whole runs is not.
+  few, the imbalance of whole runs is not. Where the time is, by what dropping a step's work gives
+  (timing only, from 381.8k): the softmax's exp 377.7k; S's Mmads at k = 16, 381.2k; a position's q
+  copied as 16 rows, not 64 (the backward's dy too): 347.8k, backward 661.3k -> 612.1k. q and dy come
+  from HBM at the AI core's share (~2k cycles a 64 KB copy), in the in-order MTE2 ahead of the gathers
+  and P copies, and no vector-core read can warm the L2 for them (6 KB of their UB is free). S made
+  three tiles ahead of P V (three score and P slots, m and l per position mod 3) took 439.4k: tile
+  t + 2's S then waits on its gather, issued one step before it, where it had a P V of slack.
   Tried and not kept: q and dy in the backward's L1 a D slice at a time, each slice's fractals in ZZ
   order, so a slice's A (and B transposed) is one LoadData where it takes one per 16 heads: MTE1 -102k
   cycles, but four copies of each where there was one queue in the in-order MTE2: 703.5k -> 740.9k.
