@@ -168,7 +168,7 @@ csa is 2.6x, hca 2.4x.
   csa's forward 396.2k -> 385.5k cycles (fwd+bwd 611.0 -> 605.0 us, 1.84x); hca's unchanged (at its
   own HBM traffic). A flag per o_chunk slice overflowed the cross-core counter (15) at V4-Pro's
   32-column slices, 16 a tile.
-- a position's end, traced (hca-like early positions of csa, the Cube idle ~2k cycles a position): Finish
+- a position's end, traced (csa: the Cube core idled ~2k cycles at most positions' ends): Finish
   took y's fp32 rounding error in a P V buffer (inPV_) for each slice, so the next position's first O_t
   reads waited for Finish's slices, and that position's next S read queued behind them in the vector
   cores' in-order MTE2. The first slice's error now goes to a P V buffer and each later one's to the O
