@@ -185,6 +185,10 @@ csa is 2.6x, hca 2.4x.
   and P copies, and no vector-core read can warm the L2 for them (6 KB of their UB is free). S made
   three tiles ahead of P V (three score and P slots, m and l per position mod 3) took 439.4k: tile
   t + 2's S then waits on its gather, issued one step before it, where it had a P V of slack.
+  The backward's dy the other way round (the vector cores read it first, from HBM, for Delta a position
+  ahead, flag 5 before the Cube core's copy, which then finds it in L2): 661.3k -> 665.4k with Delta at
+  a position's start (its HBM reads lengthen the vector cores' step before the first coefficients); after
+  the first tile's coefficients the Cube core's wait comes before the S that tile needs (a hang).
   Tried and not kept: q and dy in the backward's L1 a D slice at a time, each slice's fractals in ZZ
   order, so a slice's A (and B transposed) is one LoadData where it takes one per 16 heads: MTE1 -102k
   cycles, but four copies of each where there was one queue in the in-order MTE2: 703.5k -> 740.9k.
