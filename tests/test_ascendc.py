@@ -17,6 +17,7 @@ from aurakernel import emulator
 from aurakernel.targets import ascend
 from aurakernel.hardware import load_profile
 from aurakernel.ops import OPS
+from aurakernel.ops.sparse_attention import entries_of
 
 ROOT = Path(__file__).parents[1]
 HW = load_profile("ascend910b2")
@@ -1119,6 +1120,50 @@ def test_every_kernel_compiles_against_the_real_ascendc_headers(tmp_path):
     bad.parent.mkdir()
     bad.write_text(KERNEL_HEAD + "    float v = INFINITY; (void)v;\n}\n")
     assert "INFINITY" in (first_error(bad) or "")
+
+
+def _sparse_attention_tiling(p, width: int) -> str:
+    return (f"AkSparseAttentionMakeTiling({p.shape[0]}, {p.shape[2]}, {entries_of(p)}, {p.shape[4]}, {width}, "
+            "AK_PLAN_CUBE_BLOCKS)")
+
+
+def _indexer_score_tiling(p, width: int) -> str:
+    return f"AkIndexerScoreMakeTiling({p.shape[0]}, {p.shape[1]}, {p.shape[4]}, AK_PLAN_BLOCK_DIM, AK_PLAN_CUBE_BLOCKS)"
+
+
+# (op, variant, shape, the header's MakeTiling call for a problem, as the binding makes it)
+TILING_HEADERS = (("sparse_attention", "csa", "1x64x200x512x128x64", _sparse_attention_tiling),
+                  ("sparse_attention", "hca", "1x64x200x512x128x128", _sparse_attention_tiling),
+                  ("indexer_score", "default", "1x96x64x128x1024", _indexer_score_tiling))
+
+
+@pytest.mark.parametrize("op,variant,shape,call", TILING_HEADERS, ids=[f"{o}-{v}" for o, v, *_ in TILING_HEADERS])
+def test_the_binding_launches_with_the_tiling_the_emulator_verified(tmp_path, op, variant, shape, call):
+    """The binding and the CANN host code make a Cube kernel's tiling with the rendered header's MakeTiling;
+    the emulator runs pack theirs in Python. Compiled with g++ and run at the plan's verification
+    shapes, the header gives the same bytes, so the NPU launches the kernels with the tiling that was
+    verified (the workspace they allocate is tied to the kernels by the kernels' own static_asserts)."""
+    from aurakernel.targets.ascend.ops import kernel_of
+    spec = OPS[op]
+    problem = spec.problem(shape, "bf16", variant)
+    knobs = ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs").knobs
+    project = ascend.render_project(spec, problem, knobs, tmp_path, HW)
+    kernel = kernel_of(spec)
+    width = (lambda p: p.shape[5]) if op == "sparse_attention" else (lambda p: 0)   # csa: the compacted picks' width
+    cases = [(p, width(p)) for p in (problem, *kernel.verification_problems(problem, knobs))]
+    cases += [(problem, 24)] if variant == "csa" else []   # the binding's, from the picks it compacted
+    harness = tmp_path / "harness.cpp"
+    harness.write_text("#include <cstdio>\n#include \"" + project["tiling.h.j2"].name + "\"\nint main() {\n"
+                       + "".join(f"    {{ auto t = {call(p, w)}; const unsigned char* b = reinterpret_cast<const unsigned char*>(&t);"
+                                 " for (unsigned i = 0; i < sizeof t; ++i) std::printf(\"%02x\", b[i]); std::printf(\"\\n\"); }\n"
+                                 for p, w in cases)
+                       + "}\n")
+    exe = tmp_path / "harness"
+    subprocess.run([emulator.compiler(), "-std=c++17", f"-I{project['tiling.h.j2'].parent}", str(harness), "-o", str(exe)],
+                   check=True, capture_output=True)
+    got = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split()
+    want = [(kernel.tiling(p, knobs, w) if op == "sparse_attention" else kernel.tiling(p, knobs)).hex() for p, w in cases]
+    assert got == want
 
 
 # A mixed kernel: per block the AIC multiplies A (16 x 32) by B^T into a GM workspace, signals its two

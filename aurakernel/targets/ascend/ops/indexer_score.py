@@ -340,13 +340,10 @@ class IndexerScoreAscend(AscendKernel):
                 Problem(problem.op, problem.variant, (2, min(seq, knobs["block_dim"] // 2 + 3), heads, dim, t2),
                         problem.dtype)]
 
-    def run(self, problem: Problem, knobs: dict[str, int], inputs: Tensors, grad_out: Tensors, emu):
-        """Forward and backward kernels in the emulator: (outputs, grads, {phase: RunReport})."""
-
-        q, k = inputs["q"].contiguous(), inputs["k"].contiguous()
-        hidden, proj = inputs["hidden"], inputs["proj"]
-        batch, seq, heads, dim = q.shape
-        entries = k.shape[1]
+    @staticmethod
+    def tiling(problem: Problem, knobs: dict[str, int]) -> bytearray:
+        """AkIndexerScoreTiling for the problem's shape, as the binding's AkIndexerScoreMakeTiling makes it."""
+        batch, seq, _, dim, entries = problem.shape
         rows = batch * seq
         block_rows, block_dim = row_split(rows, knobs["block_dim"])
         per_batch = -(-seq // knobs["cube_rows"])
@@ -354,12 +351,25 @@ class IndexerScoreAscend(AscendKernel):
         bwd_rows, bwd_keys = knobs.get("bwd_rows", 1), knobs.get("bwd_keys", 64)
         bwd_per_batch = -(-seq // bwd_rows)
         bwd_block_tiles, bwd_blocks = cube_split(batch * bwd_per_batch, knobs["cube_blocks"])
-        tiling = bytearray(struct.pack("<10If15I", rows, seq, entries, batch, block_rows, block_dim, knobs["chunk"],
-                                       knobs["tile_rows"], -(-entries // knobs["chunk"]) * knobs["chunk"], -(-batch * entries // block_dim),
-                                       dim ** -0.5, cube_blocks, knobs["cube_rows"], knobs["cube_keys"], knobs["key_chunk"],
-                                       per_batch, batch * per_batch, block_tiles, knobs["cube_buffers"],
-                                       bwd_rows, bwd_keys, bwd_per_batch, batch * bwd_per_batch, bwd_block_tiles, bwd_blocks,
-                                       knobs.get("bwd_stream", 0)))
+        return bytearray(struct.pack("<10If15I", rows, seq, entries, batch, block_rows, block_dim, knobs["chunk"],
+                                     knobs["tile_rows"], -(-entries // knobs["chunk"]) * knobs["chunk"], -(-batch * entries // block_dim),
+                                     dim ** -0.5, cube_blocks, knobs["cube_rows"], knobs["cube_keys"], knobs["key_chunk"],
+                                     per_batch, batch * per_batch, block_tiles, knobs["cube_buffers"],
+                                     bwd_rows, bwd_keys, bwd_per_batch, batch * bwd_per_batch, bwd_block_tiles, bwd_blocks,
+                                     knobs.get("bwd_stream", 0)))
+
+    def run(self, problem: Problem, knobs: dict[str, int], inputs: Tensors, grad_out: Tensors, emu):
+        """Forward and backward kernels in the emulator: (outputs, grads, {phase: RunReport})."""
+
+        q, k = inputs["q"].contiguous(), inputs["k"].contiguous()
+        hidden, proj = inputs["hidden"], inputs["proj"]
+        batch, seq, heads, dim = q.shape
+        entries = k.shape[1]
+        _, block_dim = row_split(batch * seq, knobs["block_dim"])
+        _, cube_blocks = cube_split(batch * -(-seq // knobs["cube_rows"]), knobs["cube_blocks"])
+        bwd_rows, bwd_keys = knobs.get("bwd_rows", 1), knobs.get("bwd_keys", 64)
+        _, bwd_blocks = cube_split(batch * -(-seq // bwd_rows), knobs["cube_blocks"])
+        tiling = self.tiling(problem, knobs)
         w = self.spec.weights(hidden, proj, heads).contiguous()
         score = torch.full((batch, seq, entries), float("nan"))
         # k, read by every AI core, is found in L2 (as mhc's fn and sparse attention's kv); the forward's

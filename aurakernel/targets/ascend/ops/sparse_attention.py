@@ -696,7 +696,7 @@ class SparseAttentionAscend(AscendKernel):
     def _buffers(self, problem: Problem, knobs: dict[str, int], inputs: Tensors):
         """The GM buffers both kernels read (q as [B, S, H, D], kv, compressed kv, the compacted picks and
         their counts, the sinks) and the tiling, as the binding passes them."""
-        batch, heads, seq, dim, window, extra = problem.shape
+        batch, _, seq, dim, _, extra = problem.shape
         entries = entries_of(problem)
         q = inputs["q"].transpose(1, 2).contiguous()                    # [B, S, H, D]: a position's heads together
         ckv = inputs["compressed_kv"].contiguous() if entries else torch.zeros(batch, 1, dim, dtype=q.dtype)
@@ -706,10 +706,17 @@ class SparseAttentionAscend(AscendKernel):
             idx = torch.cat([torch.full((SLOT_PAD,), -1, dtype=torch.int32), idx.flatten()])
         else:
             idx, cnt, width = torch.zeros(8, dtype=torch.int32), torch.zeros(8, dtype=torch.int32), extra
-        per, blocks = position_split(batch * seq, knobs["cube_blocks"])
-        tiling = bytearray(struct.pack(TILING, batch, seq, entries, window, width, batch * seq, per, blocks, dim ** -0.5))
+        tiling = self.tiling(problem, knobs, width)
         reads = [to_bytes(q), to_bytes(inputs["kv"]), to_bytes(ckv), to_bytes(idx), to_bytes(cnt), to_bytes(inputs["sinks"].float())]
-        return q, ckv, reads, tiling, blocks
+        return q, ckv, reads, tiling, position_split(batch * seq, knobs["cube_blocks"])[1]
+
+    @staticmethod
+    def tiling(problem: Problem, knobs: dict[str, int], width: int) -> bytearray:
+        """AkSparseAttentionTiling for the problem's shape and `width` slots a position (csa: the compacted
+        picks' rows; else the shape's last value), as the binding's AkSparseAttentionMakeTiling makes it."""
+        batch, _, seq, dim, window, _ = problem.shape
+        per, blocks = position_split(batch * seq, knobs["cube_blocks"])
+        return bytearray(struct.pack(TILING, batch, seq, entries_of(problem), window, width, batch * seq, per, blocks, dim ** -0.5))
 
     def run(self, problem: Problem, knobs: dict[str, int], inputs: Tensors, grad_out: Tensors, emu):
         """Forward and backward kernels in the emulator: (outputs, grads, {phase: RunReport})."""
