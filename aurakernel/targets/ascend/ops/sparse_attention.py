@@ -660,7 +660,7 @@ class SparseAttentionAscend(AscendKernel):
         return {"dtype": problem.dtype, "csa": problem.variant == "csa", "hca": problem.variant == "hca", "heads": int(heads),
                 "dim": int(dim), "window": int(window), **tiles, "s_buffers": s_buffers, "g_buffers": g_buffers,
                 "cube_blocks": int(knobs["cube_blocks"]), "merge_gap": merge_gap, "slot_pad": SLOT_PAD,
-                "pair_keys": pair_keys,
+                "pair_keys": pair_keys, "key_buffers": key_buffers(tiles["q_buffers"]),
                 "bwd_key_tiles": BWD_KEY_TILES,
                 "fwd_slot_bytes": slot_bytes(heads, dim, tiles["kv_tile"] + pair_keys, FWD_SLOTS),
                 "bwd_slot_bytes": slot_bytes(heads, dim, tiles["bwd_kv_tile"], BWD_SLOTS)}
