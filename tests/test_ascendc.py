@@ -1122,48 +1122,171 @@ def test_every_kernel_compiles_against_the_real_ascendc_headers(tmp_path):
     assert "INFINITY" in (first_error(bad) or "")
 
 
-def _sparse_attention_tiling(p, width: int) -> str:
-    return (f"AkSparseAttentionMakeTiling({p.shape[0]}, {p.shape[2]}, {entries_of(p)}, {p.shape[4]}, {width}, "
+# Each operator's tiling as the binding and the CANN host code make it (the rendered header's MakeTiling,
+# a C++ call) and as the emulator runs packed it (Python): [(C++ call, bytes)] for a problem.
+def _sparse_attention_tiling(kernel, p, knobs):
+    call = (f"AkSparseAttentionMakeTiling({p.shape[0]}, {p.shape[2]}, {entries_of(p)}, {p.shape[4]}, {{}}, "
             "AK_PLAN_CUBE_BLOCKS)")
+    widths = (p.shape[5], 24) if p.variant == "csa" else (p.shape[5],)   # csa: the compacted picks' width, any
+    return [(call.format(w), kernel.tiling(p, knobs, w)) for w in widths]
 
 
-def _indexer_score_tiling(p, width: int) -> str:
-    return f"AkIndexerScoreMakeTiling({p.shape[0]}, {p.shape[1]}, {p.shape[4]}, AK_PLAN_BLOCK_DIM, AK_PLAN_CUBE_BLOCKS)"
+def _indexer_score_tiling(kernel, p, knobs):
+    return [(f"AkIndexerScoreMakeTiling({p.shape[0]}, {p.shape[1]}, {p.shape[4]}, AK_PLAN_BLOCK_DIM, AK_PLAN_CUBE_BLOCKS)",
+             kernel.tiling(p, knobs))]
 
 
-# (op, variant, shape, the header's MakeTiling call for a problem, as the binding makes it)
-TILING_HEADERS = (("sparse_attention", "csa", "1x64x200x512x128x64", _sparse_attention_tiling),
-                  ("sparse_attention", "hca", "1x64x200x512x128x128", _sparse_attention_tiling),
-                  ("indexer_score", "default", "1x96x64x128x1024", _indexer_score_tiling))
+def _rms_norm_tiling(kernel, p, knobs):
+    rows, cols = p.shape
+    return [(f"AkRmsNormMakeTiling({rows}, {cols}, AK_PLAN_BLOCK_DIM, 1e-6f)",
+             kernel.tiling(p.dtype, rows, cols, knobs, eps=1e-6))]
 
 
-@pytest.mark.parametrize("op,variant,shape,call", TILING_HEADERS, ids=[f"{o}-{v}" for o, v, *_ in TILING_HEADERS])
-def test_the_binding_launches_with_the_tiling_the_emulator_verified(tmp_path, op, variant, shape, call):
-    """The binding and the CANN host code make a Cube kernel's tiling with the rendered header's MakeTiling;
-    the emulator runs pack theirs in Python. Compiled with g++ and run at the plan's verification
-    shapes, the header gives the same bytes, so the NPU launches the kernels with the tiling that was
-    verified (the workspace they allocate is tied to the kernels by the kernels' own static_asserts)."""
+def _swiglu_tiling(kernel, p, knobs):
+    rows, inter = p.shape
+    return [(f"AkSwigluMakeTiling({rows}, {inter}, AK_PLAN_BLOCK_DIM, 7.0f)", kernel.tiling(p.dtype, rows, inter, knobs, limit=7.0))]
+
+
+def _router_tiling(kernel, p, knobs):
+    rows, experts, _ = p.shape
+    return [(f"AkRouterMakeTiling({rows}, {experts}, AK_PLAN_BLOCK_DIM, {str(logits).lower()}, 2.5f)",
+             kernel.tiling(p.dtype, rows, experts, knobs, logits, scale=2.5)) for logits in (False, True)]
+
+
+def _mhc_post_tiling(kernel, p, knobs):
+    rows, _, d = p.shape
+    return [(f"AkMhcPostMakeTiling({rows}, {d}, AK_PLAN_BLOCK_DIM)", kernel.tiling(p.dtype, rows, d, knobs))]
+
+
+def _cross_entropy_tiling(kernel, p, knobs):
+    rows, vocab = p.shape
+    return [(f"AkCrossEntropyMakeTiling({rows}, {vocab}, AK_PLAN_BLOCK_DIM, 0.125f)", kernel.tiling(rows, vocab, knobs, 0.125))]
+
+
+def _rope_tiling(kernel, p, knobs):
+    from aurakernel.targets.ascend.ops.rope import ascend_tiling
+    tokens, heads, d, r = p.shape   # x [1, H, S, D] as the attention's transposed view; cos/sin [1, S, R / 2]
+    x_strides, cs_strides = (tokens * heads * d, d, heads * d, 1), (tokens * r // 2, r // 2, 1)
+    return [(f"AkRopeMakeTiling(1, {heads}, {tokens}, {d}, {r}, {x_strides[0]}, {x_strides[1]}, {x_strides[2]}, "
+             f"0, {cs_strides[1]}, AK_PLAN_BLOCK_DIM)",   # cos/sin of one batch row: stride 0, as the binding passes it
+             ascend_tiling((1, heads, tokens, d), x_strides, cs_strides, r, p.dtype.itemsize, knobs)[0])]
+
+
+def _attn_softmax_tiling(kernel, p, knobs):
+    from aurakernel.targets.ascend.ops.attn_softmax import ascend_tiling
+    batch, heads, seq, keys = p.shape
+    cases = []
+    for tile_rows, mask in (("tile_rows", None), ("backward_tile_rows", (seq * keys, keys)), ("tile_rows", (0, keys))):
+        msb, mss = mask or (0, 0)
+        cases.append((f"AkAttnSoftmaxMakeTiling({batch}, {heads}, {seq}, {keys}, {knobs[tile_rows]}, {str(mask is not None).lower()}, "
+                      f"{msb}, {mss}, AK_PLAN_BLOCK_DIM, 0.0625f)",
+                      ascend_tiling(p.shape, mask is not None, msb, mss, knobs, 0.0625, knobs[tile_rows])[0]))
+    return cases
+
+
+def _compressor_tiling(kernel, p, knobs):
+    batch, windows, ratio, d = p.shape
+    seq = windows * ratio + ratio // 2   # a tail shorter than a window, as the inputs have
+    cases = []
+    for ct, tile_win in ((kernel._geometry(p)[1], kernel._tile_win(p, knobs)), (d // 2, 3)):   # the plan's and another
+        data = kernel.tiling(batch, seq, ratio, d, p.variant, knobs, ct, tile_win)[0]
+        cases.append((f"AkCompressorMakeTiling({batch}, {seq}, {d}, {ct}, {tile_win}, AK_PLAN_BLOCK_DIM)", data))
+    return cases
+
+
+def _mhc_tiling(kernel, p, knobs):
+    rows, _, d = p.shape
+    return [(f"AkMhcMakeTiling({rows}, {d}, AK_PLAN_BLOCK_DIM, AK_PLAN_CUBE_BLOCKS)", kernel.tiling(p, rows, d, knobs))]
+
+
+def _adamw_tiling(kernel, p, knobs):
+    (n,) = p.shape
+    hyper = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    return [(f"AkAdamWMakeTiling({n}, AK_PLAN_BLOCK_DIM, 3e-4, 0.9, 0.95, 1e-8, 0.1, {step})", kernel.tiling(n, knobs, step, hyper))
+            for step in (1, 1000)]
+
+
+# (op, variant, shape, dtype, a problem's [(C++ call, bytes)])
+TILING_HEADERS = (("sparse_attention", "csa", "1x64x200x512x128x64", "bf16", _sparse_attention_tiling),
+                  ("sparse_attention", "hca", "1x64x200x512x128x128", "bf16", _sparse_attention_tiling),
+                  ("indexer_score", "default", "1x96x64x128x1024", "bf16", _indexer_score_tiling),
+                  ("rms_norm", "weighted", "300x4096", "bf16", _rms_norm_tiling),
+                  ("rms_norm", "unweighted", "1000x512", "bf16", _rms_norm_tiling),
+                  ("swiglu", "default", "300x2048", "bf16", _swiglu_tiling),
+                  ("router", "topk", "1000x256x8", "bf16", _router_tiling),
+                  ("mhc_post", "default", "100x4x4096", "bf16", _mhc_post_tiling),
+                  ("mhc_post", "default", "100x4x96", "bf16", _mhc_post_tiling),
+                  ("cross_entropy", "default", "100x129280", "bf16", _cross_entropy_tiling),
+                  ("rope", "default", "300x64x512x64", "bf16", _rope_tiling),
+                  ("attn_softmax", "default", "1x64x40x320", "bf16", _attn_softmax_tiling),
+                  ("compressor", "csa", "1x64x4x512", "bf16", _compressor_tiling),
+                  ("compressor", "hca", "1x16x128x512", "bf16", _compressor_tiling),
+                  ("mhc_pre", "default", "1000x4x4096", "bf16", _mhc_tiling),
+                  ("mhc_pre", "default", "100x4x4096", "fp32", _mhc_tiling),   # the vector backward
+                  ("mhc_head", "default", "100x4x4096", "bf16", _mhc_tiling),
+                  ("adamw", "default", "1000003", "fp32", _adamw_tiling))
+
+
+@pytest.mark.parametrize("op,variant,shape,dtype,tiling", TILING_HEADERS,
+                         ids=[f"{o}-{v}-{s}-{d}" for o, v, s, d, _ in TILING_HEADERS])
+def test_the_binding_launches_with_the_tiling_the_emulator_verified(tmp_path, op, variant, shape, dtype, tiling):
+    """The binding and the CANN host code make a kernel's tiling with the rendered header's MakeTiling;
+    the emulator runs pack theirs in Python. Compiled with g++ and run at the plan's shape and its
+    verification shapes, the header gives the same bytes, so the NPU launches the kernels with the tiling
+    that was verified (a Cube kernel's workspace is tied to it by the kernel's own static_asserts)."""
     from aurakernel.targets.ascend.ops import kernel_of
     spec = OPS[op]
-    problem = spec.problem(shape, "bf16", variant)
+    problem = spec.problem(shape, dtype, variant)
     knobs = ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs").knobs
     project = ascend.render_project(spec, problem, knobs, tmp_path, HW)
     kernel = kernel_of(spec)
-    width = (lambda p: p.shape[5]) if op == "sparse_attention" else (lambda p: 0)   # csa: the compacted picks' width
-    cases = [(p, width(p)) for p in (problem, *kernel.verification_problems(problem, knobs))]
-    cases += [(problem, 24)] if variant == "csa" else []   # the binding's, from the picks it compacted
+    cases = [case for p in (problem, *kernel.verification_problems(problem, knobs)) for case in tiling(kernel, p, knobs)]
     harness = tmp_path / "harness.cpp"
     harness.write_text("#include <cstdio>\n#include \"" + project["tiling.h.j2"].name + "\"\nint main() {\n"
-                       + "".join(f"    {{ auto t = {call(p, w)}; const unsigned char* b = reinterpret_cast<const unsigned char*>(&t);"
+                       + "".join(f"    {{ auto t = {call}; const unsigned char* b = reinterpret_cast<const unsigned char*>(&t);"
                                  " for (unsigned i = 0; i < sizeof t; ++i) std::printf(\"%02x\", b[i]); std::printf(\"\\n\"); }\n"
-                                 for p, w in cases)
+                                 for call, _ in cases)
                        + "}\n")
     exe = tmp_path / "harness"
     subprocess.run([emulator.compiler(), "-std=c++17", f"-I{project['tiling.h.j2'].parent}", str(harness), "-o", str(exe)],
                    check=True, capture_output=True)
     got = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split()
-    want = [(kernel.tiling(p, knobs, w) if op == "sparse_attention" else kernel.tiling(p, knobs)).hex() for p, w in cases]
-    assert got == want
+    assert got == [bytes(want).hex() for _, want in cases]
+
+
+def test_every_rendered_host_file_and_binding_compiles(tmp_path):
+    """The CANN host code and the torch_npu binding are built only where CANN is; a template that renders
+    C++ which does not compile would fail on the first NPU machine. Every operator's (the cases above)
+    host file is compiled against tests/cann_shim's declarations of the CANN host API, and its binding
+    against the installed torch's own headers (precompiled once) and the shim's torch_npu stream and
+    launch macro: no error, and no warning in the rendered code."""
+    torch_dir = Path(__import__("torch").__file__).parent
+    shim = ROOT / "tests" / "cann_shim"
+    torch_inc = [f"-I{torch_dir / 'include'}", f"-I{torch_dir / 'include' / 'torch' / 'csrc' / 'api' / 'include'}"]
+    pch = tmp_path / "torch_headers.h"
+    pch.write_text("#include <torch/library.h>\n#include <ATen/ATen.h>\n")
+    cxx = [emulator.compiler(), "-std=c++20", "-fsyntax-only", "-Wall"]
+    subprocess.run([emulator.compiler(), "-std=c++20", "-Wall", "-x", "c++-header", *torch_inc, str(pch), "-o", f"{pch}.gch"],
+                   check=True, capture_output=True)
+    launch = tmp_path / "launch"
+    launch.mkdir()
+    problems = []
+    for op, variant, shape, dtype, _ in TILING_HEADERS:
+        spec = OPS[op]
+        problem = spec.problem(shape, dtype, variant)
+        out = tmp_path / f"{op}-{variant}-{shape}-{dtype}"
+        out.mkdir()
+        project = ascend.render_project(spec, problem, ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs").knobs,
+                                        out, HW)
+        binding = project["binding.cpp.j2"]
+        for header in re.findall(r'#include "(aclrtlaunch_\w+\.h)"', binding.read_text()):   # ascendc_library's, per kernel
+            (launch / header).write_text('#include "aclrtlaunch.h"\n')
+        for source, flags in ((project["host.cpp.j2"], []), (binding, ["-include", str(pch), f"-I{launch}", *torch_inc])):
+            run = subprocess.run([*cxx, f"-I{shim}", f"-I{out}", *flags, str(source)], capture_output=True, text=True)
+            ours = [line for line in run.stderr.splitlines() if str(out) in line and ("error" in line or "warning" in line)]
+            if run.returncode or ours:
+                problems.append(f"{source.name} ({op} {variant} {dtype}): " + "; ".join(ours or run.stderr.splitlines()[-3:]))
+    assert not problems, "\n".join(problems)
 
 
 # A mixed kernel: per block the AIC multiplies A (16 x 32) by B^T into a GM workspace, signals its two

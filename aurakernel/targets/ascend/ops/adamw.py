@@ -38,18 +38,25 @@ class AdamWAscend(AscendKernel):
         return [Problem(problem.op, problem.variant, (min(n, rows_tail),), problem.dtype),
                 Problem(problem.op, problem.variant, (min(n, 100),), problem.dtype)]
 
+    @staticmethod
+    def tiling(n: int, knobs: dict[str, int], step: int, hyper: dict = HYPER) -> bytearray:
+        """AkAdamWTiling for n elements at step `step`, as the tiling header's AkAdamWMakeTiling makes it: the
+        moments' factors and the decay in fp32 arithmetic, the bias corrections in double."""
+        beta1, beta2 = hyper["betas"]
+        f32 = np.float32
+        block_rows = row_split(math.ceil(n / ELEMS_PER_ROW), knobs["block_dim"])[0]
+        return bytearray(struct.pack("<4I7f", n, block_rows * ELEMS_PER_ROW, knobs["tile_rows"] * ELEMS_PER_ROW, knobs["chunk"],
+                                     f32(1) - f32(hyper["lr"]) * f32(hyper["weight_decay"]), f32(1) - f32(beta1), beta2,
+                                     f32(1) - f32(beta2), hyper["eps"], hyper["lr"] / (1 - beta1 ** step),
+                                     1 / math.sqrt(1 - beta2 ** step)))
+
     def run(self, problem: Problem, knobs: dict[str, int], inputs: Tensors, grad_out: Tensors, emu):
         """The update in the emulator: ({p, m, v}, {}, {"update": RunReport})."""
 
 
         (n,) = inputs["p"].shape
-        block_rows, block_dim = row_split(math.ceil(n / ELEMS_PER_ROW), knobs["block_dim"])
-        beta1, beta2 = HYPER["betas"]
-        f32 = np.float32
-        tiling = struct.pack("<4I7f", n, block_rows * ELEMS_PER_ROW, knobs["tile_rows"] * ELEMS_PER_ROW, knobs["chunk"],
-                             f32(1) - f32(HYPER["lr"]) * f32(HYPER["weight_decay"]), f32(1) - f32(beta1), beta2,
-                             f32(1) - f32(beta2), HYPER["eps"], HYPER["lr"] / (1 - beta1 ** self.spec.step),
-                             1 / math.sqrt(1 - beta2 ** self.spec.step))
+        block_dim = row_split(math.ceil(n / ELEMS_PER_ROW), knobs["block_dim"])[1]
+        tiling = self.tiling(n, knobs, self.spec.step)
         outs = {k: torch.full((n,), float("nan")) for k in ("p", "m", "v")}
         bufs = [to_bytes(inputs[k]) for k in ("p", "g", "m", "v")] + [to_bytes(outs[k]) for k in ("p", "m", "v")]
         bufs += [bytearray(32), bytearray(tiling)]

@@ -104,12 +104,13 @@ class CompressorAscend(AscendKernel):
         return [Problem(problem.op, problem.variant, (1, windows, ratio, d), problem.dtype),
                 Problem(problem.op, problem.variant, (2, min(windows, 5), ratio, odd), problem.dtype)]
 
-    def tiling(self, problem_shape, variant: str, knobs: dict[str, int], ct_plan: int, tile_win: int,
-                      itemsize: int):
-        """The tiling struct's values for a shape (what the host tiling function computes), and the launch."""
-        batch, windows, ratio, d = problem_shape
-        seq = windows * ratio + ratio // 2
+    @staticmethod
+    def tiling(batch: int, seq: int, ratio: int, d: int, variant: str, knobs: dict[str, int], ct_plan: int,
+               tile_win: int) -> tuple[bytearray, int, int, int]:
+        """AkCompressorTiling for kv [batch, seq, (2) d] as the tiling header's AkCompressorMakeTiling makes it;
+        the cores launched (its usedCores, as the binding launches), the backward's workspace bytes and dp."""
         ns = (2 if variant == "csa" else 1) * ratio
+        windows = seq // ratio
         ct = d if ct_plan >= d else ct_plan
         ctp, dp = -(-ct // 16) * 16, -(-d // 16) * 16
         nct = -(-d // ct)
@@ -132,20 +133,20 @@ class CompressorAscend(AscendKernel):
         fields = (batch, seq, windows, rows, d, (2 if variant == "csa" else 1) * d, dp, ct, ctp, nct, tile_win,
                   units, block_units, block_rows, used, red_rows, slot_blocks, red_cols, col_blocks)
         tiling = bytearray(struct.pack(f"<{len(fields)}I2f", *fields, EPS, 1.0 / d))
-        workspace = 4 * (rows * dp + block_dim * nct * ns * ctp + block_dim * dp)
-        return tiling, block_dim, workspace, dp
+        workspace = 4 * (rows * dp + used * nct * ns * ctp + used * dp)
+        return tiling, used, workspace, dp
 
     def run(self, problem: Problem, knobs: dict[str, int], inputs: Tensors, grad_out: Tensors, emu):
         """Forward and backward kernels in the emulator: (outputs, grads, {phase: RunReport})."""
         kv, gate = inputs["kv"], inputs["gate"]
         ratio, d = inputs["position_bias"].shape[0], inputs["weight"].shape[0]
-        batch, windows = kv.shape[0], kv.shape[1] // ratio
+        batch, seq = kv.shape[:2]
+        windows = seq // ratio
         _, ct_plan, _ = self._geometry(problem)
-        tiling_f, block_dim, _, dp = self.tiling((batch, windows, ratio, d), problem.variant, knobs,
-                                                        self._geometry(problem, 2 * ASCEND_TILE_ELEMS)[1],
-                                                        self._fwd_tile_win(problem, knobs), kv.element_size())
-        tiling, block_dim, ws_bytes, dp = self.tiling((batch, windows, ratio, d), problem.variant, knobs, ct_plan,
-                                                             self._tile_win(problem, knobs), kv.element_size())
+        tiling_f, fwd_blocks, _, dp = self.tiling(batch, seq, ratio, d, problem.variant, knobs,
+                                                  self._geometry(problem, 2 * ASCEND_TILE_ELEMS)[1], self._fwd_tile_win(problem, knobs))
+        tiling, bwd_blocks, ws_bytes, dp = self.tiling(batch, seq, ratio, d, problem.variant, knobs, ct_plan,
+                                                       self._tile_win(problem, knobs))
         rows = batch * windows
         pb, w = inputs["position_bias"].float().contiguous(), inputs["weight"].float().contiguous()
         y = torch.full((batch, windows, d), float("nan")).to(kv.dtype)
@@ -153,14 +154,14 @@ class CompressorAscend(AscendKernel):
         rec = torch.full((rows, 2, dp), float("nan"))
         fwd_bufs = [to_bytes(kv), to_bytes(gate), to_bytes(pb), to_bytes(w), to_bytes(y), to_bytes(rstd), to_bytes(rec),
                     bytearray(32), tiling_f]
-        fwd = emulator.run(emu.exe("ak_compressor_fwd", 9), block_dim, fwd_bufs)
+        fwd = emulator.run(emu.exe("ak_compressor_fwd", 9), fwd_blocks, fwd_bufs)
         y, rstd, rec = from_bytes(fwd_bufs[4], y), from_bytes(fwd_bufs[5], rstd), from_bytes(fwd_bufs[6], rec)
         grads = {"kv": torch.full_like(kv, float("nan")), "gate": torch.full_like(gate, float("nan")),
                  "position_bias": torch.full_like(pb, float("nan")), "weight": torch.full_like(w, float("nan"))}
         bwd_bufs = [to_bytes(kv), to_bytes(gate), to_bytes(pb), to_bytes(w), to_bytes(rstd), to_bytes(rec),
                     to_bytes(grad_out["y"].to(kv.dtype))] + [to_bytes(grads[k]) for k in ("kv", "gate", "position_bias", "weight")]
         bwd_bufs += [bytearray(ws_bytes), bytearray(tiling)]
-        bwd = emulator.run(emu.exe("ak_compressor_bwd", 13), block_dim, bwd_bufs)
+        bwd = emulator.run(emu.exe("ak_compressor_bwd", 13), bwd_blocks, bwd_bufs)
         grads = {k: from_bytes(bwd_bufs[7 + i], grads[k]) for i, k in enumerate(("kv", "gate", "position_bias", "weight"))}
         return {"y": y, "rstd": rstd}, grads, {"forward": fwd, "backward": bwd}
 

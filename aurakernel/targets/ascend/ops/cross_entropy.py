@@ -44,24 +44,29 @@ class CrossEntropyAscend(AscendKernel):
                 "bwd_prefetch": bwd["prefetch"], "bwd_in_buffers": bwd["in_buffers"],
                 "bwd_out_buffers": bwd["out_buffers"]}
 
+    @staticmethod
+    def tiling(rows: int, vocab: int, knobs: dict[str, int], scale: float) -> bytearray:
+        """AkCrossEntropyTiling for rows x vocab logits, as the tiling header's AkCrossEntropyMakeTiling makes it."""
+        return bytearray(struct.pack("<5Iif", rows, vocab, row_split(rows, knobs["block_dim"])[0], knobs["col_tile"],
+                                     knobs["chunk"], IGNORE, scale))
+
     def run(self, problem: Problem, knobs: dict[str, int], inputs: Tensors, grad_out: Tensors, emu):
         """Forward and backward kernels in the emulator: (outputs, grads, {phase: RunReport})."""
 
         logits, labels = inputs["logits"], inputs["labels"].to(torch.int64)
         rows, vocab = logits.shape
-        block_rows, block_dim = row_split(rows, knobs["block_dim"])
+        block_dim = row_split(rows, knobs["block_dim"])[1]
         valid = max(int((labels != IGNORE).sum()), 1)
         scale = float(grad_out["loss"]) / valid
 
-        def tiling(scale: float) -> bytearray:
-            return bytearray(struct.pack("<5Iif", rows, vocab, block_rows, knobs["col_tile"], knobs["chunk"], IGNORE, scale))
-
         loss_rows, lse = torch.full((rows,), float("nan")), torch.full((rows,), float("nan"))
-        fwd_bufs = [to_bytes(logits), to_bytes(labels), to_bytes(loss_rows), to_bytes(lse), bytearray(32), tiling(1.0)]
+        fwd_bufs = [to_bytes(logits), to_bytes(labels), to_bytes(loss_rows), to_bytes(lse), bytearray(32),
+                    self.tiling(rows, vocab, knobs, 1.0)]
         fwd = emulator.run(emu.exe("ak_cross_entropy_fwd", 6), block_dim, fwd_bufs)
         loss_rows, lse = from_bytes(fwd_bufs[2], loss_rows), from_bytes(fwd_bufs[3], lse)
         dlogits = torch.full_like(logits, float("nan"))
-        bwd_bufs = [to_bytes(logits), to_bytes(labels), to_bytes(lse), to_bytes(dlogits), bytearray(32), tiling(scale)]
+        bwd_bufs = [to_bytes(logits), to_bytes(labels), to_bytes(lse), to_bytes(dlogits), bytearray(32),
+                    self.tiling(rows, vocab, knobs, scale)]
         bwd = emulator.run(emu.exe("ak_cross_entropy_bwd", 6), block_dim, bwd_bufs)
         return ({"loss": loss_rows.sum() / valid, "loss_rows": loss_rows, "lse": lse},
                 {"logits": from_bytes(bwd_bufs[3], dlogits)}, {"forward": fwd, "backward": bwd})

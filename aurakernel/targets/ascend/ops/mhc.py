@@ -89,6 +89,7 @@ from __future__ import annotations
 import functools
 import struct
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
@@ -608,6 +609,29 @@ class MhcAscend(AscendKernel):
         return [Problem(problem.op, problem.variant, (min(rows, 2 * knobs["block_dim"] + 3), hc, d), problem.dtype),
                 Problem(problem.op, problem.variant, (min(rows, knobs["block_dim"] + 5), hc, d + 3), problem.dtype)]
 
+    def launch(self, problem: Problem, rows: int, d: int, knobs: dict[str, int]) -> SimpleNamespace:
+        """The cores the kernels run on and the workspace's offsets (fp32 elements) for `rows` tokens of width d."""
+        hc, n = problem.shape[1], self.spec.nout(problem.shape[1])
+        on_cube = self.cube_backward(problem)
+        block_rows, block_dim = row_split(rows, knobs["block_dim"])
+        cube_rows, cube_blocks = row_split(rows, knobs["cube_blocks"])
+        dfn_blocks = 0 if on_cube else block_dim   # the vector backward's d_fn partials, per core (the Cube's writes d_fn whole)
+        ws_dfn = -(-(2 * n + hc + 2) * rows // 8) * 8
+        ws_par = ws_dfn + dfn_blocks * n * hc * d
+        par_blocks = 2 * cube_blocks if on_cube else block_dim   # bwd_head's vector cores (mixed with 16-bit x)
+        return SimpleNamespace(block_rows=block_rows, block_dim=block_dim, cube_rows=cube_rows, cube_blocks=cube_blocks,
+                               dfn_blocks=dfn_blocks, par_blocks=par_blocks, ws_dfn=ws_dfn, ws_par=ws_par,
+                               # the Cube backward's parts follow: [PROWS][rows] of x's dtype, then d_pre's blocks
+                               ws_parts=ws_par + par_blocks * 32)
+
+    def tiling(self, problem: Problem, rows: int, d: int, knobs: dict[str, int]) -> bytearray:
+        """AkMhcTiling for `rows` tokens of width d, as the tiling header's AkMhcMakeTiling makes it."""
+        hc = problem.shape[1]
+        geo = self.launch(problem, rows, d, knobs)
+        round_rows = self.forward_rounds(rows, self.spec.nout(hc), int(knobs["head_lanes"]), int(knobs["cube_blocks"]))[0]
+        return bytearray(struct.pack("<7I3f3I", rows, d, geo.block_rows, -(-d // knobs["col_tile"]), self.pass2_chunk(knobs["chunk"], hc),
+                                     geo.ws_dfn, geo.ws_par, EPS, EPS, 1.0 / (hc * d), geo.cube_rows, geo.ws_parts, round_rows))
+
     def run(self, problem: Problem, knobs: dict[str, int], inputs: Tensors, grad_out: Tensors, emu):
         """Forward and the two backward kernels in the emulator: (outputs, grads, {phase: RunReport}).
         d_base and d_scale (and the vector backward's d_fn) come back as per-core partials in the
@@ -617,21 +641,15 @@ class MhcAscend(AscendKernel):
         rows, hc, d = x.shape
         n, w = self.spec.nout(hc), hc * d
         op = "mhc_head" if self.spec.head else "mhc_pre"
-        block_rows, block_dim = row_split(rows, knobs["block_dim"])
-        cube_rows, cube_blocks = row_split(rows, knobs["cube_blocks"])
         on_cube = self.cube_backward(problem)
-        dfn_blocks = 0 if on_cube else block_dim   # the vector backward's d_fn partials, per core (the Cube's writes d_fn whole)
-        kcoef = 2 * n + hc + 2
-        ws_dfn = -(-kcoef * rows // 8) * 8
-        ws_par = ws_dfn + dfn_blocks * n * w
-        par_blocks = 2 * cube_blocks if on_cube else block_dim   # bwd_head's vector cores (mixed with 16-bit x)
-        ws_parts = ws_par + par_blocks * 32   # the Cube backward's parts: [PROWS][rows] of x's dtype, then d_pre's blocks
+        geo = self.launch(problem, rows, d, knobs)
+        block_dim, cube_blocks, dfn_blocks, par_blocks = geo.block_dim, geo.cube_blocks, geo.dfn_blocks, geo.par_blocks
+        ws_dfn, ws_par, ws_parts = geo.ws_dfn, geo.ws_par, geo.ws_parts
         ws_end = ws_parts + ((-(-self.parts_rows(n, knobs["bwd_groups"]) * rows * x.element_size() // 32) * 8 + rows * hc * 16)
                              if on_cube else 0)
         aic = int(knobs["cube_blocks"])   # the forward's AI cores split W's columns, whatever the tokens
-        round_rows, _, acc_floats = self.forward_rounds(rows, n, int(knobs["head_lanes"]), aic)
-        tiling = bytearray(struct.pack("<7I3f3I", rows, d, block_rows, -(-d // knobs["col_tile"]), self.pass2_chunk(knobs["chunk"], hc), ws_dfn,
-                                       ws_par, EPS, EPS, 1.0 / w, cube_rows, ws_parts, round_rows))
+        acc_floats = self.forward_rounds(rows, n, int(knobs["head_lanes"]), aic)[2]
+        tiling = self.tiling(problem, rows, d, knobs)
         fn, base = inputs["fn"].float().contiguous(), inputs["base"].float().contiguous()
         scale = inputs["scale"].float().contiguous()
         nan = float("nan")

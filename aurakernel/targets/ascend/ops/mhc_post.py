@@ -17,6 +17,7 @@ import struct
 import torch
 
 from .... import emulator
+from ....dtypes import DType
 from ....emulator import from_bytes, to_bytes
 from ....ops.base import Problem, Tensors
 from ....ops.mhc_post import SPEC
@@ -74,15 +75,20 @@ class MhcPostAscend(AscendKernel):
         return [Problem(problem.op, problem.variant, (min(rows, 2 * knobs["block_dim"] + 3), hc, d), problem.dtype),
                 Problem(problem.op, problem.variant, (min(rows, knobs["block_dim"] + 5), hc, d + 3), problem.dtype)]
 
+    @staticmethod
+    def tiling(dtype: DType, rows: int, d: int, knobs: dict[str, int]) -> bytearray:
+        """AkMhcPostTiling for `rows` tokens of width d, as the tiling header's AkMhcPostMakeTiling makes it."""
+        col_tile = min(knobs["col_tile"], d)
+        return bytearray(struct.pack("<6I", rows, d, ub_pitch(col_tile, dtype.itemsize), row_split(rows, knobs["block_dim"])[0],
+                                     col_tile, knobs["chunk"]))
+
     def run(self, problem: Problem, knobs: dict[str, int], inputs: Tensors, grad_out: Tensors, emu):
         """Forward and backward kernels in the emulator: (outputs, grads, {phase: RunReport})."""
 
         h = inputs["h"]
         rows, hc, d = h.shape
-        block_rows, block_dim = row_split(rows, knobs["block_dim"])
-        col_tile = min(knobs["col_tile"], d)
-        tiling = bytearray(struct.pack("<6I", rows, d, ub_pitch(col_tile, h.element_size()), block_rows, col_tile,
-                                       knobs["chunk"]))
+        block_dim = row_split(rows, knobs["block_dim"])[1]
+        tiling = self.tiling(problem.dtype, rows, d, knobs)
         post, comb = inputs["post"].float().contiguous(), inputs["comb"].float().contiguous()
         y = torch.full_like(h, float("nan"))
         fwd_bufs = [to_bytes(post), to_bytes(comb), to_bytes(inputs["out"]), to_bytes(h), to_bytes(y), bytearray(32),

@@ -85,6 +85,12 @@ class RmsNormAscend(AscendKernel):
                 "fwd_prefetch": fwd["prefetch"], "fwd_in_buffers": fwd["in_buffers"], "fwd_out_buffers": fwd["out_buffers"],
                 "bwd_prefetch": bwd["prefetch"], "bwd_in_buffers": bwd["in_buffers"], "bwd_out_buffers": bwd["out_buffers"]}
 
+    @staticmethod
+    def tiling(dtype: DType, rows: int, cols: int, knobs: dict[str, int], eps: float = EPS) -> bytearray:
+        """AkRmsNormTiling for rows x cols, as the tiling header's AkRmsNormMakeTiling makes it."""
+        return bytearray(struct.pack("<6I2f", rows, cols, ub_pitch(cols, dtype.itemsize), row_split(rows, knobs["block_dim"])[0],
+                                     knobs["tile_rows"], knobs["chunk"], eps, 1.0 / cols))
+
     def run(self, problem: Problem, knobs: dict[str, int], inputs: Tensors, grad_out: Tensors, emu):
         """Forward and backward kernels in the emulator: (outputs, grads, {phase: RunReport})."""
 
@@ -92,10 +98,8 @@ class RmsNormAscend(AscendKernel):
         rows, cols = x.shape
         weighted = problem.variant == "weighted"
         gamma = (inputs["weight"] if weighted else torch.ones(cols)).float()
-        block_rows, block_dim = row_split(rows, knobs["block_dim"])
-        tiling = bytearray(struct.pack("<6I2f", rows, cols, ub_pitch(cols, x.element_size()), block_rows,
-                                       knobs["tile_rows"], knobs["chunk"],
-                                       EPS, 1.0 / cols))
+        block_dim = row_split(rows, knobs["block_dim"])[1]
+        tiling = self.tiling(problem.dtype, rows, cols, knobs)
         y = torch.full_like(x, float("nan"))
         rstd = torch.full((rows,), float("nan"))
         fwd_bufs = [to_bytes(x), to_bytes(gamma), to_bytes(y), to_bytes(rstd), bytearray(32), tiling]

@@ -19,7 +19,7 @@ def ascend_tiling(shape, x_strides, cs_strides, rope_dim: int, itemsize: int,
                   knobs: dict[str, int]) -> tuple[bytearray, int]:
     """AkRopeTiling (templates/ascendc/rope/tiling.h.j2) for x [B, H, S, D] with element strides
     x_strides and cos/sin [B, S, R/2] fp32 with strides cs_strides; and the cores it runs on. The
-    host tiling function (host.cpp.j2) computes the same fields."""
+    tiling header's AkRopeMakeTiling, which the binding and the CANN host code call, makes the same."""
 
     b, h, s, d = shape
     rope_pitch = -(-rope_dim // 16) * 16                 # UB row pitch of the rope slice: 32 B in T and in fp32
@@ -29,7 +29,8 @@ def ascend_tiling(shape, x_strides, cs_strides, rope_dim: int, itemsize: int,
     work = -(-group * rope_pitch // 64) * 64
     block_rows, block_dim = row_split(b * h * s, knobs["block_dim"])
     fields = [b, h, s, d, rope_dim, d - rope_dim, ub_pitch(d - rope_dim, itemsize), rope_pitch, cos_pitch, block_rows,
-              knobs["tile_rows"], group, work, x_strides[0], x_strides[1], x_strides[2], cs_strides[0], cs_strides[1]]
+              knobs["tile_rows"], group, work, x_strides[0], x_strides[1], x_strides[2],
+              cs_strides[0] if b > 1 else 0, cs_strides[1]]   # one batch row of cos/sin: the binding's broadcast stride 0
     if any(not 0 <= int(f) < 2 ** 32 for f in fields):
         raise ValueError(f"rope tiling field out of uint32 range: {fields}")
     return bytearray(struct.pack(f"<{len(fields)}I", *map(int, fields))), block_dim

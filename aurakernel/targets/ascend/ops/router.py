@@ -62,6 +62,7 @@ import torch
 from transformers.activations import ACT2FN
 
 from .... import emulator
+from ....dtypes import DType
 from ....emulator import from_bytes, to_bytes
 from ....errors import UserError
 from ....ops.base import Problem, Tensors
@@ -75,18 +76,18 @@ from ..kernel import AscendKernel
 SIDE_TILES = 8
 
 
-def _tiling(knobs: dict[str, int], x: torch.Tensor, from_logits: bool) -> bytearray:
-    """AkRouterTiling for the rows of x (rows x experts)."""
-    rows, experts = x.shape
-    return bytearray(struct.pack("<6If", rows, experts, ub_pitch(experts, x.element_size()),
-                                 row_split(rows, knobs["block_dim"])[0], knobs["tile_rows"], int(from_logits), SCALE))
-
-
 class RouterAscend(AscendKernel):
     tile_rows_step = 8   # the compact tiles round a tile's rows up to 8 (Brcb) anyway: 24 rows fit where 32 do not
     # --- AscendC (templates/ascendc/router/): token rows split over the vector cores --------------
     def rows_cols(self, problem: Problem) -> tuple[int, int]:
         return problem.shape[0], problem.shape[1]
+
+    @staticmethod
+    def tiling(dtype: DType, rows: int, experts: int, knobs: dict[str, int], from_logits: bool,
+               scale: float = SCALE) -> bytearray:
+        """AkRouterTiling for rows x experts, as the tiling header's AkRouterMakeTiling makes it."""
+        return bytearray(struct.pack("<6If", rows, experts, ub_pitch(experts, dtype.itemsize),
+                                     row_split(rows, knobs["block_dim"])[0], knobs["tile_rows"], int(from_logits), scale))
 
     def phases(self, problem: Problem):
         """Per row of E experts; the fp32 copy of a tile and the compact [rows][L] fp32 tiles are
@@ -221,7 +222,7 @@ class RouterAscend(AscendKernel):
         w = torch.full((rows, top_k), float("nan")).to(scores.dtype)
         tie = torch.full((rows,), 255, dtype=torch.uint8)
         bufs = [to_bytes(scores), to_bytes(bias), to_bytes(idx), to_bytes(w), to_bytes(tie), bytearray(32),
-                _tiling(knobs, scores, False)]
+                self.tiling(problem.dtype, *scores.shape, knobs, False)]
         report = emulator.run(emu.exe("ak_router_fwd", 7), row_split(rows, knobs["block_dim"])[1], bufs)
         return from_bytes(bufs[2], idx), from_bytes(bufs[3], w), from_bytes(bufs[4], tie), report
 
@@ -236,7 +237,8 @@ class RouterAscend(AscendKernel):
 
         def given(x: torch.Tensor, idx: torch.Tensor, from_logits: bool):
             w = torch.full((x.shape[0], top_k), float("nan")).to(x.dtype)
-            bufs = [to_bytes(x), to_bytes(idx), to_bytes(w), bytearray(32), _tiling(knobs, x, from_logits)]
+            bufs = [to_bytes(x), to_bytes(idx), to_bytes(w), bytearray(32),
+                    self.tiling(problem.dtype, *x.shape, knobs, from_logits)]
             rep = emulator.run(emu.exe("ak_router_given", 5), row_split(x.shape[0], knobs["block_dim"])[1], bufs)
             return from_bytes(bufs[2], w), rep
 
@@ -255,7 +257,7 @@ class RouterAscend(AscendKernel):
                 weights[tied], reports["forward_ties"] = given(scores[tied].contiguous(), picked.contiguous(), False)
         d_logits = torch.full_like(logits, float("nan"))
         bwd_bufs = [to_bytes(logits), to_bytes(indices), to_bytes(grad_out["weights"].to(logits.dtype)),
-                    to_bytes(d_logits), bytearray(32), _tiling(knobs, logits, True)]
+                    to_bytes(d_logits), bytearray(32), self.tiling(problem.dtype, *logits.shape, knobs, True)]
         reports["backward"] = emulator.run(emu.exe("ak_router_bwd", 6), block_dim, bwd_bufs)
         return ({"weights": weights, "indices": indices}, {"logits": from_bytes(bwd_bufs[3], d_logits)}, reports)
 

@@ -34,14 +34,19 @@ class SwigluAscend(AscendKernel):
                 "tile_rows": int(knobs["tile_rows"]), "buffers": int(knobs["buffers"]), "chunk": int(knobs["chunk"]),
                 "block_dim": int(knobs["block_dim"])}
 
+    @staticmethod
+    def tiling(dtype: DType, rows: int, inter: int, knobs: dict[str, int], limit: float = LIMIT) -> bytearray:
+        """AkSwigluTiling for rows of gate_up [rows, 2 inter], as the tiling header's AkSwigluMakeTiling makes it."""
+        return bytearray(struct.pack("<6If", rows, inter, ub_pitch(inter, dtype.itemsize), row_split(rows, knobs["block_dim"])[0],
+                                     knobs["tile_rows"], knobs["chunk"], limit))
+
     def run(self, problem: Problem, knobs: dict[str, int], inputs: Tensors, grad_out: Tensors, emu):
         """Forward and backward kernels in the emulator: (outputs, grads, {phase: RunReport})."""
 
         gate_up = inputs["gate_up"]
         rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
-        block_rows, block_dim = row_split(rows, knobs["block_dim"])
-        tiling = bytearray(struct.pack("<6If", rows, inter, ub_pitch(inter, gate_up.element_size()), block_rows,
-                                       knobs["tile_rows"], knobs["chunk"], LIMIT))
+        block_dim = row_split(rows, knobs["block_dim"])[1]
+        tiling = self.tiling(problem.dtype, rows, inter, knobs)
         y = torch.full((rows, inter), float("nan")).to(gate_up.dtype)
         fwd_bufs = [to_bytes(gate_up), to_bytes(y), bytearray(32), tiling]
         fwd = emulator.run(emu.exe("ak_swiglu_fwd", 4), block_dim, fwd_bufs)
