@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -1132,8 +1133,10 @@ def _sparse_attention_tiling(kernel, p, knobs):
 
 
 def _indexer_score_tiling(kernel, p, knobs):
-    return [(f"AkIndexerScoreMakeTiling({p.shape[0]}, {p.shape[1]}, {p.shape[4]}, AK_PLAN_BLOCK_DIM, AK_PLAN_CUBE_BLOCKS)",
-             kernel.tiling(p, knobs))]
+    call = f"AkIndexerScoreMakeTiling({p.shape[0]}, {p.shape[1]}, {p.shape[4]}, AK_PLAN_BLOCK_DIM, AK_PLAN_CUBE_BLOCKS)"
+    fwd, bwd = kernel.workspaces(p, knobs)   # and the workspaces the binding allocates, bytes
+    return [(call, kernel.tiling(p, knobs)), (f"AkIndexerScoreFwdWorkspace({call})", struct.pack("<Q", fwd)),
+            (f"AkIndexerScoreWorkspace({call})", struct.pack("<Q", bwd))]
 
 
 def _rms_norm_tiling(kernel, p, knobs):
@@ -1189,14 +1192,18 @@ def _compressor_tiling(kernel, p, knobs):
     seq = windows * ratio + ratio // 2   # a tail shorter than a window, as the inputs have
     cases = []
     for ct, tile_win in ((kernel._geometry(p)[1], kernel._tile_win(p, knobs)), (d // 2, 3)):   # the plan's and another
-        data = kernel.tiling(batch, seq, ratio, d, p.variant, knobs, ct, tile_win)[0]
-        cases.append((f"AkCompressorMakeTiling({batch}, {seq}, {d}, {ct}, {tile_win}, AK_PLAN_BLOCK_DIM)", data))
+        data, _, workspace, _ = kernel.tiling(batch, seq, ratio, d, p.variant, knobs, ct, tile_win)
+        call = f"AkCompressorMakeTiling({batch}, {seq}, {d}, {ct}, {tile_win}, AK_PLAN_BLOCK_DIM)"
+        cases += [(call, data), (f"AkCompressorWorkspaceFloats({call})", struct.pack("<Q", workspace // 4))]
     return cases
 
 
 def _mhc_tiling(kernel, p, knobs):
     rows, _, d = p.shape
-    return [(f"AkMhcMakeTiling({rows}, {d}, AK_PLAN_BLOCK_DIM, AK_PLAN_CUBE_BLOCKS)", kernel.tiling(p, rows, d, knobs))]
+    call, geo = f"AkMhcMakeTiling({rows}, {d}, AK_PLAN_BLOCK_DIM, AK_PLAN_CUBE_BLOCKS)", kernel.launch(p, rows, d, knobs)
+    return [(call, kernel.tiling(p, rows, d, knobs)),   # and the workspaces the binding allocates, fp32 elements
+            (f"AkMhcBackwardWorkspaceFloats({call})", struct.pack("<Q", geo.ws_end)),
+            (f"AkMhcAccumulatorFloats({call})", struct.pack("<Q", geo.acc_floats))]
 
 
 def _adamw_tiling(kernel, p, knobs):
@@ -1210,6 +1217,7 @@ def _adamw_tiling(kernel, p, knobs):
 TILING_HEADERS = (("sparse_attention", "csa", "1x64x200x512x128x64", "bf16", _sparse_attention_tiling),
                   ("sparse_attention", "hca", "1x64x200x512x128x128", "bf16", _sparse_attention_tiling),
                   ("indexer_score", "default", "1x96x64x128x1024", "bf16", _indexer_score_tiling),
+                  ("indexer_score", "default", "2x40x64x128x512", "fp32", _indexer_score_tiling),   # the vector backward
                   ("rms_norm", "weighted", "300x4096", "bf16", _rms_norm_tiling),
                   ("rms_norm", "unweighted", "1000x512", "bf16", _rms_norm_tiling),
                   ("swiglu", "default", "300x2048", "bf16", _swiglu_tiling),

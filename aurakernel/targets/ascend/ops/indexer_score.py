@@ -358,6 +358,22 @@ class IndexerScoreAscend(AscendKernel):
                                      bwd_rows, bwd_keys, bwd_per_batch, batch * bwd_per_batch, bwd_block_tiles, bwd_blocks,
                                      knobs.get("bwd_stream", 0)))
 
+    def workspaces(self, problem: Problem, knobs: dict[str, int]) -> tuple[int, int]:
+        """Bytes of the forward's and the backward's GM workspaces, as the tiling header's
+        AkIndexerScoreFwdWorkspace and AkIndexerScoreWorkspace give them: the forward's FWD_SLOTS fp32
+        product slots per AI core; the Cube backward's slots of fp32 products and 16-bit coefficients per AI
+        core, then the fp32 dk all cores add into; the vector backward's dk partial per core."""
+        batch, seq, heads, dim, entries = problem.shape
+        _, block_dim = row_split(batch * seq, knobs["block_dim"])
+        _, cube_blocks = cube_split(batch * -(-seq // knobs["cube_rows"]), knobs["cube_blocks"])
+        fwd = cube_blocks * self.FWD_SLOTS * knobs["cube_rows"] * heads * knobs["cube_keys"] * 4
+        if not self.cube_backward(problem):
+            return fwd, block_dim * batch * entries * dim * 4
+        bwd_rows, bwd_keys = knobs.get("bwd_rows", 1), knobs.get("bwd_keys", 64)
+        _, bwd_blocks = cube_split(batch * -(-seq // bwd_rows), knobs["cube_blocks"])
+        return fwd, (bwd_blocks * self.bwd_slots(knobs) * bwd_rows * heads * bwd_keys * (4 + problem.dtype.itemsize)
+                     + batch * entries * dim * 4)
+
     def run(self, problem: Problem, knobs: dict[str, int], inputs: Tensors, grad_out: Tensors, emu):
         """Forward and backward kernels in the emulator: (outputs, grads, {phase: RunReport})."""
 
@@ -367,26 +383,24 @@ class IndexerScoreAscend(AscendKernel):
         entries = k.shape[1]
         _, block_dim = row_split(batch * seq, knobs["block_dim"])
         _, cube_blocks = cube_split(batch * -(-seq // knobs["cube_rows"]), knobs["cube_blocks"])
-        bwd_rows, bwd_keys = knobs.get("bwd_rows", 1), knobs.get("bwd_keys", 64)
-        _, bwd_blocks = cube_split(batch * -(-seq // bwd_rows), knobs["cube_blocks"])
+        _, bwd_blocks = cube_split(batch * -(-seq // knobs.get("bwd_rows", 1)), knobs["cube_blocks"])
         tiling = self.tiling(problem, knobs)
         w = self.spec.weights(hidden, proj, heads).contiguous()
         score = torch.full((batch, seq, entries), float("nan"))
         # k, read by every AI core, is found in L2 (as mhc's fn and sparse attention's kv); the forward's
-        # workspace: FWD_SLOTS fp32 product slots per AI core, kept in L2
-        workspace = bytearray(cube_blocks * self.FWD_SLOTS * knobs["cube_rows"] * heads * knobs["cube_keys"] * 4)
-        fwd_bufs = [to_bytes(q), to_bytes(k), to_bytes(w), to_bytes(score), workspace, tiling]
+        # workspace (its product slots) is kept in L2
+        fwd_ws, bwd_ws = self.workspaces(problem, knobs)
+        fwd_bufs = [to_bytes(q), to_bytes(k), to_bytes(w), to_bytes(score), bytearray(fwd_ws), tiling]
         fwd = emulator.run(emu.exe("ak_indexer_score_fwd", 6, cores="mix_1_2", l2_args=(1, 4)),
                            cube_blocks, fwd_bufs)
         dq, dk, dw = (torch.full_like(t, float("nan")) for t in (q, k, w))
         g = grad_out["y"].float().contiguous()
-        if self.cube_backward(problem):   # per AI core bwd_slots P slots (fp32) and coef slots, then the fp32 dk (in L2)
-            ws = bytearray(bwd_blocks * self.bwd_slots(knobs) * bwd_rows * heads * bwd_keys * (4 + q.element_size()) + batch * entries * dim * 4)
+        if self.cube_backward(problem):   # the slots and the fp32 dk in L2
             exe, blocks = emu.exe("ak_indexer_score_bwd", 9, cores="mix_1_2", l2_args=(1, 7)), bwd_blocks
         else:
-            ws, exe, blocks = bytearray(block_dim * batch * entries * dim * 4), emu.exe("ak_indexer_score_bwd", 9), block_dim
-        bwd_bufs = [to_bytes(q), to_bytes(k), to_bytes(w), to_bytes(g), to_bytes(dq), to_bytes(dk), to_bytes(dw), ws,
-                    bytearray(tiling)]
+            exe, blocks = emu.exe("ak_indexer_score_bwd", 9), block_dim
+        bwd_bufs = [to_bytes(q), to_bytes(k), to_bytes(w), to_bytes(g), to_bytes(dq), to_bytes(dk), to_bytes(dw),
+                    bytearray(bwd_ws), bytearray(tiling)]
         bwd = emulator.run(exe, blocks, bwd_bufs)
         dq, dk, dw = (from_bytes(bwd_bufs[4 + i], t) for i, t in enumerate((dq, dk, dw)))
         dw = dw * heads**-0.5   # back through the scaling and the projection (torch, as run_backward does)

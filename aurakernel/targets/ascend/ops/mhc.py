@@ -610,7 +610,8 @@ class MhcAscend(AscendKernel):
                 Problem(problem.op, problem.variant, (min(rows, knobs["block_dim"] + 5), hc, d + 3), problem.dtype)]
 
     def launch(self, problem: Problem, rows: int, d: int, knobs: dict[str, int]) -> SimpleNamespace:
-        """The cores the kernels run on and the workspace's offsets (fp32 elements) for `rows` tokens of width d."""
+        """The cores the kernels run on and the workspaces' offsets and sizes (fp32 elements) for `rows` tokens of
+        width d: the backward's (ws_end) and the forward's accumulators (acc_floats)."""
         hc, n = problem.shape[1], self.spec.nout(problem.shape[1])
         on_cube = self.cube_backward(problem)
         block_rows, block_dim = row_split(rows, knobs["block_dim"])
@@ -619,10 +620,14 @@ class MhcAscend(AscendKernel):
         ws_dfn = -(-(2 * n + hc + 2) * rows // 8) * 8
         ws_par = ws_dfn + dfn_blocks * n * hc * d
         par_blocks = 2 * cube_blocks if on_cube else block_dim   # bwd_head's vector cores (mixed with 16-bit x)
+        ws_parts = ws_par + par_blocks * 32
+        # the Cube backward's parts follow: [PROWS][rows] of x's dtype, then d_pre's blocks [rows][HC][16]
+        parts = (-(-self.parts_rows(n, knobs["bwd_groups"]) * rows * problem.dtype.itemsize // 32) * 8 + rows * hc * 16
+                 if on_cube else 0)
         return SimpleNamespace(block_rows=block_rows, block_dim=block_dim, cube_rows=cube_rows, cube_blocks=cube_blocks,
                                dfn_blocks=dfn_blocks, par_blocks=par_blocks, ws_dfn=ws_dfn, ws_par=ws_par,
-                               # the Cube backward's parts follow: [PROWS][rows] of x's dtype, then d_pre's blocks
-                               ws_parts=ws_par + par_blocks * 32)
+                               ws_parts=ws_parts, ws_end=ws_parts + parts,
+                               acc_floats=self.forward_rounds(rows, n, int(knobs["head_lanes"]), int(knobs["cube_blocks"]))[2])
 
     def tiling(self, problem: Problem, rows: int, d: int, knobs: dict[str, int]) -> bytearray:
         """AkMhcTiling for `rows` tokens of width d, as the tiling header's AkMhcMakeTiling makes it."""
@@ -645,10 +650,7 @@ class MhcAscend(AscendKernel):
         geo = self.launch(problem, rows, d, knobs)
         block_dim, cube_blocks, dfn_blocks, par_blocks = geo.block_dim, geo.cube_blocks, geo.dfn_blocks, geo.par_blocks
         ws_dfn, ws_par, ws_parts = geo.ws_dfn, geo.ws_par, geo.ws_parts
-        ws_end = ws_parts + ((-(-self.parts_rows(n, knobs["bwd_groups"]) * rows * x.element_size() // 32) * 8 + rows * hc * 16)
-                             if on_cube else 0)
         aic = int(knobs["cube_blocks"])   # the forward's AI cores split W's columns, whatever the tokens
-        acc_floats = self.forward_rounds(rows, n, int(knobs["head_lanes"]), aic)[2]
         tiling = self.tiling(problem, rows, d, knobs)
         fn, base = inputs["fn"].float().contiguous(), inputs["base"].float().contiguous()
         scale = inputs["scale"].float().contiguous()
@@ -657,7 +659,7 @@ class MhcAscend(AscendKernel):
         post, comb = torch.full((rows, hc), nan), torch.full((rows, hc, hc), nan)
         mix_t, rstd = torch.full((n, rows), nan), torch.full((rows,), nan)
         fwd_bufs = [to_bytes(x.contiguous()), to_bytes(fn_parts(fn, x.dtype)), to_bytes(base), to_bytes(scale), to_bytes(y),
-                    to_bytes(post), to_bytes(comb), to_bytes(mix_t), to_bytes(rstd), emulator.workspace(4 * acc_floats), tiling]
+                    to_bytes(post), to_bytes(comb), to_bytes(mix_t), to_bytes(rstd), emulator.workspace(4 * geo.acc_floats), tiling]
         # fn's parts and the workspace (the accumulators) stay in L2; the AIVs' second read of x finds
         # the rows the AICs read a round before there
         exe = emu.exe(f"ak_{op}_fwd", 11, cores="mix_1_2", l2_args=(1, 9), l2_vector_reads=(0,))
@@ -669,7 +671,7 @@ class MhcAscend(AscendKernel):
         dy = grad_out["y"].to(x.dtype).contiguous()
         d_post = (grad_out["post"] if "post" in grad_out else torch.zeros(rows, hc)).float().contiguous()
         d_comb = (grad_out["comb"] if "comb" in grad_out else torch.zeros(rows, hc, hc)).float().contiguous()
-        workspace = emulator.workspace(4 * ws_end)
+        workspace = emulator.workspace(4 * geo.ws_end)
         head_bufs = [to_bytes(x), to_bytes(dy), to_bytes(base), to_bytes(scale), to_bytes(mix_t), to_bytes(rstd),
                      to_bytes(d_post), to_bytes(d_comb), workspace, bytearray(tiling)]
         if on_cube:   # mixed: d_pre on the Cube; the workspace (its blocks, the coefficients) in L2
