@@ -1,8 +1,9 @@
 """Render kernel sources from the Jinja templates in templates/.
 
-Only typed values reach a template: ints, floats, bools and members of the enums AuraKernel
-defines (DType). Strings are refused, so no free text is ever rendered into C/C++ source, and a
-missing value is an error (StrictUndefined), never an empty string.
+Only typed values reach a template: ints, floats, bools, members of the enums AuraKernel
+defines (DType) and Identifiers (names checked at construction). Other strings are refused, so no
+free text is ever rendered into C/C++ source, and a missing value is an error (StrictUndefined),
+never an empty string.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import math
+import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -17,6 +19,16 @@ from typing import Any
 import jinja2
 
 from .paths import TEMPLATES_DIR
+
+
+class Identifier(str):
+    """A C / CMake identifier built from AuraKernel's own names (an operator, a variant, a dtype, widths):
+    letters, digits and underscores, starting with a letter; anything else is refused here."""
+
+    def __new__(cls, value: str):
+        if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_]{0,127}", value):
+            raise ValueError(f"{value!r} is not an identifier: letters, digits and _, starting with a letter")
+        return super().__new__(cls, value)
 
 
 @dataclass(frozen=True)
@@ -42,7 +54,7 @@ def environment(search: tuple[str, ...] = ()) -> jinja2.Environment:
 
 
 def _check_value(name: str, value: Any) -> None:
-    if isinstance(value, bool | enum.Enum):
+    if isinstance(value, bool | enum.Enum | Identifier):
         return
     if isinstance(value, int):
         if not -(2**63) <= value < 2**63:

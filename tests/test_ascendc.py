@@ -1056,6 +1056,7 @@ def test_project_builds_with_cann(tmp_path):
     ascend.render_project(spec, problem, the_plan.knobs, tmp_path, HW)
     subprocess.run(["cmake", "-S", str(tmp_path), "-B", str(tmp_path / "build")], check=True)
     subprocess.run(["cmake", "--build", str(tmp_path / "build")], check=True)
+    assert (tmp_path / "build" / f"libak_{ascend.project_name(spec, problem)}_ops.so").is_file()
 
 
 @pytest.mark.timeout(1200)   # a cold build cache compiles every op's emulator kernels here (~3 min on 2 cores)
@@ -1260,6 +1261,34 @@ def test_the_binding_launches_with_the_tiling_the_emulator_verified(tmp_path, op
                    check=True, capture_output=True)
     got = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split()
     assert got == [bytes(want).hex() for _, want in cases]
+
+
+def test_projects_of_several_widths_load_side_by_side(tmp_path):
+    """V4 normalises at several widths (hidden, q and kv LoRA ranks) and compresses two ways: a process
+    loads one project per kernel. Their libraries (the loader would reuse a first library of the same
+    name: the wrong kernel behind the second binding) and torch ops (torch refuses a second registration
+    of a name) are named per kernel: operator, variant, dtype and widths."""
+    names = {}
+    for op, variant, shape, dtype in (("rms_norm", "weighted", "64x4096", "bf16"), ("rms_norm", "weighted", "64x512", "bf16"),
+                                      ("rms_norm", "weighted", "64x512", "fp32"), ("compressor", "csa", "1x8x4x512", "bf16"),
+                                      ("compressor", "hca", "1x8x128x512", "bf16")):
+        spec = OPS[op]
+        problem = spec.problem(shape, dtype, variant)
+        out = tmp_path / f"{op}-{variant}-{shape}-{dtype}"
+        project = ascend.render_project(spec, problem, ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs").knobs,
+                                        out, HW)
+        cmake, binding = project["CMakeLists.txt.j2"].read_text(), project["binding.cpp.j2"].read_text()
+        libs = set(re.findall(r"(?:ascendc_library|add_library)\((\w+) SHARED", cmake))
+        ops = set(re.findall(r'm\.def\("(\w+)\(', binding))
+        assert len(libs) == 2 and len(ops) == 2, (libs, ops)
+        names[(op, variant, shape, dtype)] = libs | ops
+    assert names[("rms_norm", "weighted", "64x512", "bf16")] == {"ak_rms_norm_weighted_bf16_512_kernels", "ak_rms_norm_weighted_bf16_512_ops",
+                                                                  "rms_norm_weighted_bf16_512_fwd", "rms_norm_weighted_bf16_512_bwd"}
+    every = [n for ns in names.values() for n in ns]
+    assert len(every) == len(set(every))   # no two kernels share a library or an op name
+    from aurakernel.codegen import Identifier
+    with pytest.raises(ValueError, match="not an identifier"):
+        Identifier("rms_norm; rm -rf")
 
 
 def test_every_rendered_host_file_and_binding_compiles(tmp_path):

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ... import emulator
-from ...codegen import Source, render
+from ...codegen import Identifier, Source, render
 from ...concurrency import map_in_order
 from ...errors import BuildError, PlanInfeasible, UserError
 from ...hardware import HardwareProfile, load_profile
@@ -136,6 +136,16 @@ def _finish(spec: OpSpec, problem: Problem, hw: HardwareProfile, the_plan: Plan,
     return the_plan
 
 
+def project_name(spec: OpSpec, problem: Problem) -> Identifier:
+    """The op project's name: its libraries' (libak_<name>_kernels / _ops) and its torch ops' prefix
+    (torch.ops.aurakernel.<name>_fwd), one per kernel (operator, variant, dtype and the kernel key's widths),
+    so a process loads the projects of several widths side by side (the same names would make the
+    loader reuse the first kernel library and torch refuse the second op registration)."""
+    parts = [spec.name, *([problem.variant] if problem.variant != "default" else []), problem.dtype.value,
+             *(["x".join(str(int(k)) for k in spec.kernel_key(problem))] if spec.kernel_key(problem) else [])]
+    return Identifier("_".join(parts))   # rendered into C++ and CMake
+
+
 def render_project(spec: OpSpec, problem: Problem, knobs: dict[str, int], out_dir: Path,
                    hw: HardwareProfile) -> dict[str, Path]:
     """Write the op project (kernel, tiling, host, binding, CMake, README) for `hw` into out_dir. A
@@ -144,6 +154,7 @@ def render_project(spec: OpSpec, problem: Problem, knobs: dict[str, int], out_di
     kernel = kernel_of(spec)
     figures = hw.ascend_pipes(hw.cores)
     params = {**kernel.params(problem, knobs), **kernel.profile_params(problem, knobs, hw), "batch_mode": kernel.syncs_cores,
+              "lib": project_name(spec, problem),
               "vec_issue_cycles": max(1, round(figures.vec_issue)), "vec_slow_factor": max(1, round(figures.vec_slow_factor))}
     out_dir.mkdir(parents=True, exist_ok=True)
     written = {}
