@@ -192,6 +192,10 @@ csa is 2.6x, hca 2.4x.
   Tried and not kept: q and dy in the backward's L1 a D slice at a time, each slice's fractals in ZZ
   order, so a slice's A (and B transposed) is one LoadData where it takes one per 16 heads: MTE1 -102k
   cycles, but four copies of each where there was one queue in the in-order MTE2: 703.5k -> 740.9k.
+  The forward's q the same way (a queue buffer per D / DC column slice, a position's first S taking
+  each slice as its Mmads reach it, so they start on the first): 381.8k -> 405.7k cycles (four slices)
+  and 389.2k (two): the AI core's MTE2, 81% busy, pays a copy's latency per slice, more than the
+  earlier start hides.
 """
 
 from __future__ import annotations
