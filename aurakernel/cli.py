@@ -168,7 +168,8 @@ def _print_estimate(d: dict) -> None:
         t.add_row("bound at its own traffic", _fmt(d["traffic_us"], suffix=" us") + f" (ratio {_fmt(d['traffic_ratio'], 2, 'x')})")
     t.add_row("verified", ("[green]yes[/] " if d["verified"] else "[red]no[/] ") + (d["verification"] or ""))
     if d["project_dir"]:
-        t.add_row("op project", d["project_dir"])
+        name = d["project_name"]
+        t.add_row("op project", f"{d['project_dir']} (builds libak_{name}_ops.so: torch.ops.aurakernel.{name}_*)")
     out.print(t)
     for phase, ph in d["phases"].items():
         pt = Table(title=f"{phase}: {ph['est_us']:.2f} us estimated, {ph['roofline_us']:.2f} us at the {ph['bound']} bound")

@@ -1041,6 +1041,8 @@ def test_cli_tune_ascend_json(tmp_path):
         assert key in d
     assert d["verified"] is True and d["target"] == "ascend910b2"
     assert (tmp_path / "proj" / "rms_norm_host.cpp").is_file()
+    assert d["project_name"] == "rms_norm_weighted_bf16_4096"   # what it builds: libak_<name>_ops.so, torch.ops.aurakernel.<name>_*
+    assert f'm.def("{d["project_name"]}_fwd(' in (tmp_path / "proj" / "rms_norm_binding.cpp").read_text()
     # the table: the true bound and the bound at the kernels' own traffic, side by side
     out = subprocess.run([*aurakernel, "tune", "rms_norm", "--target", "ascend910b2", "--shape", "50x4096",
                           "--dtype", "bf16"], capture_output=True, text=True, timeout=600)

@@ -27,6 +27,7 @@ class TuneResult:
     # and its totals, and the op project's folder when one was written
     estimate: dict | None = None
     project_dir: str | None = None
+    project_name: str | None = None   # its libraries' and torch ops' name (libak_<name>_ops.so, torch.ops.aurakernel.<name>_*)
     build_error: str | None = None   # the compiler's message when the build failed (recorded in the DB)
 
     @property
@@ -58,4 +59,5 @@ class TuneResult:
             "verification": self.verification.summary if self.verification else None,
             "solver": self.plan.solver, "solve_s": self.plan.solve_s,
             "source_hash": self.source_hash, "status": self.status, "reasons": self.reasons,
-        } | (self.estimate or {}) | ({"project_dir": self.project_dir} if self.estimate is not None else {})
+        } | (self.estimate or {}) | ({"project_dir": self.project_dir, "project_name": self.project_name}
+                                     if self.estimate is not None else {})

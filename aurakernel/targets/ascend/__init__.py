@@ -344,7 +344,8 @@ def tune(spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, so
     result = TuneResult(problem, target, the_plan, source_hash, verification,
                         estimate=estimate_summary(estimate, hw, the_plan, kernel.vector_floor(problem),
                                                  kernel.cube_floor(problem), minimum_traffic(spec, problem)),
-                        project_dir=str(Path(out_dir)) if out_dir is not None else None)
+                        project_dir=str(Path(out_dir)) if out_dir is not None else None,
+                        project_name=str(project_name(spec, problem)) if out_dir is not None else None)
     if not verification.passed:
         result.status, result.reasons = "verify_failed", [verification.summary]
     result.reasons.extend(notes)
