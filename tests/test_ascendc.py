@@ -11,6 +11,7 @@ import struct
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -22,7 +23,8 @@ from aurakernel.ops.sparse_attention import entries_of
 
 ROOT = Path(__file__).parents[1]
 HW = load_profile("ascend910b2")
-SPREAD_TESTS = True   # no shared fixtures: xdist spreads these long emulator cases over its workers (conftest)
+SPREAD_TESTS = True   # xdist spreads these long emulator cases over its workers (conftest); the one shared fixture's
+                      # tests (torch_headers) keep to one worker by their own xdist group
 
 
 @pytest.mark.parametrize("op,variant,shape,dtype", [
@@ -1293,22 +1295,38 @@ def test_projects_of_several_widths_load_side_by_side(tmp_path):
         Identifier("rms_norm; rm -rf")
 
 
-def test_every_rendered_host_file_and_binding_compiles(tmp_path):
+SHIM = ROOT / "tests" / "cann_shim"
+
+
+@pytest.fixture(scope="module")
+def torch_headers(tmp_path_factory):
+    """The binding's compile flags: the installed torch's headers, precompiled once (the two tests that use
+    them share an xdist group), and a folder for the per-kernel aclrtlaunch headers."""
+    root = tmp_path_factory.mktemp("torch_headers")
+    torch_dir = Path(__import__("torch").__file__).parent
+    inc = [f"-I{torch_dir / 'include'}", f"-I{torch_dir / 'include' / 'torch' / 'csrc' / 'api' / 'include'}"]
+    pch = root / "torch_headers.h"
+    pch.write_text("#include <torch/library.h>\n#include <ATen/ATen.h>\n")
+    subprocess.run([emulator.compiler(), "-std=c++20", "-Wall", "-x", "c++-header", *inc, str(pch), "-o", f"{pch}.gch"],
+                   check=True, capture_output=True)
+    launch = root / "launch"
+    launch.mkdir()
+    return SimpleNamespace(flags=["-std=c++20", "-include", str(pch), f"-I{SHIM}", f"-I{launch}", *inc], launch=launch, lib=torch_dir / "lib")
+
+
+def _launch_headers(binding: Path, launch: Path) -> None:
+    """ascendc_library's aclrtlaunch_<kernel>.h for the binding's kernels: the shim's launch macro."""
+    for header in re.findall(r'#include "(aclrtlaunch_\w+\.h)"', binding.read_text()):
+        (launch / header).write_text('#include "aclrtlaunch.h"\n')
+
+
+@pytest.mark.xdist_group("torch_headers")
+def test_every_rendered_host_file_and_binding_compiles(tmp_path, torch_headers):
     """The CANN host code and the torch_npu binding are built only where CANN is; a template that renders
     C++ which does not compile would fail on the first NPU machine. Every operator's (the cases above)
     host file is compiled against tests/cann_shim's declarations of the CANN host API, and its binding
     against the installed torch's own headers (precompiled once) and the shim's torch_npu stream and
     launch macro: no error, and no warning in the rendered code."""
-    torch_dir = Path(__import__("torch").__file__).parent
-    shim = ROOT / "tests" / "cann_shim"
-    torch_inc = [f"-I{torch_dir / 'include'}", f"-I{torch_dir / 'include' / 'torch' / 'csrc' / 'api' / 'include'}"]
-    pch = tmp_path / "torch_headers.h"
-    pch.write_text("#include <torch/library.h>\n#include <ATen/ATen.h>\n")
-    cxx = [emulator.compiler(), "-std=c++20", "-fsyntax-only", "-Wall"]
-    subprocess.run([emulator.compiler(), "-std=c++20", "-Wall", "-x", "c++-header", *torch_inc, str(pch), "-o", f"{pch}.gch"],
-                   check=True, capture_output=True)
-    launch = tmp_path / "launch"
-    launch.mkdir()
     problems = []
     for op, variant, shape, dtype, _ in TILING_HEADERS:
         spec = OPS[op]
@@ -1318,14 +1336,70 @@ def test_every_rendered_host_file_and_binding_compiles(tmp_path):
         project = ascend.render_project(spec, problem, ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs").knobs,
                                         out, HW)
         binding = project["binding.cpp.j2"]
-        for header in re.findall(r'#include "(aclrtlaunch_\w+\.h)"', binding.read_text()):   # ascendc_library's, per kernel
-            (launch / header).write_text('#include "aclrtlaunch.h"\n')
-        for source, flags in ((project["host.cpp.j2"], []), (binding, ["-include", str(pch), f"-I{launch}", *torch_inc])):
-            run = subprocess.run([*cxx, f"-I{shim}", f"-I{out}", *flags, str(source)], capture_output=True, text=True)
+        _launch_headers(binding, torch_headers.launch)
+        for source, flags in ((project["host.cpp.j2"], ["-std=c++20", f"-I{SHIM}"]), (binding, torch_headers.flags)):
+            run = subprocess.run([emulator.compiler(), "-fsyntax-only", "-Wall", *flags, f"-I{out}", str(source)],
+                                 capture_output=True, text=True)
             ours = [line for line in run.stderr.splitlines() if str(out) in line and ("error" in line or "warning" in line)]
             if run.returncode or ours:
                 problems.append(f"{source.name} ({op} {variant} {dtype}): " + "; ".join(ours or run.stderr.splitlines()[-3:]))
     assert not problems, "\n".join(problems)
+
+
+COMPACT_HARNESS = """#include "sparse_attention_binding.cpp"
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <vector>
+void* c10_npu::NPUStream::stream(bool) const { return nullptr; }   /* nothing launches here */
+c10_npu::NPUStream c10_npu::getCurrentNPUStream() { return {}; }
+template <typename... Args> inline uint32_t ak_aclrt_launch(uint32_t, void*, Args...) { return 0; }
+/* argv: picks (raw int64 [B, S, K]), B, S, K, entries, output prefix: the binding's compact on the CPU */
+int main(int argc, char** argv) {
+    const int64_t b = std::atoll(argv[2]), s = std::atoll(argv[3]), k = std::atoll(argv[4]);
+    std::vector<int64_t> raw(b * s * k);
+    std::ifstream(argv[1], std::ios::binary).read(reinterpret_cast<char*>(raw.data()), raw.size() * 8);
+    auto [slots, count, width] = compact(at::from_blob(raw.data(), {b, s, k}, at::kLong).clone(), std::atoll(argv[5]));
+    std::ofstream(std::string(argv[6]) + ".slots", std::ios::binary).write(static_cast<const char*>(slots.data_ptr()), slots.numel() * 4);
+    std::ofstream(std::string(argv[6]) + ".count", std::ios::binary).write(static_cast<const char*>(count.data_ptr()), count.numel() * 4);
+    std::printf("%lld\\n", static_cast<long long>(width));
+}
+"""
+
+
+@pytest.mark.xdist_group("torch_headers")
+@pytest.mark.parametrize("gap", [0, 2])
+def test_the_binding_compacts_the_picks_as_the_emulator_runs_do(tmp_path, torch_headers, gap):
+    """csa's binding turns the indexer's picks into the kernels' slots with ATen ops (compact); the emulator
+    runs use compact_picks (Python). Built against the installed libtorch and run on the CPU (ATen's ops are
+    the NPU's too), the binding's gives the same slots, counts and width: repeated and -1 picks, runs merged
+    with holes at the plan's merge_gap."""
+    from aurakernel.ops.sparse_attention import random_indices
+    from aurakernel.targets.ascend.ops.sparse_attention import compact_picks
+    spec = OPS["sparse_attention"]
+    problem = spec.problem("1x64x200x512x128x64", "bf16", "csa")
+    knobs = {**ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs").knobs, "merge_gap": gap}
+    project = ascend.render_project(spec, problem, knobs, tmp_path / "project", HW)
+    _launch_headers(project["binding.cpp.j2"], torch_headers.launch)
+    pad = int(re.search(r"SLOT_PAD = (\d+)", project["binding.cpp.j2"].read_text()).group(1))
+    (tmp_path / "harness.cpp").write_text(COMPACT_HARNESS)
+    exe = tmp_path / "harness"
+    subprocess.run([emulator.compiler(), *torch_headers.flags, f"-I{tmp_path / 'project'}", str(tmp_path / "harness.cpp"),
+                    "-o", str(exe), f"-L{torch_headers.lib}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_headers.lib}"],
+                   check=True, capture_output=True)
+    import numpy as np
+    import torch
+    for seed, (batch, seq, entries, topk) in enumerate(((2, 200, 50, 64), (1, 96, 24, 8), (1, 40, 400, 16))):
+        picks = random_indices(batch, seq, entries, topk, torch.Generator().manual_seed(seed))
+        picks[0, -1, : picks.shape[-1] // 2] = picks[0, -1, -1]   # repeats
+        picks.numpy().astype(np.int64).tofile(tmp_path / "picks")
+        run = subprocess.run([str(exe), str(tmp_path / "picks"), *map(str, picks.shape), str(entries), str(tmp_path / "out")],
+                             capture_output=True, text=True, check=True)
+        slots, count = compact_picks(picks, entries, gap)
+        got = np.fromfile(tmp_path / "out.slots", dtype=np.int32)
+        assert int(run.stdout) == slots.shape[-1]
+        assert (got[:pad] == -1).all() and np.array_equal(got[pad:], slots.flatten().numpy())
+        assert np.array_equal(np.fromfile(tmp_path / "out.count", dtype=np.int32), count.flatten().numpy())
 
 
 # A mixed kernel: per block the AIC multiplies A (16 x 32) by B^T into a GM workspace, signals its two
