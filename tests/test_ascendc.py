@@ -1346,14 +1346,29 @@ def test_every_rendered_host_file_and_binding_compiles(tmp_path, torch_headers):
     assert not problems, "\n".join(problems)
 
 
-COMPACT_HARNESS = """#include "sparse_attention_binding.cpp"
-#include <cstdio>
+def _binding_on_cpu(project: dict, harness: str, torch_headers, tmp_path: Path) -> Path:
+    """A program that includes the rendered binding (its tensor code runs on the CPU: ATen's ops are the
+    NPU's too; the stream and the launches are stubs, nothing launches) with `harness`'s main, built against
+    the installed libtorch."""
+    binding = project["binding.cpp.j2"]
+    _launch_headers(binding, torch_headers.launch)
+    source = tmp_path / "harness.cpp"
+    source.write_text(f'#include "{binding.name}"\n'
+                      "void* c10_npu::NPUStream::stream(bool) const { return nullptr; }\n"
+                      "c10_npu::NPUStream c10_npu::getCurrentNPUStream() { return {}; }\n"
+                      "template <typename... Args> inline uint32_t ak_aclrt_launch(uint32_t, void*, Args...) { return 0; }\n"
+                      + harness)
+    exe = tmp_path / "harness"
+    subprocess.run([emulator.compiler(), *torch_headers.flags, f"-I{binding.parent}", str(source), "-o", str(exe),
+                    f"-L{torch_headers.lib}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_headers.lib}"],
+                   check=True, capture_output=True)
+    return exe
+
+
+COMPACT_HARNESS = """#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <vector>
-void* c10_npu::NPUStream::stream(bool) const { return nullptr; }   /* nothing launches here */
-c10_npu::NPUStream c10_npu::getCurrentNPUStream() { return {}; }
-template <typename... Args> inline uint32_t ak_aclrt_launch(uint32_t, void*, Args...) { return 0; }
 /* argv: picks (raw int64 [B, S, K]), B, S, K, entries, output prefix: the binding's compact on the CPU */
 int main(int argc, char** argv) {
     const int64_t b = std::atoll(argv[2]), s = std::atoll(argv[3]), k = std::atoll(argv[4]);
@@ -1380,13 +1395,8 @@ def test_the_binding_compacts_the_picks_as_the_emulator_runs_do(tmp_path, torch_
     problem = spec.problem("1x64x200x512x128x64", "bf16", "csa")
     knobs = {**ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs").knobs, "merge_gap": gap}
     project = ascend.render_project(spec, problem, knobs, tmp_path / "project", HW)
-    _launch_headers(project["binding.cpp.j2"], torch_headers.launch)
     pad = int(re.search(r"SLOT_PAD = (\d+)", project["binding.cpp.j2"].read_text()).group(1))
-    (tmp_path / "harness.cpp").write_text(COMPACT_HARNESS)
-    exe = tmp_path / "harness"
-    subprocess.run([emulator.compiler(), *torch_headers.flags, f"-I{tmp_path / 'project'}", str(tmp_path / "harness.cpp"),
-                    "-o", str(exe), f"-L{torch_headers.lib}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_headers.lib}"],
-                   check=True, capture_output=True)
+    exe = _binding_on_cpu(project, COMPACT_HARNESS, torch_headers, tmp_path)
     import numpy as np
     import torch
     for seed, (batch, seq, entries, topk) in enumerate(((2, 200, 50, 64), (1, 96, 24, 8), (1, 40, 400, 16))):
@@ -1400,6 +1410,42 @@ def test_the_binding_compacts_the_picks_as_the_emulator_runs_do(tmp_path, torch_
         assert int(run.stdout) == slots.shape[-1]
         assert (got[:pad] == -1).all() and np.array_equal(got[pad:], slots.flatten().numpy())
         assert np.array_equal(np.fromfile(tmp_path / "out.count", dtype=np.int32), count.flatten().numpy())
+
+
+FN_PARTS_HARNESS = """#include <cstdlib>
+#include <fstream>
+#include <vector>
+/* argv: fn (raw fp32 [NOUT, HC * D]), output: the binding's fn_parts for x of the plan's dtype, raw */
+int main(int argc, char** argv) {
+    std::vector<float> raw(NOUT * HC * D);
+    std::ifstream(argv[1], std::ios::binary).read(reinterpret_cast<char*>(raw.data()), raw.size() * 4);
+    at::Tensor parts = fn_parts(at::from_blob(raw.data(), {NOUT, HC * D}, at::kFloat).clone(), X_DTYPE);
+    std::ofstream(argv[2], std::ios::binary).write(static_cast<const char*>(parts.data_ptr()), parts.nbytes());
+}
+"""
+
+
+@pytest.mark.xdist_group("torch_headers")
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_the_binding_splits_fn_as_the_emulator_runs_do(tmp_path, torch_headers, dtype):
+    """mhc_pre's binding hands the Cube fn as parts in x's dtype (16-bit: hi + lo, rows padded to 16) with
+    ATen ops; the emulator runs use fn_parts (Python). Built against libtorch and run on the CPU, the
+    binding's parts are the same bytes."""
+    import numpy as np
+    import torch
+    from aurakernel.targets.ascend.ops.mhc import fn_parts
+    spec = OPS["mhc_pre"]
+    problem = spec.problem("64x4x256", dtype, "default")
+    project = ascend.render_project(spec, problem, ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs").knobs,
+                                    tmp_path / "project", HW)
+    x_dtype = {"bf16": "at::kBFloat16", "fp32": "at::kFloat"}[dtype]
+    exe = _binding_on_cpu(project, f"#define X_DTYPE {x_dtype}\n" + FN_PARTS_HARNESS, torch_headers, tmp_path)
+    fn = torch.randn(spec.nout(4), 4 * 256, generator=torch.Generator().manual_seed(0))
+    fn.numpy().astype(np.float32).tofile(tmp_path / "fn")
+    subprocess.run([str(exe), str(tmp_path / "fn"), str(tmp_path / "parts")], check=True, capture_output=True)
+    want = fn_parts(fn, problem.dtype.torch)
+    got = (tmp_path / "parts").read_bytes()
+    assert got == want.contiguous().view(torch.uint8).numpy().tobytes()
 
 
 # A mixed kernel: per block the AIC multiplies A (16 x 32) by B^T into a GM workspace, signals its two
