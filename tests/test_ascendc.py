@@ -1139,9 +1139,9 @@ def _sparse_attention_tiling(kernel, p, knobs):
 
 def _indexer_score_tiling(kernel, p, knobs):
     call = f"AkIndexerScoreMakeTiling({p.shape[0]}, {p.shape[1]}, {p.shape[4]}, AK_PLAN_BLOCK_DIM, AK_PLAN_CUBE_BLOCKS)"
-    fwd, bwd = kernel.workspaces(p, knobs)   # and the workspaces the binding allocates, bytes
-    return [(call, kernel.tiling(p, knobs)), (f"AkIndexerScoreFwdWorkspace({call})", struct.pack("<Q", fwd)),
-            (f"AkIndexerScoreWorkspace({call})", struct.pack("<Q", bwd))]
+    geo = kernel.launch(p, knobs)   # and the workspaces the binding allocates, bytes
+    return [(call, kernel.tiling(p, knobs)), (f"AkIndexerScoreFwdWorkspace({call})", struct.pack("<Q", geo.fwd_ws)),
+            (f"AkIndexerScoreWorkspace({call})", struct.pack("<Q", geo.bwd_ws))]
 
 
 def _rms_norm_tiling(kernel, p, knobs):

@@ -46,6 +46,7 @@ import functools
 import itertools
 import math
 import struct
+from types import SimpleNamespace
 
 import torch
 
@@ -340,39 +341,39 @@ class IndexerScoreAscend(AscendKernel):
                 Problem(problem.op, problem.variant, (2, min(seq, knobs["block_dim"] // 2 + 3), heads, dim, t2),
                         problem.dtype)]
 
-    @staticmethod
-    def tiling(problem: Problem, knobs: dict[str, int]) -> bytearray:
-        """AkIndexerScoreTiling for the problem's shape, as the binding's AkIndexerScoreMakeTiling makes it."""
-        batch, seq, _, dim, entries = problem.shape
-        rows = batch * seq
-        block_rows, block_dim = row_split(rows, knobs["block_dim"])
+    def launch(self, problem: Problem, knobs: dict[str, int]) -> SimpleNamespace:
+        """The problem's split over the cores (the vector kernels' rows, the Cube's query tiles both ways) and
+        the bytes of the GM workspaces, as the tiling header's AkIndexerScoreMakeTiling,
+        AkIndexerScoreFwdWorkspace and AkIndexerScoreWorkspace give them: the forward's FWD_SLOTS fp32 product
+        slots per AI core; the Cube backward's slots of fp32 products and 16-bit coefficients per AI core,
+        then the fp32 dk all cores add into; the vector backward's dk partial per core."""
+        batch, seq, heads, dim, entries = problem.shape
+        block_rows, block_dim = row_split(batch * seq, knobs["block_dim"])
         per_batch = -(-seq // knobs["cube_rows"])
         block_tiles, cube_blocks = cube_split(batch * per_batch, knobs["cube_blocks"])
         bwd_rows, bwd_keys = knobs.get("bwd_rows", 1), knobs.get("bwd_keys", 64)
         bwd_per_batch = -(-seq // bwd_rows)
         bwd_block_tiles, bwd_blocks = cube_split(batch * bwd_per_batch, knobs["cube_blocks"])
-        return bytearray(struct.pack("<10If15I", rows, seq, entries, batch, block_rows, block_dim, knobs["chunk"],
-                                     knobs["tile_rows"], -(-entries // knobs["chunk"]) * knobs["chunk"], -(-batch * entries // block_dim),
-                                     dim ** -0.5, cube_blocks, knobs["cube_rows"], knobs["cube_keys"], knobs["key_chunk"],
-                                     per_batch, batch * per_batch, block_tiles, knobs["cube_buffers"],
-                                     bwd_rows, bwd_keys, bwd_per_batch, batch * bwd_per_batch, bwd_block_tiles, bwd_blocks,
-                                     knobs.get("bwd_stream", 0)))
+        if self.cube_backward(problem):
+            bwd_ws = (bwd_blocks * self.bwd_slots(knobs) * bwd_rows * heads * bwd_keys * (4 + problem.dtype.itemsize)
+                      + batch * entries * dim * 4)
+        else:
+            bwd_ws = block_dim * batch * entries * dim * 4
+        return SimpleNamespace(block_rows=block_rows, block_dim=block_dim, per_batch=per_batch, block_tiles=block_tiles,
+                               cube_blocks=cube_blocks, bwd_rows=bwd_rows, bwd_keys=bwd_keys, bwd_per_batch=bwd_per_batch,
+                               bwd_block_tiles=bwd_block_tiles, bwd_blocks=bwd_blocks, bwd_ws=bwd_ws,
+                               fwd_ws=cube_blocks * self.FWD_SLOTS * knobs["cube_rows"] * heads * knobs["cube_keys"] * 4)
 
-    def workspaces(self, problem: Problem, knobs: dict[str, int]) -> tuple[int, int]:
-        """Bytes of the forward's and the backward's GM workspaces, as the tiling header's
-        AkIndexerScoreFwdWorkspace and AkIndexerScoreWorkspace give them: the forward's FWD_SLOTS fp32
-        product slots per AI core; the Cube backward's slots of fp32 products and 16-bit coefficients per AI
-        core, then the fp32 dk all cores add into; the vector backward's dk partial per core."""
-        batch, seq, heads, dim, entries = problem.shape
-        _, block_dim = row_split(batch * seq, knobs["block_dim"])
-        _, cube_blocks = cube_split(batch * -(-seq // knobs["cube_rows"]), knobs["cube_blocks"])
-        fwd = cube_blocks * self.FWD_SLOTS * knobs["cube_rows"] * heads * knobs["cube_keys"] * 4
-        if not self.cube_backward(problem):
-            return fwd, block_dim * batch * entries * dim * 4
-        bwd_rows, bwd_keys = knobs.get("bwd_rows", 1), knobs.get("bwd_keys", 64)
-        _, bwd_blocks = cube_split(batch * -(-seq // bwd_rows), knobs["cube_blocks"])
-        return fwd, (bwd_blocks * self.bwd_slots(knobs) * bwd_rows * heads * bwd_keys * (4 + problem.dtype.itemsize)
-                     + batch * entries * dim * 4)
+    def tiling(self, problem: Problem, knobs: dict[str, int]) -> bytearray:
+        """AkIndexerScoreTiling for the problem's shape, as the binding's AkIndexerScoreMakeTiling makes it."""
+        batch, seq, _, dim, entries = problem.shape
+        geo = self.launch(problem, knobs)
+        return bytearray(struct.pack("<10If15I", batch * seq, seq, entries, batch, geo.block_rows, geo.block_dim, knobs["chunk"],
+                                     knobs["tile_rows"], -(-entries // knobs["chunk"]) * knobs["chunk"], -(-batch * entries // geo.block_dim),
+                                     dim ** -0.5, geo.cube_blocks, knobs["cube_rows"], knobs["cube_keys"], knobs["key_chunk"],
+                                     geo.per_batch, batch * geo.per_batch, geo.block_tiles, knobs["cube_buffers"],
+                                     geo.bwd_rows, geo.bwd_keys, geo.bwd_per_batch, batch * geo.bwd_per_batch, geo.bwd_block_tiles,
+                                     geo.bwd_blocks, knobs.get("bwd_stream", 0)))
 
     def run(self, problem: Problem, knobs: dict[str, int], inputs: Tensors, grad_out: Tensors, emu):
         """Forward and backward kernels in the emulator: (outputs, grads, {phase: RunReport})."""
@@ -381,26 +382,23 @@ class IndexerScoreAscend(AscendKernel):
         hidden, proj = inputs["hidden"], inputs["proj"]
         batch, seq, heads, dim = q.shape
         entries = k.shape[1]
-        _, block_dim = row_split(batch * seq, knobs["block_dim"])
-        _, cube_blocks = cube_split(batch * -(-seq // knobs["cube_rows"]), knobs["cube_blocks"])
-        _, bwd_blocks = cube_split(batch * -(-seq // knobs.get("bwd_rows", 1)), knobs["cube_blocks"])
+        geo = self.launch(problem, knobs)
         tiling = self.tiling(problem, knobs)
         w = self.spec.weights(hidden, proj, heads).contiguous()
         score = torch.full((batch, seq, entries), float("nan"))
         # k, read by every AI core, is found in L2 (as mhc's fn and sparse attention's kv); the forward's
         # workspace (its product slots) is kept in L2
-        fwd_ws, bwd_ws = self.workspaces(problem, knobs)
-        fwd_bufs = [to_bytes(q), to_bytes(k), to_bytes(w), to_bytes(score), bytearray(fwd_ws), tiling]
+        fwd_bufs = [to_bytes(q), to_bytes(k), to_bytes(w), to_bytes(score), bytearray(geo.fwd_ws), tiling]
         fwd = emulator.run(emu.exe("ak_indexer_score_fwd", 6, cores="mix_1_2", l2_args=(1, 4)),
-                           cube_blocks, fwd_bufs)
+                           geo.cube_blocks, fwd_bufs)
         dq, dk, dw = (torch.full_like(t, float("nan")) for t in (q, k, w))
         g = grad_out["y"].float().contiguous()
         if self.cube_backward(problem):   # the slots and the fp32 dk in L2
-            exe, blocks = emu.exe("ak_indexer_score_bwd", 9, cores="mix_1_2", l2_args=(1, 7)), bwd_blocks
+            exe, blocks = emu.exe("ak_indexer_score_bwd", 9, cores="mix_1_2", l2_args=(1, 7)), geo.bwd_blocks
         else:
-            exe, blocks = emu.exe("ak_indexer_score_bwd", 9), block_dim
+            exe, blocks = emu.exe("ak_indexer_score_bwd", 9), geo.block_dim
         bwd_bufs = [to_bytes(q), to_bytes(k), to_bytes(w), to_bytes(g), to_bytes(dq), to_bytes(dk), to_bytes(dw),
-                    bytearray(bwd_ws), bytearray(tiling)]
+                    bytearray(geo.bwd_ws), bytearray(tiling)]
         bwd = emulator.run(exe, blocks, bwd_bufs)
         dq, dk, dw = (from_bytes(bwd_bufs[4 + i], t) for i, t in enumerate((dq, dk, dw)))
         dw = dw * heads**-0.5   # back through the scaling and the projection (torch, as run_backward does)

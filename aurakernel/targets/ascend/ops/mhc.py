@@ -610,8 +610,9 @@ class MhcAscend(AscendKernel):
                 Problem(problem.op, problem.variant, (min(rows, knobs["block_dim"] + 5), hc, d + 3), problem.dtype)]
 
     def launch(self, problem: Problem, rows: int, d: int, knobs: dict[str, int]) -> SimpleNamespace:
-        """The cores the kernels run on and the workspaces' offsets and sizes (fp32 elements) for `rows` tokens of
-        width d: the backward's (ws_end) and the forward's accumulators (acc_floats)."""
+        """The cores the kernels run on, the forward's tokens per round and the workspaces' offsets and sizes
+        (fp32 elements) for `rows` tokens of width d: the backward's (ws_end) and the forward's accumulators
+        (acc_floats)."""
         hc, n = problem.shape[1], self.spec.nout(problem.shape[1])
         on_cube = self.cube_backward(problem)
         block_rows, block_dim = row_split(rows, knobs["block_dim"])
@@ -624,18 +625,17 @@ class MhcAscend(AscendKernel):
         # the Cube backward's parts follow: [PROWS][rows] of x's dtype, then d_pre's blocks [rows][HC][16]
         parts = (-(-self.parts_rows(n, knobs["bwd_groups"]) * rows * problem.dtype.itemsize // 32) * 8 + rows * hc * 16
                  if on_cube else 0)
+        round_rows, _, acc_floats = self.forward_rounds(rows, n, int(knobs["head_lanes"]), int(knobs["cube_blocks"]))
         return SimpleNamespace(block_rows=block_rows, block_dim=block_dim, cube_rows=cube_rows, cube_blocks=cube_blocks,
                                dfn_blocks=dfn_blocks, par_blocks=par_blocks, ws_dfn=ws_dfn, ws_par=ws_par,
-                               ws_parts=ws_parts, ws_end=ws_parts + parts,
-                               acc_floats=self.forward_rounds(rows, n, int(knobs["head_lanes"]), int(knobs["cube_blocks"]))[2])
+                               ws_parts=ws_parts, ws_end=ws_parts + parts, round_rows=round_rows, acc_floats=acc_floats)
 
     def tiling(self, problem: Problem, rows: int, d: int, knobs: dict[str, int]) -> bytearray:
         """AkMhcTiling for `rows` tokens of width d, as the tiling header's AkMhcMakeTiling makes it."""
         hc = problem.shape[1]
         geo = self.launch(problem, rows, d, knobs)
-        round_rows = self.forward_rounds(rows, self.spec.nout(hc), int(knobs["head_lanes"]), int(knobs["cube_blocks"]))[0]
         return bytearray(struct.pack("<7I3f3I", rows, d, geo.block_rows, -(-d // knobs["col_tile"]), self.pass2_chunk(knobs["chunk"], hc),
-                                     geo.ws_dfn, geo.ws_par, EPS, EPS, 1.0 / (hc * d), geo.cube_rows, geo.ws_parts, round_rows))
+                                     geo.ws_dfn, geo.ws_par, EPS, EPS, 1.0 / (hc * d), geo.cube_rows, geo.ws_parts, geo.round_rows))
 
     def run(self, problem: Problem, knobs: dict[str, int], inputs: Tensors, grad_out: Tensors, emu):
         """Forward and the two backward kernels in the emulator: (outputs, grads, {phase: RunReport}).
