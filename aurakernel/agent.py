@@ -180,7 +180,10 @@ def autotune(workload: Workload, *, target: str = "host", solver: str = "highs",
             skipped.append(where | {"reason": "; ".join(r.reasons) or r.status})
         elif tgt.swappable:
             plan.kernels.append(plan_entry(r))
-    _drop_fusions_not_faster_than_apart(plan, tuned, skipped)
+    if progress and any(OPS[r.problem.op].fuses for r in tuned):
+        progress("timing fused kernels against their parts apart")
+    _drop_fusions_not_faster_than_apart(plan, tuned, skipped, lambda r, parts: tgt.time_fused_against_apart(
+        OPS[r.problem.op], r.problem, r.source_hash, {op: p.source_hash for op, p in parts.items()}, hw))
     plan.skipped.extend(skipped)
     result = AutotuneResult(plan, report, tuned, skipped)
     if tgt.writes_projects:
@@ -189,21 +192,30 @@ def autotune(workload: Workload, *, target: str = "host", solver: str = "highs",
     return result
 
 
-def _drop_fusions_not_faster_than_apart(plan: KernelPlan, tuned: list[TuneResult], skipped: list[dict]) -> None:
+def _drop_fusions_not_faster_than_apart(plan: KernelPlan, tuned: list[TuneResult], skipped: list[dict],
+                                        time_apart) -> None:
     """A fused kernel (OpSpec.fuses) stays in the plan only where it beats the kernels of the ops it
-    fuses, tuned for the same shape and dtype, run one after the other (their measured times summed:
-    what apart would cost, less the glue between them)."""
-    measured = {(r.problem.op, r.problem.shape, r.problem.dtype): r.measured_us for r in tuned if r.usable}
+    fuses, tuned for the same shape and dtype, run one after the other: time_apart(result, {op: part
+    result}) -> {"fused": us, "apart": us}, the two timed side by side (times from separate runs
+    differ by more than a fusion saves on a noisy machine), or None where the target times nothing."""
+    usable = {(r.problem.op, r.problem.shape, r.problem.dtype): r for r in tuned if r.usable}
     for r in tuned:
-        parts = OPS[r.problem.op].fuses
-        apart = [measured.get((op, r.problem.shape, r.problem.dtype)) for op in parts]
-        if not parts or not r.usable or r.measured_us is None or None in apart or r.measured_us < sum(apart):
+        names = OPS[r.problem.op].fuses
+        parts = {op: usable.get((op, r.problem.shape, r.problem.dtype)) for op in names}
+        if not names or not r.usable or None in parts.values():
+            continue
+        times = time_apart(r, parts)
+        if times is None:
+            continue
+        r.reasons.append(f"{times['fused']:.1f} us against {' + '.join(names)} apart {times['apart']:.1f} us "
+                         "(timed side by side)")
+        if times["fused"] < times["apart"]:
             continue
         plan.kernels = [e for e in plan.kernels if e.source_hash != r.source_hash]
         skipped.append({"op": r.problem.op, "variant": r.problem.variant, "shape": r.problem.shape_text,
                         "dtype": r.problem.dtype.value,
-                        "reason": f"not faster than {' + '.join(parts)} apart ({r.measured_us:.1f} us vs "
-                                  f"{sum(apart):.1f} us)"})
+                        "reason": f"not faster than {' + '.join(names)} apart ({times['fused']:.1f} us vs "
+                                  f"{times['apart']:.1f} us, timed side by side)"})
 
 
 def _record(db: TuningDB, r: TuneResult, hw: HardwareProfile) -> None:

@@ -51,8 +51,7 @@ def run(shape: str, dtype: str) -> dict:
     fused = copy.deepcopy(module)
     patch_of(spec).patch(fused, lambda key, dt: hashes["mhc_post_pre"])
     apart = copy.deepcopy(module)
-    patch_of(get_op("mhc_post")).patch(apart.update, lambda key, dt: hashes["mhc_post"])
-    patch_of(get_op("mhc_pre")).patch(apart.hc, lambda key, dt: hashes["mhc_pre"])
+    patch_of(spec).patch_parts(apart, {op: (lambda key, dt, h=hashes[op]: h) for op in spec.fuses})
     candidates = {"eager": step_of(module), "apart": step_of(apart), "fused": step_of(fused)}
     times = compare(candidates, min_rounds=5, max_rounds=9, budget_s=10.0, threads=hw.cores)
     us = {name: t.us for name, t in times.items()}

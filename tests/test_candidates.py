@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from aurakernel import agent
 from aurakernel.db import TuningDB
@@ -71,3 +72,48 @@ def test_the_pick_stays_when_it_is_fastest_and_a_failed_candidate_is_never_kept(
     assert not result.plan.binding_constraint.startswith("measured")
     line = next(r for r in result.reasons if r.startswith("timed the planner's 3 best tilings"))
     assert "FAILED 1/6 checks" in line and "15 us" in line and "20 us" in line
+
+
+def test_a_fused_kernel_is_timed_against_its_parts_kernels_on_the_same_inputs(monkeypatch):
+    """autotune's fused-or-apart decision: mhc_post_pre's kernel and mhc_post's then mhc_pre's kernels
+    (not the reference), fwd + bwd through the same module on the same inputs, in one comparison;
+    both give the same gradients."""
+    from types import SimpleNamespace
+
+    from aurakernel.targets.host import candidates, library
+
+    hw = host_profile()
+    hashes = {}
+    for op in ("mhc_post_pre", "mhc_post", "mhc_pre"):
+        spec, problem = OPS[op], OPS[op].problem("45x4x256", "fp32")
+        hashes[op] = build_kernel(spec, problem, host_target.TARGET.plan(spec, problem, hw, target="host").knobs).source_hash
+    called, real_call = [], library.Kernel.call
+
+    def call(self, name, *args):
+        called.append(self.source_hash)
+        return real_call(self, name, *args)
+
+    def compare(steps, threads):
+        runs = {}
+        for name, step in steps.items():
+            called.clear()
+            runs[name] = (step(), set(called))
+        ran["grads"] = {name: grads for name, (grads, _) in runs.items()}
+        ran["kernels"] = {name: kernels for name, (_, kernels) in runs.items()}
+        return {"fused": SimpleNamespace(us=1.0), "apart": SimpleNamespace(us=2.0)}
+
+    ran = {}
+    monkeypatch.setattr(library.Kernel, "call", call)
+    monkeypatch.setattr(candidates, "compare", compare)
+    spec = OPS["mhc_post_pre"]
+    times = host_target.TARGET.time_fused_against_apart(
+        spec, spec.problem("45x4x256", "fp32"), hashes["mhc_post_pre"],
+        {op: hashes[op] for op in spec.fuses}, hw)
+    assert times == {"fused": 1.0, "apart": 2.0}
+    assert ran["kernels"] == {"fused": {hashes["mhc_post_pre"]}, "apart": {hashes["mhc_post"], hashes["mhc_pre"]}}
+    for fused, apart in zip(ran["grads"]["fused"], ran["grads"]["apart"], strict=True):
+        assert fused is not None and apart is not None
+        assert torch.allclose(fused, apart, rtol=1e-4, atol=1e-4)
+    with pytest.raises(NotImplementedError, match="fuses no operators"):
+        from aurakernel.patch.deepseek_v4 import patch_of
+        patch_of(OPS["mhc_post"]).patch_parts(torch.nn.Module(), {})

@@ -85,8 +85,9 @@ def test_a_fused_kernel_is_listed_beside_the_ops_it_fuses_and_not_counted_twice(
 
 @pytest.mark.parametrize("fused_us,kept", [(3000.0, True), (3200.0, False)])
 def test_autotune_keeps_a_fused_kernel_only_where_it_beats_its_parts_apart(fused_us, kept):
-    """mhc_post_pre against mhc_post + mhc_pre tuned at the same shape (1000 + 2100 us apart): slower or
-    no faster, it leaves the plan with the reason; the parts' entries stay either way."""
+    """mhc_post_pre against mhc_post + mhc_pre tuned at the same shape, timed side by side (3100 us
+    apart): slower or no faster, it leaves the plan with the reason; the parts' entries stay either
+    way. The tuned results' own times (from separate runs) decide nothing."""
     from aurakernel.agent import _drop_fusions_not_faster_than_apart, plan_entry
     from aurakernel.dtypes import DType
     from aurakernel.ops.base import Problem
@@ -99,12 +100,24 @@ def test_autotune_keeps_a_fused_kernel_only_where_it_beats_its_parts_apart(fused
         plan = Plan(op, "default", problem.shape, "fp32", "host", {"threads": 2}, us, {}, "-", "highs", 0.0, "ok")
         return TuneResult(problem, "host", plan, f"hash-{op}", None, measured_us=us, eager_us=10 * us)
 
-    tuned = [result("mhc_post", 1000.0), result("mhc_pre", 2100.0), result("mhc_post_pre", fused_us)]
+    # measured apart, the fused kernel would look slower (or faster) than it is
+    tuned = [result("mhc_post", 500.0), result("mhc_pre", 1000.0), result("mhc_post_pre", 4000.0 if kept else 100.0)]
+    asked = []
+
+    def time_apart(r, parts):
+        asked.append((r.source_hash, {op: p.source_hash for op, p in parts.items()}))
+        return {"fused": fused_us, "apart": 3100.0}
+
     plan, skipped = KernelPlan(target="host", kernels=[plan_entry(r) for r in tuned]), []
-    _drop_fusions_not_faster_than_apart(plan, tuned, skipped)
+    _drop_fusions_not_faster_than_apart(plan, tuned, skipped, time_apart)
+    assert asked == [("hash-mhc_post_pre", {"mhc_post": "hash-mhc_post", "mhc_pre": "hash-mhc_pre"})]
     assert {e.op for e in plan.kernels} == ({"mhc_post", "mhc_pre"} | ({"mhc_post_pre"} if kept else set()))
     if kept:
         assert skipped == []
     else:
         assert [s["op"] for s in skipped] == ["mhc_post_pre"]
-        assert "not faster than mhc_post + mhc_pre apart (3200.0 us vs 3100.0 us)" in skipped[0]["reason"]
+        assert "not faster than mhc_post + mhc_pre apart (3200.0 us vs 3100.0 us, timed side by side)" in skipped[0]["reason"]
+    # a target that times nothing here (Ascend) keeps the fused kernel: nothing to compare
+    plan, skipped = KernelPlan(target="host", kernels=[plan_entry(r) for r in tuned]), []
+    _drop_fusions_not_faster_than_apart(plan, tuned, skipped, lambda r, parts: None)
+    assert skipped == [] and len(plan.kernels) == 3

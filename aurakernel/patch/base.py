@@ -60,6 +60,12 @@ class Patch(Part, ABC):
         """After apply has patched `patched` (this operator's modules of `model`): anything the patch
         needs at the model's level (e.g. a hook on its forward). Default: nothing."""
 
+    def patch_parts(self, module: torch.nn.Module, lookups: dict) -> None:
+        """A fused operator's (OpSpec.fuses) reference module made to run the kernels of the ops it
+        fuses, one after the other: lookups maps each of those ops to a lookup as `patch` takes. What
+        autotune times the fused kernel against."""
+        raise NotImplementedError(f"{self.spec.name} fuses no operators: it has no parts to patch")
+
     def sites(self, model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str, tuple[int, ...] | None]]:
         """(name, module, variant, kernel_key or None: per call) of each module of `model` this operator
         patches beyond the DeepSeek-V4 table (deepseek_v4.py, which covers the built-in operators): how a

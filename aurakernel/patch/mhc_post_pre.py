@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4DecoderLayer
 
+from ..ops import OPS
 from ..ops.base import Problem, Tensors
 from ..ops.mhc import PRE
 from ..ops.mhc_post_pre import SPEC, MhcPostPre
@@ -95,6 +96,12 @@ class MhcPostPrePatch(Patch):
             module = module._ak_post_pre
         module._ak_lookup = lookup
         install(module, "forward", _fused_forward)
+
+    def patch_parts(self, module: MhcPostPre, lookups: dict) -> None:
+        """The stream update on mhc_post's kernel, then the HyperConnection on mhc_pre's."""
+        from .deepseek_v4 import patch_of   # the table imports this module
+        patch_of(OPS["mhc_post"]).patch(module.update, lookups["mhc_post"])
+        patch_of(OPS["mhc_pre"]).patch(module.hc, lookups["mhc_pre"])
 
 
 PARTS = (MhcPostPrePatch(SPEC),)

@@ -42,6 +42,11 @@ class Target(Protocol):
     def predicted_us(self, spec: OpSpec, problem: Problem, hw: HardwareProfile) -> float:
         """The planner's forward + backward time of the problem's kernel (no build, no run)."""
 
+    def time_fused_against_apart(self, spec: OpSpec, problem: Problem, fused_hash: str, part_hashes: dict[str, str],
+                                 hw: HardwareProfile) -> dict[str, float] | None:
+        """A fused kernel ("fused") and its parts' kernels one after the other ("apart"), fwd + bwd
+        timed side by side in microseconds; None where this target times nothing here."""
+
 
 # profile kind -> the module whose TARGET implements it (imported on first use: each pulls in its kernels)
 TARGETS = {"host": "aurakernel.targets.host.target", "ascend": "aurakernel.targets.ascend"}

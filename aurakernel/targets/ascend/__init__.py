@@ -370,6 +370,10 @@ class AscendTarget:
     def predicted_us(self, spec: OpSpec, problem: Problem, hw: HardwareProfile) -> float:
         return plan(spec, problem, hw, target=hw.name, solver="highs", scheduled=False, explain=False).predicted_us
 
+    def time_fused_against_apart(self, spec: OpSpec, problem: Problem, fused_hash: str, part_hashes: dict[str, str],
+                                 hw: HardwareProfile) -> None:
+        return None   # nothing runs here: no fused kernel is swapped in from an Ascend plan
+
     def tune(self, spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, solver: str,
              with_compiled: bool = False, with_compiled_kernel: bool = False, out_dir: Path | None = None,
              with_memory: bool = False, candidates: int = 1) -> TuneResult:

@@ -119,3 +119,17 @@ def time_side_by_side(spec: OpSpec, problem: Problem, hashes: dict[str, str], th
     """Median microseconds of each named kernel, all in the same interleaved rounds."""
     timings = compare(timing_steps(spec, problem, hashes), threads=threads, budget_s=max(3.0, 0.3 * len(hashes)))
     return {name: t.us for name, t in timings.items()}
+
+
+def time_fused_against_apart(spec: OpSpec, problem: Problem, fused_hash: str, part_hashes: dict[str, str],
+                             threads: int) -> dict[str, float]:
+    """Median microseconds of a fused kernel ("fused") and of the kernels of the ops it fuses run one
+    after the other ("apart": with the glue autograd adds between them), fwd + bwd through the fused
+    operator's reference module on the same inputs, in the same interleaved rounds."""
+    patch = patch_of(spec)
+    module, step_of = spec.module_steps(problem)
+    fused, apart = copy.deepcopy(module), copy.deepcopy(module)
+    patch.patch(fused, lambda key, dtype: fused_hash)
+    patch.patch_parts(apart, {op: (lambda key, dtype, h=h: h) for op, h in part_hashes.items()})
+    timings = compare({"fused": step_of(fused), "apart": step_of(apart)}, threads=threads)
+    return {name: t.us for name, t in timings.items()}

@@ -11,7 +11,8 @@ from ...ops.base import OpSpec, Problem
 from ...patch.deepseek_v4 import patch_of
 from ...planner import Plan, solve_tiling
 from ..result import TuneResult
-from .candidates import Candidate, build_and_verify, knobs_text, runners_up, time_side_by_side, verify
+from .candidates import (Candidate, build_and_verify, knobs_text, runners_up, time_fused_against_apart, time_side_by_side,
+                         verify)
 from .kernel import KERNELS
 from .ops import kernel_of
 
@@ -78,6 +79,10 @@ class HostTarget:
 
     def predicted_us(self, spec: OpSpec, problem: Problem, hw: HardwareProfile) -> float:
         return self.plan(spec, problem, hw, target=hw.name, explain=False).predicted_us
+
+    def time_fused_against_apart(self, spec: OpSpec, problem: Problem, fused_hash: str, part_hashes: dict[str, str],
+                                 hw: HardwareProfile) -> dict[str, float]:
+        return time_fused_against_apart(spec, problem, fused_hash, part_hashes, hw.cores)
 
     def tune(self, spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, solver: str,
              with_compiled: bool, with_compiled_kernel: bool = False, out_dir: Path | None = None,

@@ -10,8 +10,11 @@ with the add autograd makes between them): at 1024x4x4096, forward 13.0 against 
 over the streams hardly show on this machine: mhc_pre's forward is bound by the mix projection's
 multiply-adds, not by its read of the streams, and the rounding the layer's code does (post and
 comb cast, each term rounded: what makes the streams bit-exact, see _mhc_post_rows.h.j2) costs the
-fused forward what the saved read gives back. Autotune keeps the kernel only where it measures
-faster than the two apart (agent._drop_fusions_not_faster_than_apart).
+fused forward what the saved read gives back. Autotune keeps the kernel only where it runs
+faster than the two apart, timed side by side through the same module (agent._drop_fusions_not_faster_than_apart):
+it had compared their times from separate tunes, where a run's noise is larger than what the fusion
+saves, and dropped the kernel at the tiny config's 1024x4x256 fp32 (4129 us against 752 + 2179 apart)
+where side by side it ran 3.09 ms against 3.68 apart.
 Tried and dropped: mhc_post's backward inside mhc_pre's column-chunk loop, on each chunk's dx while
 it is in cache (dx never written). At 4096 rows it ran 125-290 ms against 142.6 depending on the
 chunk (best with 512-2048 columns; mhc_pre's plan then took 128, an L2 rule since dropped): a chunk of a row is four
