@@ -254,6 +254,24 @@ def test_an_output_that_cannot_be_written_fails_before_any_work(tmp_path, monkey
     assert (tmp_path / "ro.sqlite").read_bytes() == before and (tmp_path / "afile").read_text() == "a file"
 
 
+def test_an_output_os_access_approves_but_no_file_can_be_made_in_fails_up_front(tmp_path, monkeypatch):
+    """os.access lets root write anywhere and knows nothing of pseudo file systems or read-only mounts:
+    the check makes the folders and a file there (then takes them away). As root, or as anyone
+    os.access approves, /proc takes no new folder or file."""
+    from aurakernel.errors import UserError
+    from aurakernel.paths import check_writable
+
+    monkeypatch.setattr(os, "access", lambda *a, **kw: True)
+    for path, directory, where in (("/proc/ak-out/plan.json", False, "/proc/ak-out"), ("/proc/plan.json", False, "/proc"),
+                                   ("/proc/ak-project", True, "/proc/ak-project")):
+        with pytest.raises(UserError, match=f"{path}: cannot be written \\({where}: "):
+            check_writable(path, "--out", directory=directory)
+    nested = tmp_path / "a" / "b"
+    assert check_writable(nested / "plan.json", "--out") == nested / "plan.json"
+    assert check_writable(nested / "project", "--out", directory=True) == nested / "project"
+    assert list(tmp_path.iterdir()) == []   # what the checks made is gone again
+
+
 def test_show_reads_a_read_only_db_and_a_row_whose_plan_is_not_json(tmp_path, monkeypatch, capsys):
     import sqlite3
 
