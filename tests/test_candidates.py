@@ -117,3 +117,40 @@ def test_a_fused_kernel_is_timed_against_its_parts_kernels_on_the_same_inputs(mo
     with pytest.raises(NotImplementedError, match="fuses no operators"):
         from aurakernel.patch.deepseek_v4 import patch_of
         patch_of(OPS["mhc_post"]).patch_parts(torch.nn.Module(), {})
+
+
+def test_tune_times_every_value_of_a_knob_the_model_cannot_rank_and_keeps_the_fastest(tmp_path, monkeypatch):
+    """swiglu bf16's `lookup` (which directions look silu up in a table): all four builds verified,
+    timed side by side with the plan's, the fastest kept in the plan, the DB and the swap's checks;
+    the built kernel has the table entries its value says and only those."""
+    from aurakernel.swap import _knobs_refused
+
+    spec = OPS["swiglu"]
+    problem = spec.problem("200x512", "bf16")
+    hw = host_profile()
+    assert kernel_of(spec).measured_knobs(problem) == ("lookup",)
+    assert kernel_of(spec).measured_knobs(spec.problem("200x512", "fp32")) == ()
+    planned = host_target.TARGET.plan(spec, problem, hw, target="host").knobs
+    hash_of = {v: build_kernel(spec, problem, {**planned, "lookup": v}).source_hash for v in range(4)}
+    for v in range(4):
+        kernel = build_kernel(spec, problem, {**planned, "lookup": v})
+        assert (kernel.has("fwd_table"), kernel.has("bwd_table")) == (bool(v & 1), bool(v & 2))
+    fake_us = {0: 30.0, 1: 10.0, 2: 40.0, 3: 20.0}
+    timed = []
+
+    def time_side_by_side(spec_, problem_, hashes, threads):
+        timed.append(sorted(hashes.values()))
+        return {name: fake_us[next(v for v, h in hash_of.items() if h == hsh)] for name, hsh in hashes.items()}
+
+    monkeypatch.setattr(host_target, "time_side_by_side", time_side_by_side)
+    result = agent.tune_problem(spec, problem, hw, target="host", solver="highs", db=TuningDB(tmp_path / "t.sqlite"),
+                                with_compiled=False)
+    assert timed == [sorted(hash_of.values())]   # the four in one comparison
+    assert result.status == "ok" and result.verified
+    assert result.plan.knobs["lookup"] == 1 and result.source_hash == hash_of[1]
+    assert result.plan.binding_constraint.startswith("measured: the fastest value of lookup")
+    line = next(r for r in result.reasons if r.startswith("timed every value of lookup"))
+    assert all(f"lookup={v}" in line for v in range(4)) and "10 us" in line
+    best = TuningDB(tmp_path / "t.sqlite").best("swiglu", "default", problem.shape_text, "bf16", "host")
+    assert json.loads(best["plan"])["knobs"]["lookup"] == 1
+    assert _knobs_refused(spec, problem, result.plan.knobs, hw) is None

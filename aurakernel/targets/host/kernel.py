@@ -53,6 +53,12 @@ class HostKernel(Part, ABC):
                      grad_outputs: Tensors, grads: Tensors) -> None:
         """Call the backward entry, writing into preallocated `grads` (one per differentiable input)."""
 
+    def measured_knobs(self, problem: Problem) -> tuple[str, ...]:
+        """Knobs of the tiling model whose values its costs cannot rank on this CPU (e.g. a table
+        lookup against evaluating a function: it depends on the machine's loads). tune builds every
+        value of each, the rest of the plan held, and keeps the fastest timed side by side."""
+        return ()
+
     def verification_problems(self, problem: Problem, knobs: dict[str, int], simd_elems: int) -> list[Problem]:
         """The tuned shape plus tails: rows not divisible by tile x threads, a width off the SIMD grid."""
         rows, cols = problem.shape[0], problem.shape[-1]

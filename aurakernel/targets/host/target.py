@@ -35,7 +35,31 @@ def _fastest_of_the_best(spec: OpSpec, problem: Problem, hw: HardwareProfile, re
     by side; the fastest verified one becomes the result's plan and kernel. A candidate that fails to
     build or verify is left out and named in the result's reasons, as are the others' times."""
     model = kernel_of(spec).tiling_problem(problem, hw)
-    cands = [pick, *runners_up(model, pick.knobs, n - 1)]
+    _keep_the_fastest(spec, problem, hw, result, [pick, *runners_up(model, pick.knobs, n - 1)],
+                      f"the planner's {n} best tilings", f"the fastest of the planner's {n} best")
+
+
+def _fastest_measured_knobs(spec: OpSpec, problem: Problem, hw: HardwareProfile, result: TuneResult) -> None:
+    """Every value of the kernel's measured knobs (its model cannot rank them on this CPU), the rest of
+    the plan held, built, verified and timed side by side beside the plan; the fastest is kept."""
+    knobs_now = {k: v for k, v in result.plan.knobs.items()}
+    model = kernel_of(spec).tiling_problem(problem, hw)
+    current = Candidate(knobs_now, result.plan.predicted_us)
+    current.source_hash, current.verification = result.source_hash, result.verification
+    others = [Candidate(alt, model.evaluate(alt)[0] * 1e6)
+              for knob in kernel_of(spec).measured_knobs(problem) for value in model.domains[knob]
+              if value != knobs_now[knob] and model.feasible(alt := {**knobs_now, knob: value})]
+    if others:
+        names = ", ".join(kernel_of(spec).measured_knobs(problem))
+        _keep_the_fastest(spec, problem, hw, result, [current, *others], f"every value of {names}",
+                          f"the fastest value of {names}")
+
+
+def _keep_the_fastest(spec: OpSpec, problem: Problem, hw: HardwareProfile, result: TuneResult,
+                      cands: list[Candidate], what: str, why: str) -> None:
+    """cands[0] (the result's, built and verified) and the rest built, verified and timed side by side;
+    the fastest verified one becomes the result's plan and kernel, and the reasons name every time."""
+    pick = cands[0]
     for cand in cands[1:]:
         build_and_verify(spec, problem, cand, hw)
     good = [c for c in cands if c.failed is None]
@@ -44,16 +68,15 @@ def _fastest_of_the_best(spec: OpSpec, problem: Problem, hw: HardwareProfile, re
         for i, c in enumerate(good):
             c.us = times[str(i)]
     best = min(good, key=lambda c: c.us if c.us is not None else 0.0)   # the pick alone: not timed
-    result.reasons.append(f"timed the planner's {len(cands)} best tilings: " + "; ".join(
+    result.reasons.append(f"timed {what}: " + "; ".join(
         f"{knobs_text(c.knobs)}: " + (c.failed or (f"{c.us:.0f} us" if c.us is not None else "the only one verified"))
         for c in cands))
     if best is not pick:
-        objective, detail = model.evaluate(best.knobs)
+        objective, detail = kernel_of(spec).tiling_problem(problem, hw).evaluate(best.knobs)
         result.plan = dataclasses.replace(
             result.plan, knobs=dict(sorted({**result.plan.knobs, **best.knobs}.items())), predicted_us=objective * 1e6,
             pipes_us={ph: {p: v * 1e6 for p, v in pipes.items()} for ph, pipes in detail.items()},
-            binding_constraint=f"measured: the fastest of the planner's {len(cands)} best (its pick, "
-                               f"{knobs_text(pick.knobs)}, ran {pick.us / best.us:.2f}x slower)")
+            binding_constraint=f"measured: {why} (the plan's, {knobs_text(pick.knobs)}, ran {pick.us / best.us:.2f}x slower)")
         result.source_hash, result.verification = best.source_hash, best.verification
 
 
@@ -101,6 +124,7 @@ class HostTarget:
             return result
         if candidates > 1:
             _fastest_of_the_best(spec, problem, hw, result, pick, candidates)
+        _fastest_measured_knobs(spec, problem, hw, result)
         times, notes, result.peak_bytes = measure_problem(
             spec, problem, result.source_hash, with_compiled=with_compiled, threads=hw.cores,
             with_compiled_kernel=with_compiled_kernel, with_memory=with_memory)

@@ -22,6 +22,13 @@ real gates take cover a few tens of KB of it). Same run, kernel alone, AVX2 EPYC
 4.6 ms (the traffic bound: 6.3 at the calibrated stream bandwidth), backward 18.0 -> 13.6 ms (bound
 10.4). gcc loads the table with scalar loads, not vgatherdps: the interleaved [65536][2] layout it did
 gather from ran the backward at 16.3 ms.
+Which is faster differs between CPUs. On a Zen 3 EPYC (2 cores, kernels alone, 8192x2048 bf16,
+interleaved): the backward evaluated 12.6 ms against 13.9 looked up, the forward looked up 5.7 ms
+against 6.7 evaluated; with the tables' loads taken out (constants in their place, wrong numbers)
+the backward ran 7.6-10.0 against 12.6-15.9 ms: the lookups are the backward's cost there, not its
+traffic. So each direction's choice is the `lookup` knob, which tune times on the machine (all four
+values side by side, HostKernel.measured_knobs): there it keeps 1 (the forward looks up), 15.3 ms
+fwd+bwd through the module against 17.6 for both looking up.
 """
 
 from __future__ import annotations
@@ -70,8 +77,12 @@ def backward(kernel, gate: torch.Tensor, up: torch.Tensor, in_stride: int, dy: t
         kernel.call("bwd", gate, up, in_stride, dy, dgate, dup, out_stride, rows, limit)
 
 
+FWD_LOOKUP, BWD_LOOKUP = 1, 2   # the `lookup` knob's bits: which directions look the gate up (bf16)
+
+
 class SwigluHost(HostKernel):
-    knob_docs = {"tile_rows": "rows per tile handed to a thread", "threads": "OpenMP threads"}
+    knob_docs = {"tile_rows": "rows per tile handed to a thread", "threads": "OpenMP threads",
+                 "lookup": "bf16: 1 the forward, 2 the backward, 3 both look silu up in a table (0: evaluated)"}
     entries = {"fwd": Entry("ak_swiglu_fwd", ("ptr", "ptr", "i64", "ptr", "i64", "f32")),
                "bwd": Entry("ak_swiglu_bwd", ("ptr", "ptr", "i64", "ptr", "ptr", "ptr", "i64", "i64", "f32")),
                "fwd_table": Entry("ak_swiglu_fwd_table", ("ptr", "ptr", "i64", "ptr", "ptr", "i64", "f32"),
@@ -82,14 +93,27 @@ class SwigluHost(HostKernel):
     def tiling_problem(self, problem: Problem, hw):
         rows, inter = problem.shape
         e = problem.dtype.itemsize
-        lookup = problem.dtype.value == "bf16"   # the sigmoid a table lookup: about a third of the operations
-        phases = [RowwisePhase("forward", 3 * inter * e, (4 if lookup else 12) * inter, 0, 0, 0, 0),
-                  RowwisePhase("backward", 5 * inter * e, (8 if lookup else 20) * inter, 0, 0, 0, 0)]
-        return rowwise_model(rows, inter, phases, hw, fixed={"col_chunk": inter})
+
+        def phases(lookup: int) -> list[RowwisePhase]:   # a lookup: about a third of the sigmoid's operations
+            return [RowwisePhase("forward", 3 * inter * e, (4 if lookup & FWD_LOOKUP else 12) * inter, 0, 0, 0, 0),
+                    RowwisePhase("backward", 5 * inter * e, (8 if lookup & BWD_LOOKUP else 20) * inter, 0, 0, 0, 0)]
+
+        if problem.dtype.value != "bf16":   # 65536 gate values to tabulate: bf16 only
+            return rowwise_model(rows, inter, phases(0), hw, fixed={"col_chunk": inter})
+        return rowwise_model(rows, inter, {v: phases(v) for v in range(4)}, hw, fixed={"col_chunk": inter},
+                             formulation="lookup")
+
+    def measured_knobs(self, problem: Problem) -> tuple[str, ...]:
+        """A lookup is a scalar load per table and element (no gather), the sigmoid ~30 vector
+        operations per 8 or 16 elements: which is faster differs between CPUs (a Zen 3 EPYC: the backward
+        evaluated 12.6 ms against 13.9 looked up, the forward looked up 5.7 against 6.7, at 8192x2048)."""
+        return ("lookup",) if problem.dtype.value == "bf16" else ()
 
     def render_params(self, problem: Problem, knobs: dict[str, int]) -> dict:
+        lookup = int(knobs.get("lookup", 0))
         return {"dtype": problem.dtype, "inter": int(problem.shape[1]), "tile_rows": int(knobs["tile_rows"]),
-                "threads": int(knobs["threads"])}
+                "threads": int(knobs["threads"]), "fwd_table": int(bool(lookup & FWD_LOOKUP)),
+                "bwd_table": int(bool(lookup & BWD_LOOKUP))}
 
     def empty_outputs(self, problem: Problem, inputs: Tensors) -> Tensors:
         gu = inputs["gate_up"]
