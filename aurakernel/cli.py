@@ -568,7 +568,11 @@ def _calibrate_fit(target: str, db: str | None, samples: int | None, as_json: bo
               f"{report.median_rel_err_before:.1%} -> {report.median_rel_err_after:.1%}")
     for reason, n in report.skipped.items():
         out.print(f"[yellow]left out[/] {n} record(s): {escape(reason)}")
-    out.print(f"coefficients written to {report.path}")
+    if report.kept_because is not None:
+        out.print(f"[yellow]kept the current coefficients[/]: {escape(report.kept_because)}; add records "
+                  f"(`aurakernel bench search-quality --db ...` measures every candidate of a space) and fit again")
+    else:
+        out.print(f"coefficients written to {report.path}")
 
 
 @app.command()

@@ -227,6 +227,10 @@ def _values(model: ChoiceModel, choice: dict[str, int]) -> list[tuple[dict[str, 
              sum(t.value(choice) for t in ph.additive)) for ph in model.phases]
 
 
+class NonLinear(RuntimeError):
+    """A model's time at a choice is not linear in the coefficients (its decomposition does not give it back)."""
+
+
 def decompose(models: list[ChoiceModel], choice: dict[str, int],
               current: np.ndarray) -> list[tuple[str, dict[str, Linear], Linear]]:
     """Per phase: each pipe and the phase's overheads as (features, fixed part)."""
@@ -246,7 +250,7 @@ def decompose(models: list[ChoiceModel], choice: dict[str, int],
             want = now_add if name == "overheads" else now_pipes[name]
             got = float(f @ current + c)
             if abs(got - want) > 1e-9 + 1e-6 * abs(want):
-                raise RuntimeError(f"cost model not linear in its coefficients: {phase.name} {name} "
+                raise NonLinear(f"cost model not linear in its coefficients: {phase.name} {name} "
                                    f"is {want:.6g} s, its decomposition {got:.6g} s")
         out.append((phase.name, pipes, add))
     return out
@@ -281,9 +285,27 @@ class FitReport:
     median_rel_err_after: float
     path: str | None = None
     source: str = ""
+    kept_because: str | None = None      # why the fitted coefficients were not adopted (None: they were, or no write)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
+
+    def worse_than_before(self) -> str | None:
+        """Why the fit must not replace the coefficients, or None: it ranks the records worse than they
+        do, in sample, predicting each record without it (cross-validated: what the next plans face),
+        or within a problem (what the MILP's pick rests on). The planner would plan worse with it: a
+        coefficient the records cannot pin down may land at an edge (a per-chunk cost of 0 had the
+        host plan cross_entropy's 129280 columns in chunks of 16, 2x slower than eager)."""
+        pairs = (("in sample", self.spearman_after), ("cross-validated", self.spearman_cv))
+        worse = [f"{name} {after:.3f}" for name, after in pairs
+                 if self.spearman_before is not None and after is not None and after < self.spearman_before]
+        if (self.spearman_within_before is not None and self.spearman_within_after is not None
+                and self.spearman_within_after < self.spearman_within_before):
+            worse.append(f"within a problem {self.spearman_within_after:.3f} against {self.spearman_within_before:.3f}")
+        if not worse:
+            return None
+        return (f"the fit ranks the records worse than the current coefficients ({', '.join(worse)}, against "
+                f"{self.spearman_before:.3f} now)")
 
 
 def _fit_report(target: str, obs: list[Observation], names: list[str], prior: dict[str, float],
@@ -364,7 +386,11 @@ def host_observations(db_path: Path, hw: HardwareProfile) -> tuple[list[Observat
         if choice is None:
             skipped["plan outside the current tiling model"] += 1
             continue
-        parts = decompose(models[key], choice, current)
+        try:
+            parts = decompose(models[key], choice, current)
+        except NonLinear:   # e.g. a knob whose one value the model derives from a coefficient
+            skipped["tiling model not linear in the coefficients at this plan"] += 1
+            continue
         obs.append(Observation([list(pipes.values()) for _, pipes, _ in parts],
                                (sum(a[0] for _, _, a in parts), sum(a[1] for _, _, a in parts)),
                                float(r["measured_us"]) * 1e-6, group=f"{key}|{sorted(choice.items())}",
@@ -395,6 +421,9 @@ def fit_host(db_path: Path | str, hw: HardwareProfile | None = None, write: bool
         cal = load_calibration()
         if cal is None:
             raise UserError("this machine has no calibration to fit into: run `aurakernel calibrate` first")
+        report.kept_because = report.worse_than_before()
+        if report.kept_because is not None:
+            return report
         cal["costmodel"] = report.after
         cal["costmodel_fit"] = {"fitted_at": time.time(), "records": report.records, "db": str(db_path),
                                 "spearman_before": report.spearman_before, "spearman_after": report.spearman_after,
@@ -528,6 +557,8 @@ def fit_ascend(target: str, samples: list[AscendSample], write: bool = True, ski
     report = _fit_report(target, obs, list(ASCEND_COEFFICIENTS), prior, ASCEND_COEFFICIENTS, len(samples), need,
                          skipped or Counter(), "emulator")
     if write:
+        report.kept_because = report.worse_than_before()
+    if write and report.kept_because is None:
         path = costmodel_overlay_path(target)
         write_text_atomic(path, json.dumps({
             "target": target, "costmodel": report.after,
