@@ -12,7 +12,7 @@ from ..ops.base import Problem, Tensors
 from ..ops.mhc import PRE
 from ..ops.mhc_post_pre import SPEC, MhcPostPre
 from ..targets.host.library import built_kernel
-from .base import Patch
+from .base import PATCHES, Patch
 from .install import install
 from .mhc import fp32_params, require_kernel_math
 from .mhc_post import patch_layer, streams_problem, update_kernel
@@ -99,9 +99,8 @@ class MhcPostPrePatch(Patch):
 
     def patch_parts(self, module: MhcPostPre, lookups: dict) -> None:
         """The stream update on mhc_post's kernel, then the HyperConnection on mhc_pre's."""
-        from .deepseek_v4 import patch_of   # the table imports this module
-        patch_of(OPS["mhc_post"]).patch(module.update, lookups["mhc_post"])
-        patch_of(OPS["mhc_pre"]).patch(module.hc, lookups["mhc_pre"])
+        PATCHES.of(OPS["mhc_post"]).patch(module.update, lookups["mhc_post"])
+        PATCHES.of(OPS["mhc_pre"]).patch(module.hc, lookups["mhc_pre"])
 
 
 PARTS = (MhcPostPrePatch(SPEC),)
