@@ -22,13 +22,15 @@ real gates take cover a few tens of KB of it). Same run, kernel alone, AVX2 EPYC
 4.6 ms (the traffic bound: 6.3 at the calibrated stream bandwidth), backward 18.0 -> 13.6 ms (bound
 10.4). gcc loads the table with scalar loads, not vgatherdps: the interleaved [65536][2] layout it did
 gather from ran the backward at 16.3 ms.
-Which is faster differs between CPUs. On a Zen 3 EPYC (2 cores, kernels alone, 8192x2048 bf16,
-interleaved): the backward evaluated 12.6 ms against 13.9 looked up, the forward looked up 5.7 ms
-against 6.7 evaluated; with the tables' loads taken out (constants in their place, wrong numbers)
-the backward ran 7.6-10.0 against 12.6-15.9 ms: the lookups are the backward's cost there, not its
-traffic. So each direction's choice is the `lookup` knob, which tune times on the machine (all four
-values side by side, HostKernel.measured_knobs): there it keeps 1 (the forward looks up), 15.3 ms
-fwd+bwd through the module against 17.6 for both looking up.
+Which is faster differs between CPUs. On an EPYC with AVX-512 (Zen 4; 16-lane sigmoids; 2 cores,
+kernels alone, 8192x2048 bf16, interleaved): the backward evaluated 12.6 ms against 13.9 looked up,
+the forward looked up 5.7 ms against 6.7 evaluated; with the tables' loads taken out (constants in
+their place, wrong numbers) the backward ran 7.6-10.0 against 12.6-15.9 ms: the lookups are the
+backward's cost there, not its traffic. On the same machine built for AVX2 (AURAKERNEL_HOST_ISA=avx2)
+looking up wins both ways (fwd+bwd through the module 21.7 ms, evaluated 28.9). So each direction's
+choice is the `lookup` knob, which tune times on the machine (all four values side by side,
+HostKernel.measured_knobs): with AVX-512 it keeps 1 (the forward looks up; 15.3 ms fwd+bwd against
+17.6 for both looking up), with AVX2 3.
 """
 
 from __future__ import annotations
