@@ -207,6 +207,7 @@ def _drop_fusions_not_faster_than_apart(plan: KernelPlan, tuned: list[TuneResult
         times = time_apart(r, parts)
         if times is None:
             continue
+        r.against_apart = times
         r.reasons.append(f"{times['fused']:.1f} us against {' + '.join(names)} apart {times['apart']:.1f} us "
                          "(timed side by side)")
         if times["fused"] < times["apart"]:

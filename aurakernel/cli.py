@@ -252,6 +252,12 @@ def autotune(
                   ", ".join(f"{n}={v}" for n, v in k.knobs.items()), _fmt(k.measured_us), _fmt(k.eager_us),
                   _fmt(k.speedup_vs_eager, 2, "x"))
     out.print(t)
+    from .ops import OPS
+    kept = {k.source_hash for k in result.plan.kernels}
+    for r in result.tuned:
+        if r.against_apart is not None and r.source_hash in kept:
+            out.print(f"[green]fused[/] {r.problem.describe()}: {r.against_apart['fused']:,.1f} us against "
+                      f"{' + '.join(OPS[r.problem.op].fuses)} apart {r.against_apart['apart']:,.1f} us (side by side)")
     for s in result.plan.skipped:
         where = " ".join(str(s[k]) for k in ("variant", "shape", "dtype") if k in s)
         out.print(f"[yellow]not tuned[/] {s['op']} {where}: {escape(s['reason'])}")

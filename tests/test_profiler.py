@@ -111,6 +111,7 @@ def test_autotune_keeps_a_fused_kernel_only_where_it_beats_its_parts_apart(fused
     plan, skipped = KernelPlan(target="host", kernels=[plan_entry(r) for r in tuned]), []
     _drop_fusions_not_faster_than_apart(plan, tuned, skipped, time_apart)
     assert asked == [("hash-mhc_post_pre", {"mhc_post": "hash-mhc_post", "mhc_pre": "hash-mhc_pre"})]
+    assert tuned[2].against_apart == {"fused": fused_us, "apart": 3100.0}   # what autotune prints beside the plan
     assert {e.op for e in plan.kernels} == ({"mhc_post", "mhc_pre"} | ({"mhc_post_pre"} if kept else set()))
     if kept:
         assert skipped == []

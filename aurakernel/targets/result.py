@@ -29,6 +29,9 @@ class TuneResult:
     project_dir: str | None = None
     project_name: str | None = None   # its libraries' and torch ops' name (libak_<name>_ops.so, torch.ops.aurakernel.<name>_*)
     build_error: str | None = None   # the compiler's message when the build failed (recorded in the DB)
+    # a fused kernel (OpSpec.fuses) against its parts' kernels one after the other, timed side by side
+    # by autotune: {"fused": us, "apart": us}
+    against_apart: dict | None = None
 
     @property
     def verified(self) -> bool:
