@@ -42,7 +42,7 @@ def _fastest_of_the_best(spec: OpSpec, problem: Problem, hw: HardwareProfile, re
 def _fastest_measured_knobs(spec: OpSpec, problem: Problem, hw: HardwareProfile, result: TuneResult) -> None:
     """Every value of the kernel's measured knobs (its model cannot rank them on this CPU), the rest of
     the plan held, built, verified and timed side by side beside the plan; the fastest is kept."""
-    knobs_now = {k: v for k, v in result.plan.knobs.items()}
+    knobs_now = dict(result.plan.knobs)
     model = kernel_of(spec).tiling_problem(problem, hw)
     current = Candidate(knobs_now, result.plan.predicted_us)
     current.source_hash, current.verification = result.source_hash, result.verification
