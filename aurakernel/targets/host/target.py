@@ -35,27 +35,29 @@ def _fastest_of_the_best(spec: OpSpec, problem: Problem, hw: HardwareProfile, re
     by side; the fastest verified one becomes the result's plan and kernel. A candidate that fails to
     build or verify is left out and named in the result's reasons, as are the others' times."""
     model = kernel_of(spec).tiling_problem(problem, hw)
-    _keep_the_fastest(spec, problem, hw, result, [pick, *runners_up(model, pick.knobs, n - 1)],
+    _keep_the_fastest(spec, problem, hw, result, model, [pick, *runners_up(model, pick.knobs, n - 1)],
                       f"the planner's {n} best tilings", f"the fastest of the planner's {n} best")
 
 
 def _fastest_measured_knobs(spec: OpSpec, problem: Problem, hw: HardwareProfile, result: TuneResult) -> None:
     """Every value of the kernel's measured knobs (its model cannot rank them on this CPU), the rest of
     the plan held, built, verified and timed side by side beside the plan; the fastest is kept."""
+    measured = kernel_of(spec).measured_knobs(problem)
+    if not measured:
+        return
     knobs_now = dict(result.plan.knobs)
     model = kernel_of(spec).tiling_problem(problem, hw)
     current = Candidate(knobs_now, result.plan.predicted_us)
     current.source_hash, current.verification = result.source_hash, result.verification
-    others = [Candidate(alt, model.evaluate(alt)[0] * 1e6)
-              for knob in kernel_of(spec).measured_knobs(problem) for value in model.domains[knob]
+    others = [Candidate(alt, model.evaluate(alt)[0] * 1e6) for knob in measured for value in model.domains[knob]
               if value != knobs_now[knob] and model.feasible(alt := {**knobs_now, knob: value})]
     if others:
-        names = ", ".join(kernel_of(spec).measured_knobs(problem))
-        _keep_the_fastest(spec, problem, hw, result, [current, *others], f"every value of {names}",
+        names = ", ".join(measured)
+        _keep_the_fastest(spec, problem, hw, result, model, [current, *others], f"every value of {names}",
                           f"the fastest value of {names}")
 
 
-def _keep_the_fastest(spec: OpSpec, problem: Problem, hw: HardwareProfile, result: TuneResult,
+def _keep_the_fastest(spec: OpSpec, problem: Problem, hw: HardwareProfile, result: TuneResult, model,
                       cands: list[Candidate], what: str, why: str) -> None:
     """cands[0] (the result's, built and verified) and the rest built, verified and timed side by side;
     the fastest verified one becomes the result's plan and kernel, and the reasons name every time."""
@@ -72,7 +74,7 @@ def _keep_the_fastest(spec: OpSpec, problem: Problem, hw: HardwareProfile, resul
         f"{knobs_text(c.knobs)}: " + (c.failed or (f"{c.us:.0f} us" if c.us is not None else "the only one verified"))
         for c in cands))
     if best is not pick:
-        objective, detail = kernel_of(spec).tiling_problem(problem, hw).evaluate(best.knobs)
+        objective, detail = model.evaluate(best.knobs)
         result.plan = dataclasses.replace(
             result.plan, knobs=dict(sorted({**result.plan.knobs, **best.knobs}.items())), predicted_us=objective * 1e6,
             pipes_us={ph: {p: v * 1e6 for p, v in pipes.items()} for ph, pipes in detail.items()},

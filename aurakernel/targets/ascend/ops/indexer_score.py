@@ -364,10 +364,11 @@ class IndexerScoreAscend(AscendKernel):
                                bwd_block_tiles=bwd_block_tiles, bwd_blocks=bwd_blocks, bwd_ws=bwd_ws,
                                fwd_ws=cube_blocks * self.FWD_SLOTS * knobs["cube_rows"] * heads * knobs["cube_keys"] * 4)
 
-    def tiling(self, problem: Problem, knobs: dict[str, int]) -> bytearray:
-        """AkIndexerScoreTiling for the problem's shape, as the binding's AkIndexerScoreMakeTiling makes it."""
+    def tiling(self, problem: Problem, knobs: dict[str, int], geo: SimpleNamespace | None = None) -> bytearray:
+        """AkIndexerScoreTiling for the problem's shape, as the binding's AkIndexerScoreMakeTiling makes it (from
+        `geo`, the launch, where the caller has it)."""
         batch, seq, _, dim, entries = problem.shape
-        geo = self.launch(problem, knobs)
+        geo = geo or self.launch(problem, knobs)
         return bytearray(struct.pack("<10If15I", batch * seq, seq, entries, batch, geo.block_rows, geo.block_dim, knobs["chunk"],
                                      knobs["tile_rows"], -(-entries // knobs["chunk"]) * knobs["chunk"], -(-batch * entries // geo.block_dim),
                                      dim ** -0.5, geo.cube_blocks, knobs["cube_rows"], knobs["cube_keys"], knobs["key_chunk"],
@@ -383,7 +384,7 @@ class IndexerScoreAscend(AscendKernel):
         batch, seq, heads, dim = q.shape
         entries = k.shape[1]
         geo = self.launch(problem, knobs)
-        tiling = self.tiling(problem, knobs)
+        tiling = self.tiling(problem, knobs, geo)
         w = self.spec.weights(hidden, proj, heads).contiguous()
         score = torch.full((batch, seq, entries), float("nan"))
         # k, read by every AI core, is found in L2 (as mhc's fn and sparse attention's kv); the forward's

@@ -630,10 +630,12 @@ class MhcAscend(AscendKernel):
                                dfn_blocks=dfn_blocks, par_blocks=par_blocks, ws_dfn=ws_dfn, ws_par=ws_par,
                                ws_parts=ws_parts, ws_end=ws_parts + parts, round_rows=round_rows, acc_floats=acc_floats)
 
-    def tiling(self, problem: Problem, rows: int, d: int, knobs: dict[str, int]) -> bytearray:
-        """AkMhcTiling for `rows` tokens of width d, as the tiling header's AkMhcMakeTiling makes it."""
+    def tiling(self, problem: Problem, rows: int, d: int, knobs: dict[str, int],
+               geo: SimpleNamespace | None = None) -> bytearray:
+        """AkMhcTiling for `rows` tokens of width d, as the tiling header's AkMhcMakeTiling makes it (from
+        `geo`, the launch, where the caller has it)."""
         hc = problem.shape[1]
-        geo = self.launch(problem, rows, d, knobs)
+        geo = geo or self.launch(problem, rows, d, knobs)
         return bytearray(struct.pack("<7I3f3I", rows, d, geo.block_rows, -(-d // knobs["col_tile"]), self.pass2_chunk(knobs["chunk"], hc),
                                      geo.ws_dfn, geo.ws_par, EPS, EPS, 1.0 / (hc * d), geo.cube_rows, geo.ws_parts, geo.round_rows))
 
@@ -651,7 +653,7 @@ class MhcAscend(AscendKernel):
         block_dim, cube_blocks, dfn_blocks, par_blocks = geo.block_dim, geo.cube_blocks, geo.dfn_blocks, geo.par_blocks
         ws_dfn, ws_par, ws_parts = geo.ws_dfn, geo.ws_par, geo.ws_parts
         aic = int(knobs["cube_blocks"])   # the forward's AI cores split W's columns, whatever the tokens
-        tiling = self.tiling(problem, rows, d, knobs)
+        tiling = self.tiling(problem, rows, d, knobs, geo)
         fn, base = inputs["fn"].float().contiguous(), inputs["base"].float().contiguous()
         scale = inputs["scale"].float().contiguous()
         nan = float("nan")
