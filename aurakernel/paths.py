@@ -41,23 +41,14 @@ def check_writable(path: str | Path, what: str, directory: bool = False) -> Path
         existing = existing.parent
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise UserError(f"{what} {p}: cannot be written ({existing} is not a writable directory)")
-    # os.access does not stop root, nor see a read-only mount or a pseudo file system (/proc): make
-    # the folders the command would make and a file in the innermost, then take away what was made
-    folder, made = p if directory else p.parent, []
-    at = folder
+    # os.access does not stop root, nor see a read-only mount or a pseudo file system (/proc): make a
+    # folder of our own where the command's first folder or file would go, then take it away. Its
+    # name is unique, so the ranks of a torchrun job, which all check the same path at once, never
+    # take away a folder another rank is probing
     try:
-        for at in reversed([d for d in (folder, *folder.parents) if not d.exists()]):
-            at.mkdir()
-            made.append(at)
-        at = folder
-        fd, probe = tempfile.mkstemp(dir=folder, prefix=".aurakernel-probe-")
-        os.close(fd)
-        os.unlink(probe)
+        os.rmdir(tempfile.mkdtemp(dir=existing, prefix=".aurakernel-probe-"))
     except OSError as exc:
-        raise UserError(f"{what} {p}: cannot be written ({at}: {exc.strerror})") from None
-    finally:
-        for d in reversed(made):
-            d.rmdir()
+        raise UserError(f"{what} {p}: cannot be written ({existing}: {exc.strerror})") from None
     return p
 
 

@@ -3,6 +3,7 @@
 import json
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -256,21 +257,42 @@ def test_an_output_that_cannot_be_written_fails_before_any_work(tmp_path, monkey
 
 def test_an_output_os_access_approves_but_no_file_can_be_made_in_fails_up_front(tmp_path, monkeypatch):
     """os.access lets root write anywhere and knows nothing of pseudo file systems or read-only mounts:
-    the check makes the folders and a file there (then takes them away). As root, or as anyone
-    os.access approves, /proc takes no new folder or file."""
+    the check makes a folder where the output's first folder or file would go (then takes it away). As
+    root, or as anyone os.access approves, /proc takes no new folder."""
     from aurakernel.errors import UserError
     from aurakernel.paths import check_writable
 
     monkeypatch.setattr(os, "access", lambda *a, **kw: True)
-    for path, directory, where in (("/proc/ak-out/plan.json", False, "/proc/ak-out"), ("/proc/plan.json", False, "/proc"),
-                                   ("/proc/ak-project", True, "/proc/ak-project")):
-        with pytest.raises(UserError, match=f"{path}: cannot be written \\({where}: "):
+    for path, directory in (("/proc/ak-out/plan.json", False), ("/proc/plan.json", False), ("/proc/ak-project", True)):
+        with pytest.raises(UserError, match=f"{path}: cannot be written \\(/proc: "):
             check_writable(path, "--out", directory=directory)
     nested = tmp_path / "a" / "b"
     assert check_writable(nested / "plan.json", "--out") == nested / "plan.json"
     assert check_writable(nested / "project", "--out", directory=True) == nested / "project"
     assert list(tmp_path.iterdir()) == []   # what the checks made is gone again
 
+
+
+def _check_many_times(path: str, n: int) -> str:
+    from aurakernel.errors import UserError
+    from aurakernel.paths import check_writable
+    try:
+        for i in range(n):
+            check_writable(Path(path) / "ckpt", "checkpoint dir", directory=True)
+            check_writable(Path(path) / "logs" / "log.jsonl", "log")
+    except UserError as exc:
+        return str(exc)
+    return ""
+
+
+def test_every_torchrun_rank_checks_the_same_outputs_at_once(tmp_path):
+    """Each rank of a torchrun job checks the checkpoint dir and log before training: a folder another
+    rank made, or took away again, meanwhile is no reason to stop (it stopped 2-rank runs at random)."""
+    import multiprocessing
+    with multiprocessing.get_context("fork").Pool(2) as pool:
+        errors = pool.starmap(_check_many_times, [(str(tmp_path), 400)] * 2)
+    assert errors == ["", ""]
+    assert list(tmp_path.iterdir()) == []
 
 def test_show_reads_a_read_only_db_and_a_row_whose_plan_is_not_json(tmp_path, monkeypatch, capsys):
     import sqlite3
