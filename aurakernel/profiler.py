@@ -14,6 +14,7 @@ module reads and writes, forward and twice for backward, at streaming bandwidth)
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections import defaultdict
 from collections.abc import Callable
@@ -227,13 +228,9 @@ def profile_training(workload: Workload, steps: int = 3, warmup: int = 1,
     model = workload.model
     for _ in range(warmup):
         workload.step()
-    from .patch import attn_softmax, rope
-
     hooks = _Hooks(model)
     try:
-        with rope.SWAP.recording(hooks.record, rope.call_problem), \
-                attn_softmax.SWAP.recording(hooks.record, attn_softmax.call_problem), \
-                cpu_profile(record_shapes=False) as prof:
+        with _recording_functions(hooks), cpu_profile(record_shapes=False) as prof:
             for _ in range(steps):
                 with record_function("ak.step"):
                     workload.step()
@@ -253,15 +250,23 @@ def profile_training(workload: Workload, steps: int = 3, warmup: int = 1,
     return _report(times, counts, total, steps, hooks, hw)
 
 
+def _recording_functions(hooks) -> contextlib.ExitStack:
+    """The problems of the operators that replace functions the model's code calls (rope, the eager
+    attention, the experts' grouped projections), recorded into `hooks` while the stack is open."""
+    from .patch import attn_softmax, grouped_linear, rope
+
+    stack = contextlib.ExitStack()
+    for part in (rope, attn_softmax, grouped_linear):
+        stack.enter_context(part.SWAP.recording(hooks.record, part.call_problem))
+    return stack
+
+
 def problems_of_forward(model: nn.Module, input_ids: torch.Tensor) -> list[Problem]:
     """The problems one forward of `model` on `input_ids` poses (no gradients, nothing timed): what a
     plan must cover for this model to run on kernels."""
-    from .patch import attn_softmax, rope
-
     hooks = _Hooks(model)
     try:
-        with torch.no_grad(), rope.SWAP.recording(hooks.record, rope.call_problem), \
-                attn_softmax.SWAP.recording(hooks.record, attn_softmax.call_problem):
+        with torch.no_grad(), _recording_functions(hooks):
             model(input_ids=input_ids)
     finally:
         hooks.remove()

@@ -28,6 +28,8 @@ CASES = {
     # TOKENSxINxOUT: rows and columns off the register blocks, a narrow output, widths off the SIMD grid
     # and both widths past 1024 (A's blocks packed)
     "linear": ["300x96x64", "37x131x5", "33x1030x1027"],
+    # ROWSxEXPERTSxINxOUT: uneven groups, the first empty (make_inputs); more experts than rows (most empty)
+    "grouped_linear": ["300x4x96x64", "37x3x131x5", "5x8x40x24"],
     "compressor": ["2x9x4x64", "1x3x16x40"],
     "indexer_score": ["2x19x4x32x23", "1x5x8x16x3"],
     "attn_softmax": ["2x4x37x53", "1x3x9x130"],

@@ -1,5 +1,6 @@
 """Swapping kernels into DeepseekV4ForCausalLM: same training as the reference, honest reports."""
 
+import collections
 import copy
 import json
 
@@ -29,10 +30,12 @@ def plan_for(model, dtypes=("fp32",), skip_cols=(), ops=None):
 
     hw = host_profile()
     c = model.config
-    rope_keys = [(c.head_dim, c.qk_rope_head_dim), (c.index_head_dim, c.qk_rope_head_dim)]
+    per_call = {"rope": [(c.head_dim, c.qk_rope_head_dim), (c.index_head_dim, c.qk_rope_head_dim)],
+                # the experts' two grouped projections: gate_up, then down
+                "grouped_linear": [(c.hidden_size, 2 * c.moe_intermediate_size), (c.moe_intermediate_size, c.hidden_size)]}
     wanted = []
     for site in deepseek_v4_sites(model):
-        keys = rope_keys if site.op == "rope" else [site.kernel_key]
+        keys = per_call.get(site.op, [site.kernel_key])
         wanted += [(site, k) for k in keys]
     entries, seen = [], set()
     for site, kernel_key in wanted:
@@ -45,7 +48,7 @@ def plan_for(model, dtypes=("fp32",), skip_cols=(), ops=None):
             seen.add(key)
             spec = get_op(site.op)
             lead = {"rope": (64, 2), "compressor": (1, 16), "indexer_score": (1, 16),
-                    "attn_softmax": (1, 4, 16, 20)}.get(site.op, (64,))
+                    "attn_softmax": (1, 4, 16, 20), "grouped_linear": (64, c.n_routed_experts)}.get(site.op, (64,))
             shape_tail = (8,) if site.op == "indexer_score" else ()
             shape = (*lead, *kernel_key, *shape_tail)
             if site.op == "sparse_attention":   # heads, head_dim, window, extra around the batch and sequence
@@ -316,6 +319,41 @@ def test_patched_experts_dispatch_is_bitwise_the_reference(dtype):
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
 
+
+
+@pytest.mark.parametrize("ops", [{"grouped_linear"}, {"grouped_linear", "swiglu"}])
+def test_the_experts_projections_run_the_grouped_linear_kernel_alone_or_beside_swiglu(ops, monkeypatch):
+    """The experts' two grouped projections (transformers' _grouped_linear, called by their forward)
+    take the grouped_linear kernel whether or not the gate between them takes swiglu's; loss and
+    every gradient match the reference's, and the profiler sees both projections' problems."""
+    from aurakernel.profiler import problems_of_forward
+    from aurakernel.targets.host.library import Kernel
+
+    model = build_model(load_config(TINY).model, seed=0)
+    c = model.config
+    ids = torch.randint(0, c.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    seen = {p for p in problems_of_forward(model, ids) if p.op == "grouped_linear"}
+    assert {p.shape for p in seen} == {(2 * 64 * c.num_experts_per_tok, c.n_routed_experts, c.hidden_size,
+                                        2 * c.moe_intermediate_size),
+                                       (2 * 64 * c.num_experts_per_tok, c.n_routed_experts, c.moe_intermediate_size,
+                                        c.hidden_size)}
+    ours = copy.deepcopy(model)
+    report = apply(ours, plan_for(ours, ops=ops))
+    assert {s["op"] for s in report.swapped} == ops and not report.rejected
+    calls = collections.Counter()
+    call = Kernel.call
+    monkeypatch.setattr(Kernel, "call", lambda k, name, *a: calls.update([(k.source.template, name)]) or call(k, name, *a))
+    results = []
+    for m in (model, ours):
+        loss = m(input_ids=ids, labels=ids).loss
+        results.append([loss, *torch.autograd.grad(loss, list(m.parameters()), allow_unused=True)])
+    moe_layers = len(c.mlp_layer_types)   # every FFN is an MoE (hash-routed or top-k)
+    assert calls[("host/grouped_linear.c.j2", "fwd")] == calls[("host/grouped_linear.c.j2", "bwd")] == 2 * moe_layers
+    for a, b in zip(*results, strict=True):
+        if a is None or b is None:
+            assert a is None and b is None
+            continue
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 def planned_knobs(problem: Problem, **fixed) -> dict:
     """The host planner's knobs for `problem` with `fixed` ones set (linear_cross_entropy's fp32 builds

@@ -21,6 +21,7 @@ from .attn_softmax import SPEC as ATTN_SOFTMAX
 from .base import OpSpec, Problem
 from .compressor import SPEC as COMPRESSOR
 from .cross_entropy import SPEC as CROSS_ENTROPY
+from .grouped_linear import SPEC as GROUPED_LINEAR
 from .indexer_score import SPEC as INDEXER_SCORE
 from .linear import SPEC as LINEAR
 from .linear_cross_entropy import SPEC as LINEAR_CROSS_ENTROPY
@@ -36,7 +37,7 @@ from .swiglu import SPEC as SWIGLU
 
 OPS: dict[str, OpSpec] = {spec.name: spec for spec in (RMS_NORM, MHC_PRE, MHC_POST, MHC_POST_PRE, MHC_HEAD, ROUTER, SWIGLU, ROPE, ATTN_SOFTMAX,
                                                         COMPRESSOR, INDEXER_SCORE, SPARSE_ATTENTION, CROSS_ENTROPY,
-                                                        LINEAR_CROSS_ENTROPY, LINEAR, ADAMW)}
+                                                        LINEAR_CROSS_ENTROPY, LINEAR, GROUPED_LINEAR, ADAMW)}
 
 
 ENTRY_POINT_GROUP = "aurakernel.ops"

@@ -147,6 +147,29 @@ def gemm_peak(hw, library: bool) -> float:
     return rates.get("fp32", 0.1) * 1e12 / max(hw.cores, 1)
 
 
+def gemm_model(phases: dict[str, list[Gemm]], hw) -> ChoiceModel:
+    """The tiling model of a kernel that runs `phases` (forward and backward, each a list of GEMMs on
+    _gemm_driver.h.j2, one call each): their FMA and memory time per knob choice, and a call (and a
+    fork) per GEMM."""
+    domains, constraints, rates = blocking([g for phase in phases.values() for g in phase], hw)
+    domains["threads"] = thread_candidates(hw.cores)
+
+    def seconds(phase: str, which: int):
+        def cost(kc: int, nc: int, mc: int, th: int) -> float:
+            return sum(gemm_seconds(g, kc, nc, mc, th, **rates)[which] for g in phases[phase])
+        return cost
+
+    def calls_s(th: int) -> float:
+        return (hw.call_overhead_us + (hw.fork_overhead_us if th > 1 else 0.0)) * 1e-6
+
+    knobs = ("kc", "nc", "mc", "threads")
+    model_phases = [Phase(name, {"FMA": [Term.of(knobs, domains, seconds(name, 0))],
+                                 "memory": [Term.of(knobs, domains, seconds(name, 1))]},
+                          [Term.of(("threads",), domains, lambda th, n=len(phases[name]): n * calls_s(th))])
+                    for name in ("forward", "backward")]
+    return ChoiceModel(domains, constraints, model_phases)
+
+
 class LinearHost(HostKernel):
     knob_docs = {"kc": "reduction depth of a packed panel (a kc x 2-vector strip of B stays in L1)",
                  "nc": "columns of C per packed panel of B (the panel stays in L2)",
@@ -157,24 +180,7 @@ class LinearHost(HostKernel):
                "scratch": Entry("ak_linear_scratch", (), "i64")}
 
     def tiling_problem(self, problem: Problem, hw):
-        phases = gemms(problem)
-        domains, constraints, rates = blocking([g for phase in phases.values() for g in phase], hw)
-        domains["threads"] = thread_candidates(hw.cores)
-
-        def seconds(phase: str, which: int):
-            def cost(kc: int, nc: int, mc: int, th: int) -> float:
-                return sum(gemm_seconds(g, kc, nc, mc, th, **rates)[which] for g in phases[phase])
-            return cost
-
-        def calls_s(th: int) -> float:
-            return (hw.call_overhead_us + (hw.fork_overhead_us if th > 1 else 0.0)) * 1e-6
-
-        knobs = ("kc", "nc", "mc", "threads")
-        model_phases = [Phase(name, {"FMA": [Term.of(knobs, domains, seconds(name, 0))],
-                                     "memory": [Term.of(knobs, domains, seconds(name, 1))]},
-                              [Term.of(("threads",), domains, lambda th, n=len(phases[name]): n * calls_s(th))])
-                        for name in ("forward", "backward")]
-        return ChoiceModel(domains, constraints, model_phases)
+        return gemm_model(gemms(problem), hw)
 
     def render_params(self, problem: Problem, knobs: dict[str, int]) -> dict:
         return {"dtype": problem.dtype, "d_in": int(problem.shape[1]), "d_out": int(problem.shape[2]),
