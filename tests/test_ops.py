@@ -231,6 +231,36 @@ def test_a_kernel_is_held_to_the_exact_result_not_to_the_references_rounding():
     assert [c.reason for c in wrong if c.tensor == "grad_x"] == [""]   # within tolerance of the reference: no second look
 
 
+
+@pytest.mark.parametrize("by_group", [0, 1])
+def test_grouped_linear_takes_offsets_as_clamped_group_ends(by_group, host):
+    """Offsets out of order or past the rows (a caller's bug, or a batch routed to no expert) never
+    make the kernel read or write outside its buffers: each group ends at its offset clamped into
+    [the previous end, rows], rows past the last group come out zero, an empty group's dW is zero;
+    whether the threads share each GEMM or take whole groups."""
+    spec = get_op("grouped_linear")
+    problem = spec.problem("10x3x8x4", "fp32")
+    plan = solve_tiling(host_kernel(spec).tiling_problem(problem, host), op="grouped_linear", variant="default",
+                        shape=problem.shape, dtype="fp32", target="host")
+    kernel = build_kernel(spec, problem, {**plan.knobs, "by_group": by_group, "threads": 2})
+    g = torch.Generator().manual_seed(0)
+    x, w, dy = torch.randn(10, 8, generator=g), torch.randn(3, 4, 8, generator=g), torch.randn(10, 4, generator=g)
+    for offsets, ends in (([6, 2, 1000], [6, 6, 10]), ([-5, 4, 7], [0, 4, 7]), ([], [])):
+        inputs = {"x": x, "weight": w[:len(offsets)].contiguous(), "offsets": torch.tensor(offsets, dtype=torch.int32)}
+        y = torch.full((10, 4), float("nan"))
+        kernel.run_forward(inputs, {"y": y})
+        grads = {"x": torch.full_like(x, float("nan")), "weight": torch.full_like(inputs["weight"], float("nan"))}
+        kernel.run_backward(inputs, {}, {"y": dy}, grads)
+        want_y, want_dx, want_dw, lo = torch.zeros(10, 4), torch.zeros(10, 8), torch.zeros_like(inputs["weight"]), 0
+        for e, hi in enumerate(ends):
+            want_y[lo:hi] = x[lo:hi] @ w[e].T
+            want_dx[lo:hi] = dy[lo:hi] @ w[e]
+            want_dw[e] = dy[lo:hi].T @ x[lo:hi]
+            lo = hi
+        torch.testing.assert_close(y, want_y)
+        torch.testing.assert_close(grads["x"], want_dx)
+        torch.testing.assert_close(grads["weight"], want_dw)
+
 def test_linear_cases_take_every_way_of_sharing_a_gemm():
     """The linear cases above run each way the kernel shares a GEMM between two threads (rows,
     columns, the sum's depth) and A both read in place and packed: the template's split_of and

@@ -11,6 +11,8 @@ the groups' GEMMs as linear's with the mean rows per expert, a call (and a fork)
 
 from __future__ import annotations
 
+import torch
+
 from ....ops.base import Problem, Tensors
 from ....ops.grouped_linear import SPEC
 from ..library import Entry
@@ -26,17 +28,30 @@ def group_gemms(problem: Problem) -> dict[str, list[Gemm]]:
             "backward": [Gemm(per, d_in, d_out, False, d_out, dw), Gemm(d_out, d_in, per, False, d_out, dw)] * experts}
 
 
+def _bounds(offsets) -> torch.Tensor:
+    """The kernel's scratch for the groups' row ranges and order: 3 int64 a group."""
+    return torch.empty(3 * max(offsets.shape[0], 1), dtype=torch.int64)
+
+
 class GroupedLinearHost(LinearHost):
-    entries = {"fwd": Entry("ak_grouped_linear_fwd", ("ptr", "ptr", "ptr", "i64", "i64", "ptr", "ptr")),
-               "bwd": Entry("ak_grouped_linear_bwd", ("ptr", "ptr", "ptr", "ptr", "i64", "i64", "ptr", "ptr", "ptr")),
+    knob_docs = {**LinearHost.knob_docs,
+                 "by_group": "1: the threads take whole groups (each GEMM on one thread); 0: they share every GEMM"}
+    entries = {"fwd": Entry("ak_grouped_linear_fwd", ("ptr", "ptr", "ptr", "i64", "i64", "ptr", "ptr", "ptr")),
+               "bwd": Entry("ak_grouped_linear_bwd", ("ptr", "ptr", "ptr", "ptr", "i64", "i64", "ptr", "ptr", "ptr", "ptr")),
                "scratch": Entry("ak_grouped_linear_scratch", (), "i64")}
 
     def tiling_problem(self, problem: Problem, hw):
-        return gemm_model(group_gemms(problem), hw)
+        return gemm_model(group_gemms(problem), hw, groups=problem.shape[1])
+
+    def measured_knobs(self, problem: Problem) -> tuple[str, ...]:
+        """The model knows the mean rows of a group, not how unevenly the router fills them, so the
+        groups' split over the threads is timed on the tuned problem's inputs."""
+        return ("by_group",) if problem.shape[1] > 1 else ()
 
     def render_params(self, problem: Problem, knobs: dict[str, int]) -> dict:
         rows, _, d_in, d_out = problem.shape
-        return super().render_params(Problem(problem.op, problem.variant, (rows, d_in, d_out), problem.dtype), knobs)
+        flat = Problem(problem.op, problem.variant, (rows, d_in, d_out), problem.dtype)
+        return {**super().render_params(flat, knobs), "by_group": int(knobs.get("by_group", 0))}
 
     def empty_outputs(self, problem: Problem, inputs: Tensors) -> Tensors:
         x = inputs["x"]
@@ -44,12 +59,13 @@ class GroupedLinearHost(LinearHost):
 
     def run_forward(self, kernel, inputs: Tensors, outputs: Tensors) -> None:
         x, w, offsets = inputs["x"], inputs["weight"], inputs["offsets"]
-        kernel.call("fwd", x, w, offsets, offsets.shape[0], x.shape[0], outputs["y"], kernel.workspace("scratch"))
+        kernel.call("fwd", x, w, offsets, offsets.shape[0], x.shape[0], outputs["y"], kernel.workspace("scratch"),
+                    _bounds(offsets))
 
     def run_backward(self, kernel, inputs: Tensors, outputs: Tensors, grad_outputs: Tensors, grads: Tensors) -> None:
         x, w, offsets = inputs["x"], inputs["weight"], inputs["offsets"]
         kernel.call("bwd", grad_outputs["y"], x, w, offsets, offsets.shape[0], x.shape[0], grads["x"], grads["weight"],
-                    kernel.workspace("scratch"))
+                    kernel.workspace("scratch"), _bounds(offsets))
 
     def verification_problems(self, problem: Problem, knobs: dict[str, int], simd_elems: int) -> list[Problem]:
         """linear's cases (rows split unevenly over threads and k-panels, widths off the SIMD grid) with

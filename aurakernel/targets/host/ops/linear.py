@@ -147,25 +147,40 @@ def gemm_peak(hw, library: bool) -> float:
     return rates.get("fp32", 0.1) * 1e12 / max(hw.cores, 1)
 
 
-def gemm_model(phases: dict[str, list[Gemm]], hw) -> ChoiceModel:
+def gemm_model(phases: dict[str, list[Gemm]], hw, groups: int = 1) -> ChoiceModel:
     """The tiling model of a kernel that runs `phases` (forward and backward, each a list of GEMMs on
     _gemm_driver.h.j2, one call each): their FMA and memory time per knob choice, and a call (and a
-    fork) per GEMM."""
+    fork) per GEMM. With `groups` > 1 (the GEMMs those of as many independent groups), the knob
+    `by_group`: 1 the threads take whole groups, each GEMM on one thread, one fork a call (priced at
+    the slower thread's share, the groups dealt largest first, as the template deals them)."""
     domains, constraints, rates = blocking([g for phase in phases.values() for g in phase], hw)
     domains["threads"] = thread_candidates(hw.cores)
+    if groups > 1:
+        domains["by_group"] = [0, 1]
 
     def seconds(phase: str, which: int):
-        def cost(kc: int, nc: int, mc: int, th: int) -> float:
-            return sum(gemm_seconds(g, kc, nc, mc, th, **rates)[which] for g in phases[phase])
+        def cost(kc: int, nc: int, mc: int, th: int, by_group: int = 0) -> float:
+            if not by_group:
+                return sum(gemm_seconds(g, kc, nc, mc, th, **rates)[which] for g in phases[phase])
+            per_group = len(phases[phase]) // groups
+            alone = [sum(gemm_seconds(g, kc, nc, mc, 1, **rates)[which]
+                         for g in phases[phase][i * per_group:(i + 1) * per_group]) for i in range(groups)]
+            load = [0.0] * th
+            for t in sorted(alone, reverse=True):
+                load[load.index(min(load))] += t
+            return max(load)
         return cost
 
-    def calls_s(th: int) -> float:
-        return (hw.call_overhead_us + (hw.fork_overhead_us if th > 1 else 0.0)) * 1e-6
+    def calls_s(n: int):
+        def cost(th: int, by_group: int = 0) -> float:
+            forks = 1 if by_group else n
+            return n * hw.call_overhead_us * 1e-6 + (forks * hw.fork_overhead_us * 1e-6 if th > 1 else 0.0)
+        return cost
 
-    knobs = ("kc", "nc", "mc", "threads")
+    knobs = ("kc", "nc", "mc", "threads", *(("by_group",) if groups > 1 else ()))
     model_phases = [Phase(name, {"FMA": [Term.of(knobs, domains, seconds(name, 0))],
                                  "memory": [Term.of(knobs, domains, seconds(name, 1))]},
-                          [Term.of(("threads",), domains, lambda th, n=len(phases[name]): n * calls_s(th))])
+                          [Term.of(knobs[3:], domains, calls_s(len(phases[name])))])
                     for name in ("forward", "backward")]
     return ChoiceModel(domains, constraints, model_phases)
 
