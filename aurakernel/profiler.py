@@ -15,6 +15,7 @@ module reads and writes, forward and twice for backward, at streaming bandwidth)
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 from collections import defaultdict
 from collections.abc import Callable
@@ -151,9 +152,9 @@ class _Hooks:
     def exit_scope(self, module: nn.Module) -> None:
         pass
 
-    def record(self, problem) -> None:
-        """A problem posed by a function call (not a module) inside the innermost open group."""
-        self.problems[(self.groups[-1] if self.groups else "other", problem)] += 1
+    def record(self, problem, group: str | None = None) -> None:
+        """A problem posed by a function call (not a module), in `group` or else the innermost open one."""
+        self.problems[(group or (self.groups[-1] if self.groups else "other"), problem)] += 1
 
     def remove(self):
         for h in self.handles:
@@ -252,12 +253,15 @@ def profile_training(workload: Workload, steps: int = 3, warmup: int = 1,
 
 def _recording_functions(hooks) -> contextlib.ExitStack:
     """The problems of the operators that replace functions the model's code calls (rope, the eager
-    attention, the experts' grouped projections), recorded into `hooks` while the stack is open."""
+    attention, the experts' grouped projections), recorded into `hooks` while the stack is open: in
+    the group of the module that calls them, but the grouped projections in the matmul bucket, where
+    their GEMMs' time is (as the plain projections')."""
     from .patch import attn_softmax, grouped_linear, rope
 
     stack = contextlib.ExitStack()
-    for part in (rope, attn_softmax, grouped_linear):
-        stack.enter_context(part.SWAP.recording(hooks.record, part.call_problem))
+    for part, record in ((rope, hooks.record), (attn_softmax, hooks.record),
+                         (grouped_linear, functools.partial(hooks.record, group="matmul"))):
+        stack.enter_context(part.SWAP.recording(record, part.call_problem))
     return stack
 
 
@@ -299,8 +303,8 @@ def _report(times: dict[str, float], counts: dict[str, int], total: float, steps
         if problems:
             shapes = [{"op": p.op, "variant": p.variant, "shape": list(p.shape), "dtype": p.dtype.value,
                        "calls": n / steps} for p, n in problems]
-            if kind != "matmul":   # the matmul bucket holds GEMMs no kernel of the library plans (the
-                # experts'): it has no planned time to compare with
+            if kind != "matmul":   # the matmul bucket's GEMMs (torch's, and the projections' kernels
+                # where autotune keeps them): no planned time to compare with
                 whole = [(p, n) for p, n in problems if OPS[p.op].covers_group]
                 planned = 0.0
                 for problem, n in problems:
