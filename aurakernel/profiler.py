@@ -251,18 +251,19 @@ def profile_training(workload: Workload, steps: int = 3, warmup: int = 1,
     return _report(times, counts, total, steps, hooks, hw)
 
 
-def _recording_functions(hooks) -> contextlib.ExitStack:
+@contextlib.contextmanager
+def _recording_functions(hooks):
     """The problems of the operators that replace functions the model's code calls (rope, the eager
-    attention, the experts' grouped projections), recorded into `hooks` while the stack is open: in
-    the group of the module that calls them, but the grouped projections in the matmul bucket, where
-    their GEMMs' time is (as the plain projections')."""
+    attention, the experts' grouped projections), recorded into `hooks` meanwhile: in the group of the
+    module that calls them, but the grouped projections in the matmul bucket, where their GEMMs' time
+    is (as the plain projections')."""
     from .patch import attn_softmax, grouped_linear, rope
 
-    stack = contextlib.ExitStack()
-    for part, record in ((rope, hooks.record), (attn_softmax, hooks.record),
-                         (grouped_linear, functools.partial(hooks.record, group="matmul"))):
-        stack.enter_context(part.SWAP.recording(record, part.call_problem))
-    return stack
+    with contextlib.ExitStack() as stack:
+        for part, record in ((rope, hooks.record), (attn_softmax, hooks.record),
+                             (grouped_linear, functools.partial(hooks.record, group="matmul"))):
+            stack.enter_context(part.SWAP.recording(record, part.call_problem))
+        yield
 
 
 def problems_of_forward(model: nn.Module, input_ids: torch.Tensor) -> list[Problem]:

@@ -11,8 +11,8 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Exper
 from ..ops.grouped_linear import SPEC, SWAP, GroupedLinearReference, call_problem  # noqa: F401 - the profiler's recorder
 from ..targets.host.library import built_kernel
 from .base import Patch
+from .experts import experts_forward
 from .install import install, swap_globals
-from .swiglu import _experts_forward
 from .torch_op import torch_op
 
 
@@ -69,11 +69,11 @@ class GroupedLinearPatch(Patch):
         return None   # a function, not a module: the profiler records it through SWAP.recording
 
     def patch(self, module: torch.nn.Module, lookup) -> None:
-        """The experts (their grouped_mm forward, patch/swiglu.py's, which calls `_grouped_linear` by
+        """The experts (their grouped_mm forward, patch/experts.py's, which calls `_grouped_linear` by
         its module-level name) or GroupedLinearReference call the kernel."""
         if isinstance(module, DeepseekV4Experts):
-            if module.__dict__.get("_ak_installed", {}).get("forward") is not _experts_forward:
-                install(module, "forward", _experts_forward)
+            if module.__dict__.get("_ak_installed", {}).get("forward") is not experts_forward:
+                install(module, "forward", experts_forward)
         elif not isinstance(module, GroupedLinearReference):
             raise TypeError(f"grouped_linear cannot patch {type(module).__name__}")
         swap_globals(module, _grouped_linear=functools.partial(dispatch, lookup))
