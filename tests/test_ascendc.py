@@ -1326,8 +1326,10 @@ def test_every_rendered_host_file_and_binding_compiles(tmp_path, torch_headers):
     C++ which does not compile would fail on the first NPU machine. Every operator's (the cases above)
     host file is compiled against tests/cann_shim's declarations of the CANN host API, and its binding
     against the installed torch's own headers (precompiled once) and the shim's torch_npu stream and
-    launch macro: no error, and no warning in the rendered code."""
-    problems = []
+    launch macro: no error, and no warning in the rendered code. Each project registers CANN operator
+    types of its own (OpDef classes named after the project), so two projects of one operator (another
+    dtype, other widths, the other variant) installed side by side do not collide."""
+    problems, op_types = [], []
     for op, variant, shape, dtype, _ in TILING_HEADERS:
         spec = OPS[op]
         problem = spec.problem(shape, dtype, variant)
@@ -1335,6 +1337,9 @@ def test_every_rendered_host_file_and_binding_compiles(tmp_path, torch_headers):
         out.mkdir()
         project = ascend.render_project(spec, problem, ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs").knobs,
                                         out, HW)
+        classes = re.findall(r"class (\w+) : public OpDef", project["host.cpp.j2"].read_text())
+        assert classes and set(classes) <= {ascend.op_type(spec, problem), ascend.op_type(spec, problem) + "Grad"}, classes
+        op_types += classes
         binding = project["binding.cpp.j2"]
         _launch_headers(binding, torch_headers.launch)
         for source, flags in ((project["host.cpp.j2"], ["-std=c++20", f"-I{SHIM}"]), (binding, torch_headers.flags)):
@@ -1344,6 +1349,7 @@ def test_every_rendered_host_file_and_binding_compiles(tmp_path, torch_headers):
             if run.returncode or ours:
                 problems.append(f"{source.name} ({op} {variant} {dtype}): " + "; ".join(ours or run.stderr.splitlines()[-3:]))
     assert not problems, "\n".join(problems)
+    assert len(op_types) == len(set(op_types)), sorted(op_types)
 
 
 def _binding_on_cpu(project: dict, harness: str, torch_headers, tmp_path: Path) -> Path:

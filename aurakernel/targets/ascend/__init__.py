@@ -146,6 +146,13 @@ def project_name(spec: OpSpec, problem: Problem) -> Identifier:
     return Identifier("_".join(parts))   # rendered into C++ and CMake
 
 
+def op_type(spec: OpSpec, problem: Problem) -> Identifier:
+    """The project's CANN operator type (its OpDef classes in op_host, the backward's with "Grad"):
+    the project name in CamelCase, so two installed projects of one operator (another dtype, other
+    widths) register different types, as their libraries and torch ops differ."""
+    return Identifier("Ak" + "".join(part[:1].upper() + part[1:] for part in project_name(spec, problem).split("_")))
+
+
 def render_project(spec: OpSpec, problem: Problem, knobs: dict[str, int], out_dir: Path,
                    hw: HardwareProfile) -> dict[str, Path]:
     """Write the op project (kernel, tiling, host, binding, CMake, README) for `hw` into out_dir. A
@@ -154,7 +161,7 @@ def render_project(spec: OpSpec, problem: Problem, knobs: dict[str, int], out_di
     kernel = kernel_of(spec)
     figures = hw.ascend_pipes(hw.cores)
     params = {**kernel.params(problem, knobs), **kernel.profile_params(problem, knobs, hw), "batch_mode": kernel.syncs_cores,
-              "lib": project_name(spec, problem),
+              "lib": project_name(spec, problem), "op_type": op_type(spec, problem),
               "vec_issue_cycles": max(1, round(figures.vec_issue)), "vec_slow_factor": max(1, round(figures.vec_slow_factor))}
     out_dir.mkdir(parents=True, exist_ok=True)
     written = {}
