@@ -355,6 +355,29 @@ def test_the_experts_projections_run_the_grouped_linear_kernel_alone_or_beside_s
             continue
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
+
+def test_an_input_read_by_two_patched_projections_gets_its_gradients_summed_in_place():
+    """Several projections read one input (a layer's normalised hidden states): their kernels hand
+    autograd dx as tensors of their own, not views, so it adds the second to the first in place
+    (aten::add_) instead of allocating the sum (aten::add: one more tensor and pass a consumer)."""
+    from torch.profiler import profile
+
+    from aurakernel.patch.linear import OP
+
+    spec = get_op("linear")
+    problem = Problem("linear", "default", (4 * 64, 32, 48), DType.fp32)
+    kernel = build_kernel(spec, problem, planned_knobs(problem))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 64, 32, generator=g, requires_grad=True)
+    w1, w2 = (torch.randn(48, 32, generator=g) for _ in range(2))
+    loss = OP(x, w1, kernel.source_hash).square().sum() + OP(x, w2, kernel.source_hash).sum()
+    with profile(record_shapes=True) as prof:
+        loss.backward()
+    adds = {e.key for e in prof.key_averages(group_by_input_shape=True)
+            if e.key in ("aten::add", "aten::add_") and e.input_shapes[:1] == [[4, 64, 32]]}
+    assert adds == {"aten::add_"}
+    torch.testing.assert_close(x.grad, (2 * (x @ w1.T)) @ w1 + torch.ones(4, 64, 48) @ w2, rtol=1e-4, atol=1e-4)
+
 def planned_knobs(problem: Problem, **fixed) -> dict:
     """The host planner's knobs for `problem` with `fixed` ones set (linear_cross_entropy's fp32 builds
     add their GEMMs' blocking to the chunk, sweep and thread knobs)."""

@@ -29,9 +29,12 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, kernel: str) -> torch.Tensor
 
 def _backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
     rows = _rows(x)
-    grads = {"x": torch.empty_like(rows), "weight": torch.empty_like(weight, memory_format=torch.contiguous_format)}
+    # dx in x's shape, the kernel writing through a [rows, IN] view: a gradient autograd receives as a
+    # view it cannot add another consumer's gradient to in place (several projections read one input)
+    dx = x.new_empty(x.shape)
+    grads = {"x": dx.view(rows.shape), "weight": torch.empty_like(weight, memory_format=torch.contiguous_format)}
     built_kernel(kernel).run_backward({"x": rows, "weight": weight.detach().contiguous()}, {}, {"y": _rows(dy)}, grads)
-    return grads["x"].view(x.shape), grads["weight"]
+    return dx, grads["weight"]
 
 
 def _fake_forward(x, weight, kernel):

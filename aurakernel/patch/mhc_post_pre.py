@@ -52,12 +52,16 @@ def _backward(g_streams: torch.Tensor, d_next_post: torch.Tensor, d_next_comb: t
     grad_outputs = {"streams": grad(g_streams, h.dtype, hc, d), "y": grad(dy, h.dtype, d),
                     "next_post": grad(d_next_post, torch.float32, hc),
                     "next_comb": grad(d_next_comb, torch.float32, hc, hc)}
-    grads = {name: torch.empty_like(t) for name, t in inputs.items()}
+    # the gradients of out and h in their inputs' shapes, the kernel writing through [rows, ...] views: a
+    # gradient autograd receives as a view it cannot add the other branch's gradient to in place (h is
+    # also mhc_pre's x), so it would allocate the sum and make one more pass
+    d_out, d_h = out.new_empty(out.shape), h.new_empty(h.shape)
+    grads = {**{name: torch.empty_like(t) for name, t in inputs.items()},
+             "out": d_out.view(inputs["out"].shape), "h": d_h.view(inputs["h"].shape)}
     built_kernel(kernel).run_backward(inputs, {"streams": streams.contiguous().view(rows, hc, d), "mix": mix,
                                                "rstd": rstd}, grad_outputs, grads)
     return (grads["post"].view(post.shape).to(post.dtype), grads["comb"].view(comb.shape).to(comb.dtype),
-            grads["out"].view(out.shape), grads["h"].view(h.shape), grads["fn"].to(fn.dtype),
-            grads["base"].to(base.dtype), grads["scale"].to(scale.dtype))
+            d_out, d_h, grads["fn"].to(fn.dtype), grads["base"].to(base.dtype), grads["scale"].to(scale.dtype))
 
 
 def _fake_forward(post, comb, out, h, fn, base, scale, kernel):
