@@ -56,8 +56,8 @@ def _backward(g_streams: torch.Tensor, d_next_post: torch.Tensor, d_next_comb: t
     # gradient autograd receives as a view it cannot add the other branch's gradient to in place (h is
     # also mhc_pre's x), so it would allocate the sum and make one more pass
     d_out, d_h = out.new_empty(out.shape), h.new_empty(h.shape)
-    grads = {**{name: torch.empty_like(t) for name, t in inputs.items()},
-             "out": d_out.view(inputs["out"].shape), "h": d_h.view(inputs["h"].shape)}
+    grads = {name: (d_out if name == "out" else d_h).view(t.shape) if name in ("out", "h") else torch.empty_like(t)
+             for name, t in inputs.items()}
     built_kernel(kernel).run_backward(inputs, {"streams": streams.contiguous().view(rows, hc, d), "mix": mix,
                                                "rstd": rstd}, grad_outputs, grads)
     return (grads["post"].view(post.shape).to(post.dtype), grads["comb"].view(comb.shape).to(comb.dtype),

@@ -22,16 +22,13 @@ import torch
 from ....ops.base import Problem, Tensors
 from ....ops.grouped_linear import SPEC
 from ..library import Entry
-from .linear import Gemm, LinearHost, gemm_model
+from .linear import Gemm, LinearHost, gemm_model, gemms
 
 
 def group_gemms(problem: Problem) -> dict[str, list[Gemm]]:
-    """linear's GEMMs (linear.gemms) for the mean rows of a group, once per group."""
+    """One group's GEMMs: linear's (linear.gemms) for the mean rows of a group."""
     rows, experts, d_in, d_out = problem.shape
-    per = max(1, -(-rows // max(experts, 1)))
-    dw = d_in * d_out
-    return {"forward": [Gemm(per, d_out, d_in, True, d_in, dw)] * experts,
-            "backward": [Gemm(per, d_in, d_out, False, d_out, dw), Gemm(d_out, d_in, per, False, d_out, dw)] * experts}
+    return gemms(Problem(problem.op, problem.variant, (max(1, -(-rows // max(experts, 1))), d_in, d_out), problem.dtype))
 
 
 def _bounds(offsets) -> torch.Tensor:

@@ -149,10 +149,10 @@ def gemm_peak(hw, library: bool) -> float:
 
 def gemm_model(phases: dict[str, list[Gemm]], hw, groups: int = 1) -> ChoiceModel:
     """The tiling model of a kernel that runs `phases` (forward and backward, each a list of GEMMs on
-    _gemm_driver.h.j2, one call each): their FMA and memory time per knob choice, and a call (and a
-    fork) per GEMM. With `groups` > 1 (the GEMMs those of as many independent groups), the knob
-    `by_group`: 1 the threads take whole groups, each GEMM on one thread, one fork a call (priced at
-    the slower thread's share, the groups dealt largest first, as the template deals them)."""
+    _gemm_driver.h.j2, one call each) `groups` times over (a grouped kernel's equal groups): their FMA
+    and memory time per knob choice, and a call (and a fork) per GEMM. With groups > 1, the knob
+    `by_group`: 1 the threads take whole groups, each GEMM on one thread, one fork a call (the slower
+    thread's share: ceil(groups / threads) groups)."""
     domains, constraints, rates = blocking([g for phase in phases.values() for g in phase], hw)
     domains["threads"] = thread_candidates(hw.cores)
     if groups > 1:
@@ -160,15 +160,8 @@ def gemm_model(phases: dict[str, list[Gemm]], hw, groups: int = 1) -> ChoiceMode
 
     def seconds(phase: str, which: int):
         def cost(kc: int, nc: int, mc: int, th: int, by_group: int = 0) -> float:
-            if not by_group:
-                return sum(gemm_seconds(g, kc, nc, mc, th, **rates)[which] for g in phases[phase])
-            per_group = len(phases[phase]) // groups
-            alone = [sum(gemm_seconds(g, kc, nc, mc, 1, **rates)[which]
-                         for g in phases[phase][i * per_group:(i + 1) * per_group]) for i in range(groups)]
-            load = [0.0] * th
-            for t in sorted(alone, reverse=True):
-                load[load.index(min(load))] += t
-            return max(load)
+            team, share = (1, -(-groups // th)) if by_group else (th, groups)
+            return share * sum(gemm_seconds(g, kc, nc, mc, team, **rates)[which] for g in phases[phase])
         return cost
 
     def calls_s(n: int):
@@ -180,7 +173,7 @@ def gemm_model(phases: dict[str, list[Gemm]], hw, groups: int = 1) -> ChoiceMode
     knobs = ("kc", "nc", "mc", "threads", *(("by_group",) if groups > 1 else ()))
     model_phases = [Phase(name, {"FMA": [Term.of(knobs, domains, seconds(name, 0))],
                                  "memory": [Term.of(knobs, domains, seconds(name, 1))]},
-                          [Term.of(knobs[3:], domains, calls_s(len(phases[name])))])
+                          [Term.of(knobs[3:], domains, calls_s(groups * len(phases[name])))])
                     for name in ("forward", "backward")]
     return ChoiceModel(domains, constraints, model_phases)
 

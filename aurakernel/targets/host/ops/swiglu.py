@@ -107,7 +107,7 @@ class SwigluHost(HostKernel):
 
     def measured_knobs(self, problem: Problem) -> tuple[str, ...]:
         """A lookup is a scalar load per table and element (no gather), the sigmoid ~30 vector
-        operations per 8 or 16 elements: which is faster differs between CPUs (a Zen 3 EPYC: the backward
+        operations per 8 or 16 elements: which is faster differs between CPUs (a Zen 4 EPYC: the backward
         evaluated 12.6 ms against 13.9 looked up, the forward looked up 5.7 against 6.7, at 8192x2048)."""
         return ("lookup",) if problem.dtype.value == "bf16" else ()
 
