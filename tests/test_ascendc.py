@@ -1072,10 +1072,11 @@ def test_autotune_ascend_writes_a_verified_project_per_supported_group(tmp_path)
     d = json.loads(out.stdout)
     # every op group of the tiny model (fp32, its own small widths) that has an AscendC kernel gets a verified
     # project; the fused LM head + loss (Cube work, not yet written), the fused mhc_post + mhc_pre and the
-    # projections, the experts' grouped ones too (host kernels so far), are skipped, saying so, and so is the sparse attention, whose Cube
+    # projections, the experts' grouped ones and their routing too (host kernels so far), are skipped, saying so, and so is the sparse attention, whose Cube
     # kernel takes 16-bit operands only (the tiny model trains in fp32)
     with_kernel = {name for name, spec in OPS.items() if ascend.supported(spec)}
-    assert with_kernel >= set(OPS) - {"linear_cross_entropy", "mhc_post_pre", "linear", "grouped_linear"}
+    assert with_kernel >= set(OPS) - {"linear_cross_entropy", "mhc_post_pre", "linear", "grouped_linear", "moe_permute",
+                                      "moe_unpermute"}
     assert {p["op"] for p in d["projects"]} == with_kernel - {"sparse_attention"}
     assert {s["op"] for s in d["skipped"]} == set(OPS) - with_kernel | {"sparse_attention"}
     for s in d["skipped"]:

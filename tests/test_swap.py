@@ -321,22 +321,27 @@ def test_patched_experts_dispatch_is_bitwise_the_reference(dtype):
 
 
 
-@pytest.mark.parametrize("ops", [{"grouped_linear"}, {"grouped_linear", "swiglu"}])
-def test_the_experts_projections_run_the_grouped_linear_kernel_alone_or_beside_swiglu(ops, monkeypatch):
-    """The experts' two grouped projections (transformers' _grouped_linear, called by their forward)
-    take the grouped_linear kernel whether or not the gate between them takes swiglu's; loss and
-    every gradient match the reference's, and the profiler sees both projections' problems."""
+@pytest.mark.parametrize("ops", [{"grouped_linear"}, {"grouped_linear", "swiglu"}, {"moe_permute"}, {"moe_unpermute"},
+                                 {"moe_permute", "grouped_linear", "swiglu", "moe_unpermute"}])
+def test_the_routed_experts_run_their_kernels_alone_or_together(ops, monkeypatch):
+    """The experts' forward is four calls a kernel may take: the dispatch (moe_permute), the two
+    grouped projections (transformers' _grouped_linear), the gate between them (swiglu) and the
+    combine (moe_unpermute); any of them alone or all together, loss and every gradient match the
+    reference's, and the profiler sees the problems of all of them."""
     from aurakernel.profiler import problems_of_forward
     from aurakernel.targets.host.library import Kernel
 
     model = build_model(load_config(TINY).model, seed=0)
     c = model.config
     ids = torch.randint(0, c.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
-    seen = {p for p in problems_of_forward(model, ids) if p.op == "grouped_linear"}
-    assert {p.shape for p in seen} == {(2 * 64 * c.num_experts_per_tok, c.n_routed_experts, c.hidden_size,
-                                        2 * c.moe_intermediate_size),
-                                       (2 * 64 * c.num_experts_per_tok, c.n_routed_experts, c.moe_intermediate_size,
-                                        c.hidden_size)}
+    tokens, k = 2 * 64, c.num_experts_per_tok
+    seen = collections.defaultdict(set)
+    for p in problems_of_forward(model, ids):
+        seen[p.op].add(p.shape)
+    assert seen["grouped_linear"] == {(tokens * k, c.n_routed_experts, c.hidden_size, 2 * c.moe_intermediate_size),
+                                      (tokens * k, c.n_routed_experts, c.moe_intermediate_size, c.hidden_size)}
+    assert seen["moe_permute"] == {(tokens, c.n_routed_experts, k, c.hidden_size)}
+    assert seen["moe_unpermute"] == {(tokens, k, c.hidden_size)}
     ours = copy.deepcopy(model)
     report = apply(ours, plan_for(ours, ops=ops))
     assert {s["op"] for s in report.swapped} == ops and not report.rejected
@@ -348,7 +353,9 @@ def test_the_experts_projections_run_the_grouped_linear_kernel_alone_or_beside_s
         loss = m(input_ids=ids, labels=ids).loss
         results.append([loss, *torch.autograd.grad(loss, list(m.parameters()), allow_unused=True)])
     moe_layers = len(c.mlp_layer_types)   # every FFN is an MoE (hash-routed or top-k)
-    assert calls[("host/grouped_linear.c.j2", "fwd")] == calls[("host/grouped_linear.c.j2", "bwd")] == 2 * moe_layers
+    per_layer = {"grouped_linear": 2, "moe_permute": 1, "moe_unpermute": 1}
+    for op in ops & set(per_layer):
+        assert calls[(f"host/{op}.c.j2", "fwd")] == calls[(f"host/{op}.c.j2", "bwd")] == per_layer[op] * moe_layers, op
     for a, b in zip(*results, strict=True):
         if a is None or b is None:
             assert a is None and b is None

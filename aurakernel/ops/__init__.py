@@ -29,6 +29,8 @@ from .mhc import HEAD as MHC_HEAD
 from .mhc import PRE as MHC_PRE
 from .mhc_post import SPEC as MHC_POST
 from .mhc_post_pre import SPEC as MHC_POST_PRE
+from .moe_permute import SPEC as MOE_PERMUTE
+from .moe_unpermute import SPEC as MOE_UNPERMUTE
 from .rms_norm import SPEC as RMS_NORM
 from .rope import SPEC as ROPE
 from .sparse_attention import SPEC as SPARSE_ATTENTION
@@ -37,7 +39,8 @@ from .swiglu import SPEC as SWIGLU
 
 OPS: dict[str, OpSpec] = {spec.name: spec for spec in (RMS_NORM, MHC_PRE, MHC_POST, MHC_POST_PRE, MHC_HEAD, ROUTER, SWIGLU, ROPE, ATTN_SOFTMAX,
                                                         COMPRESSOR, INDEXER_SCORE, SPARSE_ATTENTION, CROSS_ENTROPY,
-                                                        LINEAR_CROSS_ENTROPY, LINEAR, GROUPED_LINEAR, ADAMW)}
+                                                        LINEAR_CROSS_ENTROPY, LINEAR, GROUPED_LINEAR, MOE_PERMUTE, MOE_UNPERMUTE,
+                                                        ADAMW)}
 
 
 ENTRY_POINT_GROUP = "aurakernel.ops"

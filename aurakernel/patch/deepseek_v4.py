@@ -18,12 +18,14 @@ from torch import nn
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
 
 from . import (adamw, attn_softmax, compressor, cross_entropy, grouped_linear, indexer_score, linear,
-               linear_cross_entropy, mhc, mhc_post, mhc_post_pre, rms_norm, rope, router, sparse_attention, swiglu)
+               linear_cross_entropy, mhc, mhc_post, mhc_post_pre, moe_permute, moe_unpermute, rms_norm, rope, router,
+               sparse_attention, swiglu)
 from ..ops import OPS
 from .base import PATCHES
 
 PATCHES.load(rms_norm, mhc, mhc_post, mhc_post_pre, router, swiglu, rope, attn_softmax, compressor, indexer_score,
-             sparse_attention, cross_entropy, linear_cross_entropy, linear, grouped_linear, adamw)
+             sparse_attention, cross_entropy, linear_cross_entropy, linear, grouped_linear, moe_permute, moe_unpermute,
+             adamw)
 
 
 patch_of = PATCHES.of
@@ -76,6 +78,10 @@ TABLE: tuple[Row, ...] = (
     Row(v4.DeepseekV4Experts, "moe_experts", "swiglu", key=lambda n, m, c: (m.intermediate_dim,)),
     # and the grouped projections around it, a function its forward calls (gate_up, then down)
     Row(v4.DeepseekV4Experts, None, "grouped_linear", function=True),
+    # and the routing around them: the pairs' rows sorted by expert, then weighted and summed per token
+    Row(v4.DeepseekV4Experts, "moe_experts", "moe_permute",
+        key=lambda n, m, c: (m.num_experts, c.num_experts_per_tok, c.hidden_size)),
+    Row(v4.DeepseekV4Experts, "moe_experts", "moe_unpermute", key=lambda n, m, c: (c.num_experts_per_tok, c.hidden_size)),
     Row(v4.DeepseekV4MLP, "shared_expert", "swiglu", key=lambda n, m, c: (m.intermediate_size,)),
     Row(v4.DeepseekV4Attention, "attention", "sparse_attention",
         lambda m: sparse_attention.VARIANT_OF_LAYER.get(m.layer_type, "unknown"),

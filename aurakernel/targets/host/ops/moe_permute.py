@@ -1,0 +1,56 @@
+"""The host C kernel of moe_permute (templates/host/moe_permute.c.j2): its tiling model, template values
+and C calls. The sort is a counting sort on one thread (a few integer operations a pair); what the
+threads share is the rows' copies (forward) and sums (backward), streaming memory."""
+
+from __future__ import annotations
+
+import torch
+
+from ....ops.base import Problem, Tensors
+from ....ops.moe_permute import SPEC
+from ....planner.costmodel import RowwisePhase, rowwise_model
+from ..kernel import HostKernel
+from ..library import Entry
+
+
+def _pair_scratch(kernel, pairs: int) -> torch.Tensor:
+    """int64 scratch of a row number per pair (the kernel's reusable buffer, as floats)."""
+    return kernel.workspace_of(2 * max(pairs, 1))
+
+
+class MoePermuteHost(HostKernel):
+    knob_docs = {"tile_rows": "tokens per tile handed to a thread", "threads": "OpenMP threads"}
+    entries = {"fwd": Entry("ak_moe_permute_fwd", ("ptr", "ptr", "i64", "ptr", "ptr", "ptr", "ptr")),
+               "bwd": Entry("ak_moe_permute_bwd", ("ptr", "ptr", "i64", "ptr"))}
+
+    def tiling_problem(self, problem: Problem, hw):
+        """Per token: its row and its K copies (forward), the K row gradients and their sum (backward)."""
+        tokens, _, top_k, hidden = problem.shape
+        e = problem.dtype.itemsize
+        moved = (1 + top_k) * hidden * e
+        return rowwise_model(tokens, hidden, [RowwisePhase("forward", moved + top_k * 16, top_k * hidden, 0, 0, 0, 0),
+                                              RowwisePhase("backward", moved + top_k * 8, top_k * hidden, 0, 0, 0, 0)],
+                             hw, fixed={"col_chunk": hidden})
+
+    def render_params(self, problem: Problem, knobs: dict[str, int]) -> dict:
+        _, experts, top_k, hidden = problem.shape
+        return {"dtype": problem.dtype, "experts": int(experts), "top_k": int(top_k), "hidden": int(hidden),
+                "tile_rows": int(knobs["tile_rows"]), "threads": int(knobs["threads"])}
+
+    def empty_outputs(self, problem: Problem, inputs: Tensors) -> Tensors:
+        hidden, ids = inputs["hidden"], inputs["top_k_index"]
+        pairs = ids.numel()
+        return {"selected": hidden.new_empty(pairs, hidden.shape[-1]),
+                "offsets": torch.empty(problem.shape[1], dtype=torch.int32),
+                "rows": torch.empty(pairs, dtype=torch.int64)}
+
+    def run_forward(self, kernel, inputs: Tensors, outputs: Tensors) -> None:
+        ids = inputs["top_k_index"]
+        kernel.call("fwd", inputs["hidden"], ids, ids.shape[0], outputs["selected"], outputs["offsets"], outputs["rows"],
+                    _pair_scratch(kernel, ids.numel()))
+
+    def run_backward(self, kernel, inputs: Tensors, outputs: Tensors, grad_outputs: Tensors, grads: Tensors) -> None:
+        kernel.call("bwd", grad_outputs["selected"], outputs["rows"], inputs["top_k_index"].shape[0], grads["hidden"])
+
+
+PARTS = (MoePermuteHost(SPEC),)
