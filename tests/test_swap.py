@@ -298,8 +298,9 @@ def test_fused_adamw_batches_its_tensors_and_leaves_the_rest_to_torch(monkeypatc
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_patched_experts_dispatch_is_bitwise_the_reference(dtype):
-    """The swiglu patch also replaces the experts' row gathers (index_select, whose backward is an
-    index_add_ rather than a sorting index_put_): outputs and every gradient stay bitwise equal."""
+    """The swiglu patch also installs the experts' forward of four swappable calls, whose torch code
+    gathers rows by index_select (its backward an index_add_ rather than a sorting index_put_) and
+    weights the rows after gathering them: outputs and every gradient stay bitwise equal."""
     model = build_model(load_config(TINY).model, seed=0)
     experts = model.model.layers[1].mlp.experts
     ours = copy.deepcopy(experts)

@@ -9,10 +9,11 @@ and its combine (moe_unpermute) needs each pair's row back, rows[perm[r]] = r (i
 that is a sort, a division, a gather, a histogram, a cumulative sum and a scatter of row numbers,
 each a pass and a dispatch; the backward an index_add_ of the gathered rows' gradients. The kernel
 sorts by counting (E buckets) and gathers in one call, and its backward sums each token's K row
-gradients (no scatter). A group's rows keep their tokens' order (a stable sort: torch's default sort
-does not promise one, so the reference sorts stably; the grouped projections are row by row, so the
-order inside a group changes nothing downstream). An expert id outside [0, E) (expert-parallel
-sentinels) sorts after every group and is left out of the offsets, as with transformers' histc.
+gradients (no scatter). A group's rows keep their tokens' order (a stable sort: torch's default sort,
+transformers', does not promise one, so the kernel's reference sorts stably; the grouped projections
+are row by row, so the order inside a group changes only the order of the weight gradients' sums).
+An expert id outside [0, E) (expert-parallel sentinels) sorts after every group and is left out of
+the offsets, as with transformers' histc.
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ from .base import OpSpec, Problem, Tensors, Tolerance, Work
 _TOL = {DType.fp32: Tolerance(1e-6, 1e-6), DType.bf16: Tolerance(1.6e-2, 1e-2)}
 
 
-def moe_permute(hidden: torch.Tensor, top_k_index: torch.Tensor, experts: int):
-    """transformers' dispatch (grouped_mm_experts_forward), stably sorted: the pairs' rows grouped by
-    expert, the groups' end rows (int32) and each pair's row (int64, [tokens x K])."""
+def moe_permute(hidden: torch.Tensor, top_k_index: torch.Tensor, experts: int, stable: bool = False):
+    """transformers' dispatch (grouped_mm_experts_forward): the pairs' rows grouped by expert, the
+    groups' end rows (int32) and each pair's row (int64, [tokens x K]). Sorted as transformers sorts
+    (torch's default sort: bitwise its results) unless `stable` (the kernel's order, its reference)."""
     num_top_k = top_k_index.size(-1)
-    expert_ids_g, perm = torch.sort(top_k_index.reshape(-1), stable=True)
+    expert_ids_g, perm = torch.sort(top_k_index.reshape(-1), stable=stable)
     selected = hidden.index_select(0, perm // num_top_k)
     tokens_per_expert = torch.histc(expert_ids_g.float(), bins=experts, min=0, max=experts - 1)
     offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
@@ -41,15 +43,15 @@ def moe_permute(hidden: torch.Tensor, top_k_index: torch.Tensor, experts: int):
 
 
 class MoePermuteReference(torch.nn.Module):
-    """The dispatch as the experts' forward (patch/experts.py) calls it: the module-level
-    `moe_permute`, which a patch swaps for the kernel in this module's namespace."""
+    """The dispatch as the experts' forward (patch/experts.py) calls it, stably sorted: the
+    module-level `moe_permute`, which a patch swaps for the kernel in this module's namespace."""
 
     def __init__(self, experts: int):
         super().__init__()
         self.experts = experts
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor):
-        return moe_permute(hidden, top_k_index, self.experts)
+        return moe_permute(hidden, top_k_index, self.experts, stable=True)
 
 
 def routed_experts(tokens: int, experts: int, top_k: int, seed: int) -> torch.Tensor:
@@ -87,7 +89,8 @@ class MoePermuteSpec(OpSpec):
         return ("selected",)
 
     def reference(self, problem: Problem, inputs: Tensors) -> Tensors:
-        return dict(zip(self.visible_outputs(), moe_permute(inputs["hidden"], inputs["top_k_index"], problem.shape[1])))
+        return dict(zip(self.visible_outputs(), moe_permute(inputs["hidden"], inputs["top_k_index"], problem.shape[1],
+                                                            stable=True)))
 
     def tolerance(self, dtype: DType, output: str) -> Tolerance:
         return _TOL[dtype]

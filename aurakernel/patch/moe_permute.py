@@ -51,7 +51,7 @@ OP = torch_op("moe_permute", _forward, _backward, fake_forward=_fake_forward, fa
               grads=("hidden",))
 
 
-def dispatch(lookup, hidden: torch.Tensor, top_k_index: torch.Tensor, experts: int):
+def dispatch(lookup, hidden: torch.Tensor, top_k_index: torch.Tensor, experts: int, stable: bool = False):
     """`moe_permute` in a patched module: the kernel planned for (E, K, H) where one fits the call,
     else the torch code."""
     if (hidden.device.type == "cpu" and hidden.dim() == 2 and top_k_index.dim() == 2
@@ -59,7 +59,7 @@ def dispatch(lookup, hidden: torch.Tensor, top_k_index: torch.Tensor, experts: i
         kernel = lookup((experts, top_k_index.shape[-1], hidden.shape[-1]), hidden.dtype)
         if kernel is not None:
             return OP(hidden, top_k_index, experts, kernel)
-    return moe_permute(hidden, top_k_index, experts)
+    return moe_permute(hidden, top_k_index, experts, stable)
 
 
 class MoePermutePatch(Patch):
