@@ -266,6 +266,60 @@ def test_grouped_linear_takes_offsets_as_clamped_group_ends(by_group, host):
         torch.testing.assert_close(grads["x"], want_dx)
         torch.testing.assert_close(grads["weight"], want_dw)
 
+def _planned(op: str, shape: str, host):
+    spec = get_op(op)
+    problem = spec.problem(shape, "fp32")
+    plan = solve_tiling(host_kernel(spec).tiling_problem(problem, host), op=op, variant="default", shape=problem.shape,
+                        dtype="fp32", target="host")
+    return build_kernel(spec, problem, {**plan.knobs, "threads": 2})
+
+
+def test_moe_permute_sorts_out_of_range_experts_after_every_group(host):
+    """Expert ids outside [0, E) (expert parallelism's sentinels, or a caller's bug) are rows after
+    every group, in token order, and out of the offsets (as transformers' histc leaves them); the
+    groups keep their tokens' order; the backward still brings each pair's gradient home."""
+    kernel = _planned("moe_permute", "6x4x2x16", host)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.tensor([[0, 5], [-1, 3], [3, 0], [4, 1], [2, 2], [7, 1]])
+    inputs = {"hidden": torch.randn(6, 16, generator=g), "top_k_index": ids}
+    out = {"selected": torch.full((12, 16), float("nan")), "offsets": torch.full((4,), -9, dtype=torch.int32),
+           "rows": torch.full((12,), -9, dtype=torch.int64)}
+    kernel.run_forward(inputs, out)
+    flat = ids.reshape(-1)
+    assert out["offsets"].tolist() == [2, 4, 6, 8]
+    order = [s for e in range(4) for s in range(12) if flat[s] == e] + [s for s in range(12) if not 0 <= flat[s] < 4]
+    assert out["rows"].tolist() == [order.index(s) for s in range(12)]
+    assert torch.equal(out["selected"], inputs["hidden"][torch.tensor(order) // 2])
+    d_sel = torch.randn(12, 16, generator=g)
+    grads = {"hidden": torch.full((6, 16), float("nan"))}
+    kernel.run_backward(inputs, out, {"selected": d_sel}, grads)
+    torch.testing.assert_close(grads["hidden"], torch.zeros(6, 16).index_add_(0, torch.tensor(order) // 2, d_sel))
+
+
+def test_moe_unpermute_takes_rows_that_are_not_a_permutation_without_leaving_its_buffers(host):
+    """rows out of range are clamped into it; where two pairs name one row the last one owns it and
+    the other's weight gradient is zero; a row no pair names gets a zero gradient: every output is
+    written and nothing outside the buffers is touched."""
+    kernel = _planned("moe_unpermute", "3x2x16", host)
+    g = torch.Generator().manual_seed(1)
+    proj, w = torch.randn(6, 16, generator=g), torch.rand(3, 2, generator=g)
+    rows = torch.tensor([9, 0, -4, 2, 1, 0])   # -> 5, 0, 0, 2, 1, 0: rows 3 and 4 unnamed, row 0 named thrice
+    clamped = rows.clamp(0, 5)
+    inputs = {"proj": proj, "top_k_weights": w, "rows": rows}
+    y = torch.full((3, 16), float("nan"))
+    kernel.run_forward(inputs, {"y": y})
+    torch.testing.assert_close(y, (proj[clamped].view(3, 2, 16) * w.unsqueeze(-1)).sum(1))
+    dy = torch.randn(3, 16, generator=g)
+    grads = {"proj": torch.full_like(proj, float("nan")), "top_k_weights": torch.full_like(w, float("nan"))}
+    kernel.run_backward(inputs, {}, {"y": dy}, grads)
+    want_dproj, want_dw = torch.zeros_like(proj), torch.zeros(6)
+    for r, s in {int(r): s for s, r in enumerate(clamped)}.items():   # each row's last pair owns it
+        want_dproj[r] = dy[s // 2] * w.reshape(-1)[s]
+        want_dw[s] = dy[s // 2] @ proj[r]
+    torch.testing.assert_close(grads["proj"], want_dproj)
+    torch.testing.assert_close(grads["top_k_weights"], want_dw.view(3, 2))
+
+
 def test_linear_cases_take_every_way_of_sharing_a_gemm():
     """The linear cases above run each way the kernel shares a GEMM between two threads (rows,
     columns, the sum's depth) and A both read in place and packed: the template's split_of and
