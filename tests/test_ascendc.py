@@ -1075,8 +1075,8 @@ def test_autotune_ascend_writes_a_verified_project_per_supported_group(tmp_path)
     # projections, the experts' grouped ones and their routing too (host kernels so far), are skipped, saying so, and so is the sparse attention, whose Cube
     # kernel takes 16-bit operands only (the tiny model trains in fp32)
     with_kernel = {name for name, spec in OPS.items() if ascend.supported(spec)}
-    assert with_kernel >= set(OPS) - {"linear_cross_entropy", "mhc_post_pre", "linear", "grouped_linear", "moe_permute",
-                                      "moe_unpermute"}
+    assert with_kernel >= set(OPS) - {"linear_cross_entropy", "mhc_post_pre", "linear", "grouped_linear", "block_linear",
+                                      "moe_permute", "moe_unpermute"}
     assert {p["op"] for p in d["projects"]} == with_kernel - {"sparse_attention"}
     assert {s["op"] for s in d["skipped"]} == set(OPS) - with_kernel | {"sparse_attention"}
     for s in d["skipped"]:

@@ -30,6 +30,8 @@ CASES = {
     "linear": ["300x96x64", "37x131x5", "33x1030x1027"],
     # ROWSxEXPERTSxINxOUT: uneven groups, the first empty (make_inputs); more experts than rows (most empty)
     "grouped_linear": ["300x4x96x64", "37x3x131x5", "5x8x40x24"],
+    # TOKENSxGROUPSxINxOUT: as linear's, two and three groups
+    "block_linear": ["300x2x96x64", "37x3x131x5"],
     # TOKENSxEXPERTSxTOPKxHIDDEN: expert 0 never picked (an empty group), widths off the SIMD grid, more picks than
     # experts (repeats)
     "moe_permute": ["300x8x2x96", "37x5x3x131", "5x3x4x40"],

@@ -364,6 +364,38 @@ def test_the_routed_experts_run_their_kernels_alone_or_together(ops, monkeypatch
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
+def test_the_grouped_output_projection_runs_the_block_linear_kernel(monkeypatch):
+    """Every attention's grouped output projection (DeepseekV4GroupedLinear, a batched GEMM of its
+    own, which linear leaves alone) takes the block_linear kernel: the profiler sees its problem, a
+    call each way per layer, loss and every gradient match the reference's."""
+    from aurakernel.profiler import problems_of_forward
+    from aurakernel.targets.host.library import Kernel
+
+    model = build_model(load_config(TINY).model, seed=0)
+    c = model.config
+    ids = torch.randint(0, c.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    group_in = c.num_attention_heads * c.head_dim // c.o_groups
+    assert {p.shape for p in problems_of_forward(model, ids) if p.op == "block_linear"} == {
+        (2 * 64, c.o_groups, group_in, c.o_lora_rank)}
+    ours = copy.deepcopy(model)
+    report = apply(ours, plan_for(ours, ops={"block_linear"}))
+    assert {s["op"] for s in report.swapped} == {"block_linear"} and not report.rejected
+    calls = collections.Counter()
+    call = Kernel.call
+    monkeypatch.setattr(Kernel, "call", lambda k, name, *a: calls.update([(k.source.template, name)]) or call(k, name, *a))
+    results = []
+    for m in (model, ours):
+        loss = m(input_ids=ids, labels=ids).loss
+        results.append([loss, *torch.autograd.grad(loss, list(m.parameters()), allow_unused=True)])
+    layers = c.num_hidden_layers
+    assert calls[("host/block_linear.c.j2", "fwd")] == calls[("host/block_linear.c.j2", "bwd")] == layers
+    for a, b in zip(*results, strict=True):
+        if a is None or b is None:
+            assert a is None and b is None
+            continue
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
 def test_an_input_read_by_two_patched_projections_gets_its_gradients_summed_in_place():
     """Several projections read one input (a layer's normalised hidden states): their kernels hand
     autograd dx as tensors of their own, not views, so it adds the second to the first in place

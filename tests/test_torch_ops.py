@@ -96,7 +96,8 @@ def test_compiled_fullgraph_model_runs_every_kernel_and_trains_like_eager(applie
 
     # every op of the plan is in the one compiled graph, as often as the eager forward calls it
     expected = {"rms_norm", "mhc_pre", "mhc_head", "mhc_post", "mhc_post_pre", "router_select", "router", "swiglu", "rope",
-                "sparse_attention", "compressor", "indexer_score", "linear", "grouped_linear", "moe_permute", "moe_unpermute"}
+                "sparse_attention", "compressor", "indexer_score", "linear", "grouped_linear", "moe_permute", "moe_unpermute",
+                "block_linear"}
     assert set(eager_ops) == expected
     assert dict(graph_ops) == {name: n // STEPS for name, n in eager_ops.items()}
     # and at run time the kernels do all the work, forward and backward: no call took the reference

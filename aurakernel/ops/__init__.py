@@ -19,6 +19,7 @@ from ..parts import Part
 from .adamw import SPEC as ADAMW
 from .attn_softmax import SPEC as ATTN_SOFTMAX
 from .base import OpSpec, Problem
+from .block_linear import SPEC as BLOCK_LINEAR
 from .compressor import SPEC as COMPRESSOR
 from .cross_entropy import SPEC as CROSS_ENTROPY
 from .grouped_linear import SPEC as GROUPED_LINEAR
@@ -39,7 +40,8 @@ from .swiglu import SPEC as SWIGLU
 
 OPS: dict[str, OpSpec] = {spec.name: spec for spec in (RMS_NORM, MHC_PRE, MHC_POST, MHC_POST_PRE, MHC_HEAD, ROUTER, SWIGLU, ROPE, ATTN_SOFTMAX,
                                                         COMPRESSOR, INDEXER_SCORE, SPARSE_ATTENTION, CROSS_ENTROPY,
-                                                        LINEAR_CROSS_ENTROPY, LINEAR, GROUPED_LINEAR, MOE_PERMUTE, MOE_UNPERMUTE,
+                                                        LINEAR_CROSS_ENTROPY, LINEAR, GROUPED_LINEAR, BLOCK_LINEAR, MOE_PERMUTE,
+                                                        MOE_UNPERMUTE,
                                                         ADAMW)}
 
 

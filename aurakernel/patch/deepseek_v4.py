@@ -17,15 +17,15 @@ import torch
 from torch import nn
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
 
-from . import (adamw, attn_softmax, compressor, cross_entropy, grouped_linear, indexer_score, linear,
+from . import (adamw, attn_softmax, block_linear, compressor, cross_entropy, grouped_linear, indexer_score, linear,
                linear_cross_entropy, mhc, mhc_post, mhc_post_pre, moe_permute, moe_unpermute, rms_norm, rope, router,
                sparse_attention, swiglu)
 from ..ops import OPS
 from .base import PATCHES
 
 PATCHES.load(rms_norm, mhc, mhc_post, mhc_post_pre, router, swiglu, rope, attn_softmax, compressor, indexer_score,
-             sparse_attention, cross_entropy, linear_cross_entropy, linear, grouped_linear, moe_permute, moe_unpermute,
-             adamw)
+             sparse_attention, cross_entropy, linear_cross_entropy, linear, grouped_linear, block_linear, moe_permute,
+             moe_unpermute, adamw)
 
 
 patch_of = PATCHES.of
@@ -93,7 +93,8 @@ TABLE: tuple[Row, ...] = (
     Row(nn.Embedding, "embedding"),
     # the projections: matmul work, timed in the matmul bucket with the GEMMs outside modules; the
     # grouped output projection is an nn.Linear whose forward is a batched GEMM of its own
-    Row(v4.DeepseekV4GroupedLinear, "matmul"),
+    Row(v4.DeepseekV4GroupedLinear, "matmul", "block_linear",
+        key=lambda n, m, c: (m.n_groups, m.in_features, m.out_features // m.n_groups)),
     Row(nn.Linear, "matmul", "linear", key=lambda n, m, c: (m.in_features, m.out_features)),
     Row(v4.DeepseekV4Model, None, "rope", function=True),
     Row(v4.DeepseekV4Model, None, "attn_softmax", key=lambda n, m, c: (), function=True),
