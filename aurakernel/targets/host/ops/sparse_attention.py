@@ -29,13 +29,16 @@ Capacity: a task's working set (q rows, the output or gradient accumulators, a k
 layouts, the score block) must fit the per-core share of the largest cache.
 
 Measured against the model (the tiny config's widths, 4 x 4 x 256 x 64 fp32, AVX2 EPYC, kernel alone):
-the model picks tile_rows 4, and 8-16 run faster, forward + backward sliding 2.41 -> 2.12 ms, hca
+the model picked tile_rows 4, and 8-16 run faster, forward + backward sliding 2.41 -> 2.12 ms, hca
 2.67 -> 2.33, csa 3.98 -> 3.73 (perf: the GEMMs ~55% of the time, the row passes ~18%, load_chunk
 ~10%). Two terms are off: the GEMMs run near the full calibrated rate, not GEMM_EFFICIENCY's half,
 and each task costs about 2 us more than the model counts (the window chunk converted per task, the
 GEMM calls per chunk), which bigger tiles share. GEMM_EFFICIENCY alone does not move the pick (the
-band waste still outweighs the per-task terms); the per-task term needs fitting on the AVX-512 / AMX
-paths too before the model changes.
+band waste still outweighs the per-task terms). On a Zen 4 EPYC (AVX-512) the same: side by side,
+tile_rows 4 / 8 / 16 / 32 ran csa 3245 / 3057 / 3028 / 3290 us, hca 2798 / 2585 / 2560 / 2844, sliding
+3294 / 3118 / 3157 / 3670 (fwd+bwd through the module), ~3 us a task more than the model counted.
+TASK_CYCLES now counts it: the model picks 8 at these widths on both machines (V4-Flash's csa at
+2048 tokens stays at 8).
 """
 
 from __future__ import annotations
@@ -56,6 +59,10 @@ from ..library import Entry
 VARIANT_ID = {"sliding": 0, "csa": 1, "hca": 2}
 GEMM_EFFICIENCY = 0.5     # of the calibrated matmul rate, for these small register-blocked GEMMs (ESTIMATE)
 TRANSPOSE_CYCLES = 0.1    # per key element of the transposed copy of each chunk, 8 x 8 blocks in registers (ESTIMATE)
+# per task beyond the terms below (the window chunk set up and converted, a GEMM call per chunk and
+# row block): fitted to the tiny config's widths, where tasks of 8 positions ran 5-9% faster than 4
+# (the pick without it) on a Zen 4 EPYC and on the AVX2 EPYC, ~200 us apart at 64 tasks a thread
+TASK_CYCLES = 7000
 # per (row, chunk): the online softmax's masked passes over the chunk, the row's reductions and the
 # rescale of its accumulator (D wide); measured at 4 x 4 x 256 x 64 fp32 on AVX-512 (130 cycles at D = 64)
 ROW_CHUNK_CYCLES = 100
@@ -218,7 +225,7 @@ class SparseAttentionHost(HostKernel):
 
             def overhead(qb, th):
                 return ((hw.call_overhead_us + cm["phase_overhead_us"] + (hw.fork_overhead_us if th > 1 else 0.0)) * 1e-6
-                        + tasks(qb, th) * cm["tile_overhead_ns"] * 1e-9)
+                        + tasks(qb, th) * (cm["tile_overhead_ns"] * 1e-9 + TASK_CYCLES / clock))
 
             phases.append(Phase(name, {   # the GEMMs and the row work share each core's vector units: one pipe
                 "compute": [Term.of(("tile_rows", "key_chunk", "threads"), domains, compute),
