@@ -322,6 +322,29 @@ def test_patched_experts_dispatch_is_bitwise_the_reference(dtype):
 
 
 
+def _kernels_match_the_reference(model, ops: set, ids, monkeypatch) -> collections.Counter:
+    """A copy of `model` with the kernels of `ops` applied (every one swapped in): its loss and every
+    gradient match the model's; returns the kernel entries the copy called, by (template, entry)."""
+    from aurakernel.targets.host.library import Kernel
+
+    ours = copy.deepcopy(model)
+    report = apply(ours, plan_for(ours, ops=ops))
+    assert {s["op"] for s in report.swapped} == ops and not report.rejected
+    calls = collections.Counter()
+    call = Kernel.call
+    monkeypatch.setattr(Kernel, "call", lambda k, name, *a: calls.update([(k.source.template, name)]) or call(k, name, *a))
+    results = []
+    for m in (model, ours):
+        loss = m(input_ids=ids, labels=ids).loss
+        results.append([loss, *torch.autograd.grad(loss, list(m.parameters()), allow_unused=True)])
+    for a, b in zip(*results, strict=True):
+        if a is None or b is None:
+            assert a is None and b is None
+            continue
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    return calls
+
+
 @pytest.mark.parametrize("ops", [{"grouped_linear"}, {"grouped_linear", "swiglu"}, {"moe_permute"}, {"moe_unpermute"},
                                  {"moe_permute", "grouped_linear", "swiglu", "moe_unpermute"}])
 def test_the_routed_experts_run_their_kernels_alone_or_together(ops, monkeypatch):
@@ -330,7 +353,6 @@ def test_the_routed_experts_run_their_kernels_alone_or_together(ops, monkeypatch
     combine (moe_unpermute); any of them alone or all together, loss and every gradient match the
     reference's, and the profiler sees the problems of all of them."""
     from aurakernel.profiler import problems_of_forward
-    from aurakernel.targets.host.library import Kernel
 
     model = build_model(load_config(TINY).model, seed=0)
     c = model.config
@@ -343,25 +365,11 @@ def test_the_routed_experts_run_their_kernels_alone_or_together(ops, monkeypatch
                                       (tokens * k, c.n_routed_experts, c.moe_intermediate_size, c.hidden_size)}
     assert seen["moe_permute"] == {(tokens, c.n_routed_experts, k, c.hidden_size)}
     assert seen["moe_unpermute"] == {(tokens, k, c.hidden_size)}
-    ours = copy.deepcopy(model)
-    report = apply(ours, plan_for(ours, ops=ops))
-    assert {s["op"] for s in report.swapped} == ops and not report.rejected
-    calls = collections.Counter()
-    call = Kernel.call
-    monkeypatch.setattr(Kernel, "call", lambda k, name, *a: calls.update([(k.source.template, name)]) or call(k, name, *a))
-    results = []
-    for m in (model, ours):
-        loss = m(input_ids=ids, labels=ids).loss
-        results.append([loss, *torch.autograd.grad(loss, list(m.parameters()), allow_unused=True)])
+    calls = _kernels_match_the_reference(model, ops, ids, monkeypatch)
     moe_layers = len(c.mlp_layer_types)   # every FFN is an MoE (hash-routed or top-k)
     per_layer = {"grouped_linear": 2, "moe_permute": 1, "moe_unpermute": 1}
     for op in ops & set(per_layer):
         assert calls[(f"host/{op}.c.j2", "fwd")] == calls[(f"host/{op}.c.j2", "bwd")] == per_layer[op] * moe_layers, op
-    for a, b in zip(*results, strict=True):
-        if a is None or b is None:
-            assert a is None and b is None
-            continue
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_the_grouped_output_projection_runs_the_block_linear_kernel(monkeypatch):
@@ -369,7 +377,6 @@ def test_the_grouped_output_projection_runs_the_block_linear_kernel(monkeypatch)
     own, which linear leaves alone) takes the block_linear kernel: the profiler sees its problem, a
     call each way per layer, loss and every gradient match the reference's."""
     from aurakernel.profiler import problems_of_forward
-    from aurakernel.targets.host.library import Kernel
 
     model = build_model(load_config(TINY).model, seed=0)
     c = model.config
@@ -377,23 +384,9 @@ def test_the_grouped_output_projection_runs_the_block_linear_kernel(monkeypatch)
     group_in = c.num_attention_heads * c.head_dim // c.o_groups
     assert {p.shape for p in problems_of_forward(model, ids) if p.op == "block_linear"} == {
         (2 * 64, c.o_groups, group_in, c.o_lora_rank)}
-    ours = copy.deepcopy(model)
-    report = apply(ours, plan_for(ours, ops={"block_linear"}))
-    assert {s["op"] for s in report.swapped} == {"block_linear"} and not report.rejected
-    calls = collections.Counter()
-    call = Kernel.call
-    monkeypatch.setattr(Kernel, "call", lambda k, name, *a: calls.update([(k.source.template, name)]) or call(k, name, *a))
-    results = []
-    for m in (model, ours):
-        loss = m(input_ids=ids, labels=ids).loss
-        results.append([loss, *torch.autograd.grad(loss, list(m.parameters()), allow_unused=True)])
+    calls = _kernels_match_the_reference(model, {"block_linear"}, ids, monkeypatch)
     layers = c.num_hidden_layers
     assert calls[("host/block_linear.c.j2", "fwd")] == calls[("host/block_linear.c.j2", "bwd")] == layers
-    for a, b in zip(*results, strict=True):
-        if a is None or b is None:
-            assert a is None and b is None
-            continue
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_an_input_read_by_two_patched_projections_gets_its_gradients_summed_in_place():

@@ -6,13 +6,11 @@ from __future__ import annotations
 import functools
 
 import torch
-from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Experts
 
 from ..ops.grouped_linear import SPEC, SWAP, GroupedLinearReference, call_problem  # noqa: F401 - the profiler's recorder
 from ..targets.host.library import built_kernel
 from .base import Patch
-from .experts import experts_forward
-from .install import install, swap_globals
+from .experts import swap_into_experts
 from .torch_op import torch_op
 
 
@@ -71,12 +69,8 @@ class GroupedLinearPatch(Patch):
     def patch(self, module: torch.nn.Module, lookup) -> None:
         """The experts (their grouped_mm forward, patch/experts.py's, which calls `_grouped_linear` by
         its module-level name) or GroupedLinearReference call the kernel."""
-        if isinstance(module, DeepseekV4Experts):
-            if module.__dict__.get("_ak_installed", {}).get("forward") is not experts_forward:
-                install(module, "forward", experts_forward)
-        elif not isinstance(module, GroupedLinearReference):
-            raise TypeError(f"grouped_linear cannot patch {type(module).__name__}")
-        swap_globals(module, _grouped_linear=functools.partial(dispatch, lookup))
+        swap_into_experts(module, self.spec.name, GroupedLinearReference,
+                          _grouped_linear=functools.partial(dispatch, lookup))
 
 
 PARTS = (GroupedLinearPatch(SPEC),)

@@ -13,8 +13,7 @@ from ..ops.base import Problem
 from ..ops.moe_permute import SPEC, MoePermuteReference, moe_permute
 from ..targets.host.library import built_kernel
 from .base import Patch
-from .experts import experts_forward
-from .install import install, swap_globals
+from .experts import swap_into_experts
 from .torch_op import torch_op
 
 
@@ -79,12 +78,8 @@ class MoePermutePatch(Patch):
     def patch(self, module: torch.nn.Module, lookup) -> None:
         """The experts (patch/experts.py's forward, which calls `moe_permute` by its module-level name)
         or MoePermuteReference call the kernel."""
-        if isinstance(module, DeepseekV4Experts):
-            if module.__dict__.get("_ak_installed", {}).get("forward") is not experts_forward:
-                install(module, "forward", experts_forward)
-        elif not isinstance(module, MoePermuteReference):
-            raise TypeError(f"moe_permute cannot patch {type(module).__name__}")
-        swap_globals(module, moe_permute=functools.partial(dispatch, lookup))
+        swap_into_experts(module, self.spec.name, MoePermuteReference,
+                          moe_permute=functools.partial(dispatch, lookup))
 
 
 PARTS = (MoePermutePatch(SPEC),)

@@ -13,8 +13,7 @@ from ..ops.base import Problem
 from ..ops.moe_unpermute import SPEC, MoeUnpermuteReference, moe_unpermute
 from ..targets.host.library import built_kernel
 from .base import Patch
-from .experts import experts_forward
-from .install import install, swap_globals
+from .experts import swap_into_experts
 from .torch_op import torch_op
 
 
@@ -70,12 +69,8 @@ class MoeUnpermutePatch(Patch):
     def patch(self, module: torch.nn.Module, lookup) -> None:
         """The experts (patch/experts.py's forward, which calls `moe_unpermute` by its module-level
         name) or MoeUnpermuteReference call the kernel."""
-        if isinstance(module, DeepseekV4Experts):
-            if module.__dict__.get("_ak_installed", {}).get("forward") is not experts_forward:
-                install(module, "forward", experts_forward)
-        elif not isinstance(module, MoeUnpermuteReference):
-            raise TypeError(f"moe_unpermute cannot patch {type(module).__name__}")
-        swap_globals(module, moe_unpermute=functools.partial(dispatch, lookup))
+        swap_into_experts(module, self.spec.name, MoeUnpermuteReference,
+                          moe_unpermute=functools.partial(dispatch, lookup))
 
 
 PARTS = (MoeUnpermutePatch(SPEC),)
