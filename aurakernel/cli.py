@@ -765,7 +765,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry() -> None:
-    sys.exit(main())
+    rc = main()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # A torchrun worker ends here without the interpreter's finalization. FSDP2's device mesh
+        # keeps the gloo process group alive after destroy_process_group, and its worker threads
+        # could be torn down during finalization still joinable: "terminate called without an active
+        # exception", SIGABRT after a run that completed (1 in ~10 two-rank runs on a loaded 2-core
+        # machine), which torchrun reports as the run's failure. Everything a run writes (log,
+        # checkpoints, export) is closed by the time train returns; only stdio is left to flush.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    sys.exit(rc)
 
 
 if __name__ == "__main__":
