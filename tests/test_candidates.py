@@ -154,3 +154,19 @@ def test_tune_times_every_value_of_a_knob_the_model_cannot_rank_and_keeps_the_fa
     best = TuningDB(tmp_path / "t.sqlite").best("swiglu", "default", problem.shape_text, "bf16", "host")
     assert json.loads(best["plan"])["knobs"]["lookup"] == 1
     assert _knobs_refused(spec, problem, result.plan.knobs, hw) is None
+
+
+@pytest.mark.parametrize("timings,status", [([(3.0, 2.0), (1.0, 2.0)], "ok"), ([(3.0, 2.0), (2.5, 2.0)], "slower")])
+def test_a_kernel_is_dropped_as_slower_only_when_a_second_timing_agrees(timings, status, tmp_path, monkeypatch):
+    """One side-by-side timing that finds the kernel slower than eager is taken again; the kernel is
+    kept when the second finds it faster, dropped (slower, with both sides' times) when it agrees."""
+    calls = iter(timings)
+    monkeypatch.setattr(host_target, "measure_problem",
+                        lambda *a, **k: (dict(zip(("aurakernel", "eager"), next(calls))), {}, {}))
+    result = agent.tune_problem(SPEC, PROBLEM, host_profile(), target="host", solver="highs",
+                                db=TuningDB(tmp_path / "t.sqlite"), with_compiled=False)
+    assert next(calls, None) is None   # both timings were taken
+    assert result.status == status
+    better = min(timings, key=lambda t: t[0] / t[1])
+    assert (result.measured_us, result.eager_us) == better
+    assert ("not faster than eager (2.5 us vs 2.0 us)" in result.reasons) == (status == "slower")
