@@ -35,7 +35,9 @@ def moe_permute(hidden: torch.Tensor, top_k_index: torch.Tensor, experts: int, s
     num_top_k = top_k_index.size(-1)
     expert_ids_g, perm = torch.sort(top_k_index.reshape(-1), stable=stable)
     selected = hidden.index_select(0, perm // num_top_k)
-    tokens_per_expert = torch.histc(expert_ids_g.float(), bins=experts, min=0, max=experts - 1)
+    # histc as transformers calls it: float ids on the CPU (and MPS), int ids elsewhere
+    histc_input = expert_ids_g.float() if hidden.device.type in ("cpu", "mps") else expert_ids_g.int()
+    tokens_per_expert = torch.histc(histc_input, bins=experts, min=0, max=experts - 1)
     offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
     rows = torch.empty_like(perm)
     rows[perm] = torch.arange(perm.size(0), device=perm.device)

@@ -15,7 +15,7 @@ from .install import install, swap_globals
 def experts_forward(self: DeepseekV4Experts, hidden_states, top_k_index, top_k_weights):
     """transformers' grouped_mm experts forward (integrations/moe.py) in four calls, each of which a
     patch may swap for a kernel in the module's namespace (patch.install.swap_globals): the dispatch
-    (`moe_permute`: the pairs' rows sorted by expert, stably, and gathered with index_select, whose
+    (`moe_permute`: the pairs' rows sorted by expert and gathered with index_select, whose
     backward is an index_add_ where advanced indexing's index_put_ sorted its indices), the two
     grouped projections (`_grouped_linear`) with the gate between them (`self._apply_gate`, the
     swiglu patch's), and the combine (`moe_unpermute`).
