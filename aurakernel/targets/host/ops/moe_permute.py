@@ -1,6 +1,12 @@
 """The host C kernel of moe_permute (templates/host/moe_permute.c.j2): its tiling model, template values
 and C calls. The sort is a counting sort on one thread (a few integer operations a pair); what the
-threads share is the rows' copies (forward) and sums (backward), streaming memory."""
+threads share is the rows' copies (forward) and sums (backward), streaming memory.
+
+Where the time goes (2-core Zen 4 EPYC, AVX-512, one run each): at V4-Flash's routing (1024 tokens
+x top-6 of 256 experts, hidden 4096, bf16) forward + backward 4.75 ms, 70% of the calibrated
+streaming bandwidth over its minimum traffic, against eager's 7.47 ms (a sort, a gather, a
+histogram, a cumulative sum, a scatter of row numbers; an index_add_ back) and torch.compile's 8.45;
+at the tiny config's 1024 x top-2 of 8, hidden 256, fp32, 208 against 380 us, most of it the calls."""
 
 from __future__ import annotations
 

@@ -1,6 +1,12 @@
 """The host C kernel of moe_unpermute (templates/host/moe_unpermute.c.j2): its tiling model, template
 values and C calls. Streaming memory: each pair's row read once a direction, a token's output row
-written (forward) or read (backward) once."""
+written (forward) or read (backward) once.
+
+Where the time goes (2-core Zen 4 EPYC, AVX-512, one run each): at V4-Flash's routing (1024 tokens
+x top-6, hidden 4096, bf16) forward + backward 6.75 ms, 70% of the calibrated streaming bandwidth
+over its minimum traffic, against eager's 31.3 ms (a multiply, a gather and a reduction over
+[tokens x K, H] each way, an expand and a scatter back) and torch.compile's 19.9; at the tiny
+config's 1024 x top-2, hidden 256, fp32, 180 against 564 us."""
 
 from __future__ import annotations
 
