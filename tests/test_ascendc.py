@@ -388,7 +388,7 @@ def test_mhc_forward_on_the_cube_reads_x_once_from_hbm(tmp_path):
         bufs = [to_bytes(x), to_bytes(fn_parts(inputs["fn"], x.dtype)), to_bytes(inputs["base"].float()),
                 to_bytes(inputs["scale"].float()), to_bytes(y), to_bytes(post), to_bytes(comb),
                 to_bytes(torch.zeros(n, rows)), to_bytes(torch.zeros(rows)), workspace(4 * acc), bytearray(tiling)]
-        exe = emu.exe("ak_mhc_pre_fwd", 11, cores="mix_1_2", l2_args=(1, 9), l2_vector_reads=marked)
+        exe = emu.exe("fwd", 11, cores="mix_1_2", l2_args=(1, 9), l2_vector_reads=marked)
         report = emulator.run(exe, aic, bufs)
         assert report.ok, report.errors
         torch.testing.assert_close(from_bytes(bufs[4], y).float(), ref["y"].float(), rtol=1.6e-2, atol=2e-2)
@@ -1296,6 +1296,21 @@ def test_projects_of_several_widths_load_side_by_side(tmp_path):
         Identifier("rms_norm; rm -rf")
 
 
+
+@pytest.mark.parametrize("op_type, name", [
+    # the documented conversion table (asc-devkit, custom-op naming rules) and its special cases
+    ("AddCustom", "add_custom"), ("ReduceMaxCustom", "reduce_max_custom"), ("Conv2DCustom", "conv2_d_custom"),
+    ("GatherV2Custom", "gather_v2_custom"), ("SplitVCustom", "split_v_custom"), ("TopKCustom", "top_k_custom"),
+    ("AbcAAc", "abc_a_ac"), ("GRUCell", "gru_cell"), ("HTTPServerCustom", "http_server_custom"), ("Add", "add"),
+    # ours: the widths' digits and the x between them stay as they are
+    ("AkRouterTopkBf16256x6", "ak_router_topk_bf16256x6"), ("AkRmsNormWeightedBf16512Grad", "ak_rms_norm_weighted_bf16512_grad"),
+])
+def test_kernel_entries_are_named_as_the_custom_op_build_finds_them(op_type, name):
+    """A msopgen project's build looks up each operator type's kernel by the type in lower snake case; a kernel
+    named otherwise is not found for it on the NPU machine."""
+    assert ascend.snake_case(op_type) == name
+
+
 SHIM = ROOT / "tests" / "cann_shim"
 
 
@@ -1329,8 +1344,9 @@ def test_every_rendered_host_file_and_binding_compiles(tmp_path, torch_headers):
     against the installed torch's own headers (precompiled once) and the shim's torch_npu stream and
     launch macro: no error, and no warning in the rendered code. Each project registers CANN operator
     types of its own (OpDef classes named after the project), so two projects of one operator (another
-    dtype, other widths, the other variant) installed side by side do not collide."""
-    problems, op_types = [], []
+    dtype, other widths, the other variant) installed side by side do not collide, and names its kernels
+    after them as msopgen's build looks them up (the type in snake case; the binding launches those)."""
+    problems, op_types, kernel_names = [], [], []
     for op, variant, shape, dtype, _ in TILING_HEADERS:
         spec = OPS[op]
         problem = spec.problem(shape, dtype, variant)
@@ -1341,6 +1357,13 @@ def test_every_rendered_host_file_and_binding_compiles(tmp_path, torch_headers):
         classes = re.findall(r"class (\w+) : public OpDef", project["host.cpp.j2"].read_text())
         assert classes and set(classes) <= {ascend.op_type(spec, problem), ascend.op_type(spec, problem) + "Grad"}, classes
         op_types += classes
+        # msopgen's build finds each operator type's kernel by the type's snake case name
+        entries = set(re.findall(r'extern "C" __global__ __aicore__ void (\w+)\(', project["kernel.cpp.j2"].read_text()))
+        assert {ascend.snake_case(c) for c in classes} <= entries, (classes, entries)
+        launched = set(re.findall(r"ACLRT_LAUNCH_KERNEL\((\w+)\)", binding_text := project["binding.cpp.j2"].read_text()))
+        assert launched and launched <= entries, (launched, entries)
+        assert set(re.findall(r'#include "aclrtlaunch_(\w+)\.h"', binding_text)) == launched
+        kernel_names += entries
         binding = project["binding.cpp.j2"]
         _launch_headers(binding, torch_headers.launch)
         for source, flags in ((project["host.cpp.j2"], ["-std=c++20", f"-I{SHIM}"]), (binding, torch_headers.flags)):
@@ -1351,6 +1374,7 @@ def test_every_rendered_host_file_and_binding_compiles(tmp_path, torch_headers):
                 problems.append(f"{source.name} ({op} {variant} {dtype}): " + "; ".join(ours or run.stderr.splitlines()[-3:]))
     assert not problems, "\n".join(problems)
     assert len(op_types) == len(set(op_types)), sorted(op_types)
+    assert len(kernel_names) == len(set(kernel_names)), sorted(kernel_names)   # no symbol exported by two projects
 
 
 def _binding_on_cpu(project: dict, harness: str, torch_headers, tmp_path: Path) -> Path:

@@ -160,7 +160,7 @@ def test_solved_schedule_beats_the_plain_order_in_the_emulator():
         assert "FWD_PREFETCH = 1;" in (Path(tmp) / "solved" / "cross_entropy_kernel.cpp").read_text()
         assert "FWD_PREFETCH = 0;" in (Path(tmp) / "plain" / "cross_entropy_kernel.cpp").read_text()
         with ThreadPoolExecutor(2) as pool:   # the two g++ builds side by side
-            exes = dict(zip(emus, pool.map(lambda e: e.exe("ak_cross_entropy_fwd", 6), emus.values())))
+            exes = dict(zip(emus, pool.map(lambda e: e.exe("fwd", 6), emus.values())))
         for name, knobs in (("plain", plain), ("solved", solved)):
             for x in (inputs, tail):
                 logits, labels = x["logits"], x["labels"]

@@ -12,6 +12,7 @@ templates under templates/ascendc/<op>/.
 
 from __future__ import annotations
 
+import re
 import tempfile
 from pathlib import Path
 
@@ -153,6 +154,33 @@ def op_type(spec: OpSpec, problem: Problem) -> Identifier:
     return Identifier("Ak" + "".join(part[:1].upper() + part[1:] for part in project_name(spec, problem).split("_")))
 
 
+def snake_case(op_type: str) -> Identifier:
+    """An operator type's lower snake case name, by the rule CANN's custom-op build applies to find a type's
+    kernel entry (asc-devkit docs, "命名转换规则对照表"): an upper-case letter becomes lower case, with an
+    underscore before it where the letter before it is lower case or a digit, or is upper case and the
+    letter after it lower case (AddCustom -> add_custom, Conv2DCustom -> conv2_d_custom, GRUCell -> gru_cell)."""
+    out = []
+    for i, c in enumerate(op_type):
+        if c.isupper():
+            before, after = op_type[i - 1:i], op_type[i + 1:i + 2]
+            if before and (before.islower() or before.isdigit() or (before.isupper() and after.islower())):
+                out.append("_")
+            c = c.lower()
+        out.append(c)
+    return Identifier("".join(out))
+
+
+# a kernel's name after the project's entry (`kernel_entry`), by the role its emulator runs ask for
+ENTRY_SUFFIXES = {"fwd": "", "bwd": "_grad", "given": "_given", "bwd_head": "_grad_head"}
+
+
+def kernel_entry(spec: OpSpec, problem: Problem) -> Identifier:
+    """The forward kernel's name, the project's operator type in snake case, so that msopgen's build finds
+    it for that type (and the backward's, `<entry>_grad`, for `<type>Grad`); one per project, so two
+    projects' kernel libraries loaded in one process export no name twice."""
+    return snake_case(op_type(spec, problem))
+
+
 def render_project(spec: OpSpec, problem: Problem, knobs: dict[str, int], out_dir: Path,
                    hw: HardwareProfile) -> dict[str, Path]:
     """Write the op project (kernel, tiling, host, binding, CMake, README) for `hw` into out_dir. A
@@ -161,7 +189,7 @@ def render_project(spec: OpSpec, problem: Problem, knobs: dict[str, int], out_di
     kernel = kernel_of(spec)
     figures = hw.ascend_pipes(hw.cores)
     params = {**kernel.params(problem, knobs), **kernel.profile_params(problem, knobs, hw), "batch_mode": kernel.syncs_cores,
-              "lib": project_name(spec, problem), "op_type": op_type(spec, problem),
+              "lib": project_name(spec, problem), "op_type": op_type(spec, problem), "entry": kernel_entry(spec, problem),
               "vec_issue_cycles": max(1, round(figures.vec_issue)), "vec_slow_factor": max(1, round(figures.vec_slow_factor))}
     out_dir.mkdir(parents=True, exist_ok=True)
     written = {}
@@ -178,18 +206,20 @@ class Emulated:
 
     def __init__(self, spec: OpSpec, project: dict[str, Path], hw: HardwareProfile):
         self.source = project["kernel.cpp.j2"].read_text()
+        entries = set(re.findall(r'extern "C" __global__ __aicore__ void (\w+)\(', self.source))
+        self.entry = min(entries, key=len)   # the forward's; the others are it with a suffix (ENTRY_SUFFIXES)
         self.include = project["tiling.h.j2"].parent
         self.hw, self.batch_mode = hw, kernel_of(spec).syncs_cores
         self._exes: dict[tuple, Path] = {}
 
-    def exe(self, entry: str, nargs: int, *, cores: str = "aiv", l2_args: tuple[int, ...] = (),
+    def exe(self, role: str, nargs: int, *, cores: str = "aiv", l2_args: tuple[int, ...] = (),
             l2_vector_reads: tuple[int, ...] = ()) -> Path:
-        """The entry built for blocks of `cores` (emulator.CORES; any number of them: the run gives it),
-        with the workspace arguments `l2_args` kept in L2 and the vector cores' reads of
-        `l2_vector_reads` found there (emulator.build)."""
-        key = (entry, nargs, cores, l2_args, l2_vector_reads)
+        """The kernel of `role` (ENTRY_SUFFIXES: "fwd", "bwd", ...) built for blocks of `cores`
+        (emulator.CORES; any number of them: the run gives it), with the workspace arguments `l2_args`
+        kept in L2 and the vector cores' reads of `l2_vector_reads` found there (emulator.build)."""
+        key = (role, nargs, cores, l2_args, l2_vector_reads)
         if key not in self._exes:
-            self._exes[key] = emulator.build(self.source, entry=entry, nargs=nargs, hw=self.hw, include_dirs=(self.include,),
+            self._exes[key] = emulator.build(self.source, entry=self.entry + ENTRY_SUFFIXES[role], nargs=nargs, hw=self.hw, include_dirs=(self.include,),
                                              batch_mode=self.batch_mode, cores=cores, l2_args=l2_args,
                                              l2_vector_reads=l2_vector_reads)
         return self._exes[key]

@@ -60,7 +60,7 @@ class AdamWAscend(AscendKernel):
         outs = {k: torch.full((n,), float("nan")) for k in ("p", "m", "v")}
         bufs = [to_bytes(inputs[k]) for k in ("p", "g", "m", "v")] + [to_bytes(outs[k]) for k in ("p", "m", "v")]
         bufs += [bytearray(32), bytearray(tiling)]
-        report = emulator.run(emu.exe("ak_adamw", 9), block_dim, bufs)
+        report = emulator.run(emu.exe("fwd", 9), block_dim, bufs)
         return {k: from_bytes(bufs[4 + i], outs[k]) for i, k in enumerate(("p", "m", "v"))}, {}, {"update": report}
 
 

@@ -127,13 +127,13 @@ class AttnSoftmaxAscend(AscendKernel):
         probs = torch.full_like(s, float("nan"))
         lse = torch.full((rows,), float("nan"))
         fwd_bufs = [to_bytes(s), mask_bytes, to_bytes(sinks), to_bytes(probs), to_bytes(lse), bytearray(32), tiling]
-        fwd = emulator.run(emu.exe("ak_attn_softmax_fwd", 7), block_dim, fwd_bufs)
+        fwd = emulator.run(emu.exe("fwd", 7), block_dim, fwd_bufs)
         hp = -(-heads // 8) * 8
         dscores, dsinks = torch.full_like(s, float("nan")), torch.full((heads,), float("nan"))
         bwd_bufs = [to_bytes(s), bytearray(mask_bytes), to_bytes(sinks), fwd_bufs[4],
                     to_bytes(grad_out["probs"].to(s.dtype)), to_bytes(dscores), to_bytes(dsinks),
                     bytearray(4 * hp * block_dim), bwd_tiling]
-        bwd = emulator.run(emu.exe("ak_attn_softmax_bwd", 9), block_dim, bwd_bufs)
+        bwd = emulator.run(emu.exe("bwd", 9), block_dim, bwd_bufs)
         return ({"probs": from_bytes(fwd_bufs[3], probs)},
                 {"scores": from_bytes(bwd_bufs[5], dscores), "sinks": from_bytes(bwd_bufs[6], dsinks)},
                 {"forward": fwd, "backward": bwd})

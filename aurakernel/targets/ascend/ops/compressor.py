@@ -154,14 +154,14 @@ class CompressorAscend(AscendKernel):
         rec = torch.full((rows, 2, dp), float("nan"))
         fwd_bufs = [to_bytes(kv), to_bytes(gate), to_bytes(pb), to_bytes(w), to_bytes(y), to_bytes(rstd), to_bytes(rec),
                     bytearray(32), tiling_f]
-        fwd = emulator.run(emu.exe("ak_compressor_fwd", 9), fwd_blocks, fwd_bufs)
+        fwd = emulator.run(emu.exe("fwd", 9), fwd_blocks, fwd_bufs)
         y, rstd, rec = from_bytes(fwd_bufs[4], y), from_bytes(fwd_bufs[5], rstd), from_bytes(fwd_bufs[6], rec)
         grads = {"kv": torch.full_like(kv, float("nan")), "gate": torch.full_like(gate, float("nan")),
                  "position_bias": torch.full_like(pb, float("nan")), "weight": torch.full_like(w, float("nan"))}
         bwd_bufs = [to_bytes(kv), to_bytes(gate), to_bytes(pb), to_bytes(w), to_bytes(rstd), to_bytes(rec),
                     to_bytes(grad_out["y"].to(kv.dtype))] + [to_bytes(grads[k]) for k in ("kv", "gate", "position_bias", "weight")]
         bwd_bufs += [bytearray(ws_bytes), bytearray(tiling)]
-        bwd = emulator.run(emu.exe("ak_compressor_bwd", 13), bwd_blocks, bwd_bufs)
+        bwd = emulator.run(emu.exe("bwd", 13), bwd_blocks, bwd_bufs)
         grads = {k: from_bytes(bwd_bufs[7 + i], grads[k]) for i, k in enumerate(("kv", "gate", "position_bias", "weight"))}
         return {"y": y, "rstd": rstd}, grads, {"forward": fwd, "backward": bwd}
 

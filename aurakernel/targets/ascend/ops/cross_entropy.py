@@ -62,12 +62,12 @@ class CrossEntropyAscend(AscendKernel):
         loss_rows, lse = torch.full((rows,), float("nan")), torch.full((rows,), float("nan"))
         fwd_bufs = [to_bytes(logits), to_bytes(labels), to_bytes(loss_rows), to_bytes(lse), bytearray(32),
                     self.tiling(rows, vocab, knobs, 1.0)]
-        fwd = emulator.run(emu.exe("ak_cross_entropy_fwd", 6), block_dim, fwd_bufs)
+        fwd = emulator.run(emu.exe("fwd", 6), block_dim, fwd_bufs)
         loss_rows, lse = from_bytes(fwd_bufs[2], loss_rows), from_bytes(fwd_bufs[3], lse)
         dlogits = torch.full_like(logits, float("nan"))
         bwd_bufs = [to_bytes(logits), to_bytes(labels), to_bytes(lse), to_bytes(dlogits), bytearray(32),
                     self.tiling(rows, vocab, knobs, scale)]
-        bwd = emulator.run(emu.exe("ak_cross_entropy_bwd", 6), block_dim, bwd_bufs)
+        bwd = emulator.run(emu.exe("bwd", 6), block_dim, bwd_bufs)
         return ({"loss": loss_rows.sum() / valid, "loss_rows": loss_rows, "lse": lse},
                 {"logits": from_bytes(bwd_bufs[3], dlogits)}, {"forward": fwd, "backward": bwd})
 

@@ -390,14 +390,14 @@ class IndexerScoreAscend(AscendKernel):
         # k, read by every AI core, is found in L2 (as mhc's fn and sparse attention's kv); the forward's
         # workspace (its product slots) is kept in L2
         fwd_bufs = [to_bytes(q), to_bytes(k), to_bytes(w), to_bytes(score), bytearray(geo.fwd_ws), tiling]
-        fwd = emulator.run(emu.exe("ak_indexer_score_fwd", 6, cores="mix_1_2", l2_args=(1, 4)),
+        fwd = emulator.run(emu.exe("fwd", 6, cores="mix_1_2", l2_args=(1, 4)),
                            geo.cube_blocks, fwd_bufs)
         dq, dk, dw = (torch.full_like(t, float("nan")) for t in (q, k, w))
         g = grad_out["y"].float().contiguous()
         if self.cube_backward(problem):   # the slots and the fp32 dk in L2
-            exe, blocks = emu.exe("ak_indexer_score_bwd", 9, cores="mix_1_2", l2_args=(1, 7)), geo.bwd_blocks
+            exe, blocks = emu.exe("bwd", 9, cores="mix_1_2", l2_args=(1, 7)), geo.bwd_blocks
         else:
-            exe, blocks = emu.exe("ak_indexer_score_bwd", 9), geo.block_dim
+            exe, blocks = emu.exe("bwd", 9), geo.block_dim
         bwd_bufs = [to_bytes(q), to_bytes(k), to_bytes(w), to_bytes(g), to_bytes(dq), to_bytes(dk), to_bytes(dw),
                     bytearray(geo.bwd_ws), bytearray(tiling)]
         bwd = emulator.run(exe, blocks, bwd_bufs)

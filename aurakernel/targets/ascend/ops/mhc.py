@@ -664,7 +664,7 @@ class MhcAscend(AscendKernel):
                     to_bytes(post), to_bytes(comb), to_bytes(mix_t), to_bytes(rstd), emulator.workspace(4 * geo.acc_floats), tiling]
         # fn's parts and the workspace (the accumulators) stay in L2; the AIVs' second read of x finds
         # the rows the AICs read a round before there
-        exe = emu.exe(f"ak_{op}_fwd", 11, cores="mix_1_2", l2_args=(1, 9), l2_vector_reads=(0,))
+        exe = emu.exe("fwd", 11, cores="mix_1_2", l2_args=(1, 9), l2_vector_reads=(0,))
         fwd = emulator.run(exe, aic, fwd_bufs)
         outputs = {"y": from_bytes(fwd_bufs[4], y)}
         if not self.spec.head:
@@ -677,9 +677,9 @@ class MhcAscend(AscendKernel):
         head_bufs = [to_bytes(x), to_bytes(dy), to_bytes(base), to_bytes(scale), to_bytes(mix_t), to_bytes(rstd),
                      to_bytes(d_post), to_bytes(d_comb), workspace, bytearray(tiling)]
         if on_cube:   # mixed: d_pre on the Cube; the workspace (its blocks, the coefficients) in L2
-            bwd_head = emulator.run(emu.exe(f"ak_{op}_bwd_head", 10, cores="mix_1_2", l2_args=(8,)), cube_blocks, head_bufs)
+            bwd_head = emulator.run(emu.exe("bwd_head", 10, cores="mix_1_2", l2_args=(8,)), cube_blocks, head_bufs)
         else:
-            bwd_head = emulator.run(emu.exe(f"ak_{op}_bwd_head", 10), block_dim, head_bufs)
+            bwd_head = emulator.run(emu.exe("bwd_head", 10), block_dim, head_bufs)
         dx = torch.full_like(x, nan)
         if on_cube:   # a mixed kernel: fn's parts (read by every AI core), the workspace (bwd_head's coefficients
             # and parts, read per column tile) and dn's two slots per AI core in L2, x's second read (the AIVs') too;
@@ -689,12 +689,12 @@ class MhcAscend(AscendKernel):
             bwd_bufs = [to_bytes(x), to_bytes(dy), fwd_bufs[1], to_bytes(dx), to_bytes(d_fn), head_bufs[8], dn_slots,
                         bytearray(tiling)]
             in_l2 = (0, 1) if self.x_stays_in_l2(problem, emu.hw) else ()   # x and dy, as bwd_head left them
-            exe = emu.exe(f"ak_{op}_bwd", 8, cores="mix_1_2", l2_args=(*in_l2, 2, 5, 6))
+            exe = emu.exe("bwd", 8, cores="mix_1_2", l2_args=(*in_l2, 2, 5, 6))
             bwd = emulator.run(exe, cube_blocks, bwd_bufs)
             d_fn, ws = from_bytes(bwd_bufs[4], d_fn), torch.frombuffer(bwd_bufs[5], dtype=torch.float32)
         else:
             bwd_bufs = [to_bytes(x), to_bytes(dy), to_bytes(fn), to_bytes(dx), head_bufs[8], bytearray(tiling)]
-            bwd = emulator.run(emu.exe(f"ak_{op}_bwd", 6), block_dim, bwd_bufs)
+            bwd = emulator.run(emu.exe("bwd", 6), block_dim, bwd_bufs)
             ws = torch.frombuffer(bwd_bufs[4], dtype=torch.float32)
             d_fn = ws[ws_dfn:ws_par].view(dfn_blocks, n, w).sum(0).clone()
         par = ws[ws_par:ws_parts].view(par_blocks, 32).sum(0)

@@ -93,13 +93,13 @@ class MhcPostAscend(AscendKernel):
         y = torch.full_like(h, float("nan"))
         fwd_bufs = [to_bytes(post), to_bytes(comb), to_bytes(inputs["out"]), to_bytes(h), to_bytes(y), bytearray(32),
                     tiling]
-        fwd = emulator.run(emu.exe("ak_mhc_post_fwd", 7), block_dim, fwd_bufs)
+        fwd = emulator.run(emu.exe("fwd", 7), block_dim, fwd_bufs)
         grads = {"post": torch.full_like(post, float("nan")), "comb": torch.full_like(comb, float("nan")),
                  "out": torch.full_like(inputs["out"], float("nan")), "h": torch.full_like(h, float("nan"))}
         bwd_bufs = [to_bytes(post), to_bytes(comb), to_bytes(inputs["out"]), to_bytes(h),
                     to_bytes(grad_out["y"].to(h.dtype))] + [to_bytes(grads[k]) for k in ("post", "comb", "out", "h")]
         bwd_bufs += [bytearray(32), bytearray(tiling)]
-        bwd = emulator.run(emu.exe("ak_mhc_post_bwd", 11), block_dim, bwd_bufs)
+        bwd = emulator.run(emu.exe("bwd", 11), block_dim, bwd_bufs)
         grads = {k: from_bytes(bwd_bufs[5 + i], grads[k]) for i, k in enumerate(("post", "comb", "out", "h"))}
         return {"y": from_bytes(fwd_bufs[4], y)}, grads, {"forward": fwd, "backward": bwd}
 

@@ -103,14 +103,14 @@ class RmsNormAscend(AscendKernel):
         y = torch.full_like(x, float("nan"))
         rstd = torch.full((rows,), float("nan"))
         fwd_bufs = [to_bytes(x), to_bytes(gamma), to_bytes(y), to_bytes(rstd), bytearray(32), tiling]
-        fwd = emulator.run(emu.exe("ak_rms_norm_fwd", 6), block_dim, fwd_bufs)
+        fwd = emulator.run(emu.exe("fwd", 6), block_dim, fwd_bufs)
         y, rstd = from_bytes(fwd_bufs[2], y), from_bytes(fwd_bufs[3], rstd)
         dy = grad_out["y"].to(x.dtype)
         dx = torch.full_like(x, float("nan"))
         dgamma = torch.full((block_dim, cols), float("nan"))
         bwd_bufs = [to_bytes(dy), to_bytes(x), to_bytes(gamma), to_bytes(rstd), to_bytes(dx), to_bytes(dgamma),
                     bytearray(32), bytearray(tiling)]
-        bwd = emulator.run(emu.exe("ak_rms_norm_bwd", 8), block_dim, bwd_bufs)
+        bwd = emulator.run(emu.exe("bwd", 8), block_dim, bwd_bufs)
         grads = {"x": from_bytes(bwd_bufs[4], dx)}
         if weighted:
             grads["weight"] = from_bytes(bwd_bufs[5], dgamma).sum(0)   # the cores' partials

@@ -93,7 +93,7 @@ class RopeAscend(AscendKernel):
         s32 = sin.float().expand(b, s, half).contiguous()
         outs, reports = {}, {}
         dy = grad_out["y"].to(x.dtype)
-        for phase, entry, src in (("forward", "ak_rope_fwd", x), ("backward", "ak_rope_bwd", dy)):
+        for phase, entry, src in (("forward", "fwd", x), ("backward", "bwd", dy)):
             if src.stride(-1) != 1 or (s > 1 and src.stride(2) < d):
                 src = src.contiguous()
             # the strided tensor's storage span: the kernel walks it with the strides in the tiling

@@ -37,7 +37,7 @@ instructions per row, 22.1 -> 20.6 us for forward + backward):
   row is 2 + 2 reads and 6 writes (11.9k -> 11.5k, the vector unit then the pace), and sigmoid(x)
   comes from softplus' exp(-|x|) with the routing scale folded into 2 s (one Exp, one Reciprocal
   and a Muls fewer): 11.2k cycles against ~10k of HBM.
-- hash forward (ak_router_given; 8.7k -> 7.8k cycles at its own 64-row tiles against ~5.3k of HBM):
+- hash forward (the `given` kernel; 8.7k -> 7.8k cycles at its own 64-row tiles against ~5.3k of HBM):
   MTE2-bound (6.1k: the logits, one copy of the experts, a latency per tile) plus ~1.7k at the ends
   (the first tile and the core's experts before any compute). Its tile rows are a knob of their own
   (forward_tile_rows): its launch holds no backward, so 40-64 rows fit where the backward takes 24.
@@ -216,19 +216,19 @@ class RouterAscend(AscendKernel):
         return [Problem(problem.op, problem.variant, s, problem.dtype) for s in dict.fromkeys(shapes)]
 
     def select(self, problem: Problem, knobs: dict[str, int], scores: torch.Tensor, bias: torch.Tensor, emu):
-        """The top-k kernel alone (ak_router_fwd): (indices, weights, tie flags, RunReport)."""
+        """The top-k kernel alone (the forward entry): (indices, weights, tie flags, RunReport)."""
         rows, top_k = scores.shape[0], problem.shape[2]
         idx = torch.full((rows, top_k), -1, dtype=torch.long)
         w = torch.full((rows, top_k), float("nan")).to(scores.dtype)
         tie = torch.full((rows,), 255, dtype=torch.uint8)
         bufs = [to_bytes(scores), to_bytes(bias), to_bytes(idx), to_bytes(w), to_bytes(tie), bytearray(32),
                 self.tiling(problem.dtype, *scores.shape, knobs, False)]
-        report = emulator.run(emu.exe("ak_router_fwd", 7), row_split(rows, knobs["block_dim"])[1], bufs)
+        report = emulator.run(emu.exe("fwd", 7), row_split(rows, knobs["block_dim"])[1], bufs)
         return from_bytes(bufs[2], idx), from_bytes(bufs[3], w), from_bytes(bufs[4], tie), report
 
     def run(self, problem: Problem, knobs: dict[str, int], inputs: Tensors, grad_out: Tensors, emu):
         """Forward (selection + weights; tie rows re-selected by torch.topk and weighted by
-        ak_router_given, as the host path does) and backward in the emulator."""
+        the `given` kernel, as the host path does) and backward in the emulator."""
 
         logits = inputs["logits"]
         rows, experts = logits.shape
@@ -239,7 +239,7 @@ class RouterAscend(AscendKernel):
             w = torch.full((x.shape[0], top_k), float("nan")).to(x.dtype)
             bufs = [to_bytes(x), to_bytes(idx), to_bytes(w), bytearray(32),
                     self.tiling(problem.dtype, *x.shape, knobs, from_logits)]
-            rep = emulator.run(emu.exe("ak_router_given", 5), row_split(x.shape[0], knobs["block_dim"])[1], bufs)
+            rep = emulator.run(emu.exe("given", 5), row_split(x.shape[0], knobs["block_dim"])[1], bufs)
             return from_bytes(bufs[2], w), rep
 
         reports = {}
@@ -258,7 +258,7 @@ class RouterAscend(AscendKernel):
         d_logits = torch.full_like(logits, float("nan"))
         bwd_bufs = [to_bytes(logits), to_bytes(indices), to_bytes(grad_out["weights"].to(logits.dtype)),
                     to_bytes(d_logits), bytearray(32), self.tiling(problem.dtype, *logits.shape, knobs, True)]
-        reports["backward"] = emulator.run(emu.exe("ak_router_bwd", 6), block_dim, bwd_bufs)
+        reports["backward"] = emulator.run(emu.exe("bwd", 6), block_dim, bwd_bufs)
         return ({"weights": weights, "indices": indices}, {"logits": from_bytes(bwd_bufs[3], d_logits)}, reports)
 
 

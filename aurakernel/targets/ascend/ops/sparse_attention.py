@@ -735,7 +735,7 @@ class SparseAttentionAscend(AscendKernel):
         # kv and the compressed kv stay in L2 (V4-Flash at 65536 tokens: 64 + 16 MB of the 192 MB): every
         # position gathers its keys from them, so all but their first read are L2 hits on the NPU (that
         # first read, ~1% of the traffic at these shapes, is not counted as HBM traffic here)
-        fwd = emulator.run(emu.exe("ak_sparse_attention_fwd", 11, cores="mix_1_2", l2_args=(1, 2, 9)), blocks, fwd_bufs)
+        fwd = emulator.run(emu.exe("fwd", 11, cores="mix_1_2", l2_args=(1, 2, 9)), blocks, fwd_bufs)
         y, y_lo, lse = from_bytes(fwd_bufs[6], y), from_bytes(fwd_bufs[7], y), from_bytes(fwd_bufs[8], lse)
         dy = grad_out["y"].to(q.dtype).contiguous()                      # [B, S, H, D], as y
         dq, dkv, dckv = (torch.full_like(t, float("nan")) for t in (q, inputs["kv"], ckv))
@@ -747,7 +747,7 @@ class SparseAttentionAscend(AscendKernel):
         acc_in_l2 = (15,) if self.gradients_stay_in_l2(problem, emu.hw) else ()
         # dy: the vector cores' read of a position's rows (Delta) follows their AI core's Cube side's read of
         # the same rows (into L1, a position or so ahead), so on the NPU it finds them in L2
-        bwd = emulator.run(emu.exe("ak_sparse_attention_bwd", 17, cores="mix_1_2", l2_args=(1, 2, 14, *acc_in_l2),
+        bwd = emulator.run(emu.exe("bwd", 17, cores="mix_1_2", l2_args=(1, 2, 14, *acc_in_l2),
                                    l2_vector_reads=(9,)), blocks, bwd_bufs)
         grads = {"q": from_bytes(bwd_bufs[10], dq).transpose(1, 2), "kv": from_bytes(bwd_bufs[11], dkv),
                  "sinks": from_bytes(bwd_bufs[13], dsinks)}

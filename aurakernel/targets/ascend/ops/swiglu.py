@@ -49,11 +49,11 @@ class SwigluAscend(AscendKernel):
         tiling = self.tiling(problem.dtype, rows, inter, knobs)
         y = torch.full((rows, inter), float("nan")).to(gate_up.dtype)
         fwd_bufs = [to_bytes(gate_up), to_bytes(y), bytearray(32), tiling]
-        fwd = emulator.run(emu.exe("ak_swiglu_fwd", 4), block_dim, fwd_bufs)
+        fwd = emulator.run(emu.exe("fwd", 4), block_dim, fwd_bufs)
         dgu = torch.full_like(gate_up, float("nan"))
         bwd_bufs = [to_bytes(gate_up), to_bytes(grad_out["y"].to(gate_up.dtype)), to_bytes(dgu), bytearray(32),
                     bytearray(tiling)]
-        bwd = emulator.run(emu.exe("ak_swiglu_bwd", 5), block_dim, bwd_bufs)
+        bwd = emulator.run(emu.exe("bwd", 5), block_dim, bwd_bufs)
         return ({"y": from_bytes(fwd_bufs[1], y)}, {"gate_up": from_bytes(bwd_bufs[2], dgu)},
                 {"forward": fwd, "backward": bwd})
 
