@@ -296,6 +296,77 @@ def test_fused_adamw_batches_its_tensors_and_leaves_the_rest_to_torch(monkeypatc
     assert [c[1] for c in calls] == [big + behind, big, big, behind, late, big, behind, late]
 
 
+@pytest.mark.parametrize("max_norm", [0.05, 1e6])
+def test_fused_adamw_clips_gradients_as_torch_does_inside_its_step(monkeypatch, max_norm):
+    """FusedAdamW.clip_grad_norm_ + step against torch's clip_grad_norm_ + AdamW over 3 steps, clipping
+    (max_norm below the norm) or not: the same norms, weights and states. The clip is one kernel call
+    for the norm and no pass for the scaling (the step reads each gradient times the coefficient):
+    per step the kernel is called for the norm and the update and nothing else, and p.grad is left
+    as backward wrote it. A gradient changed between the clip and the step is refused (it would be
+    scaled by another gradient's norm); zero_grad drops a pending clip."""
+    from aurakernel.patch.adamw import FusedAdamW
+    from aurakernel.targets.host.library import Kernel
+
+    kernel = build_kernel(get_op("adamw"), Problem("adamw", "default", (4096,), DType.fp32), {"tile_rows": 1, "threads": 2})
+    g = torch.Generator().manual_seed(0)
+    base = [torch.randn(s, generator=g) for s in [(3,), (1025,), (64, 33), (4096, 3)]]
+    ours, ref = ([torch.nn.Parameter(t.clone()) for t in base] for _ in range(2))
+    hyper = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    our_opt = FusedAdamW(ours, kernel=kernel.source_hash, **hyper)
+    ref_opt = torch.optim.AdamW(ref, foreach=False, **hyper)
+    calls = []
+    call = Kernel.call
+    monkeypatch.setattr(Kernel, "call", lambda k, name, *a: (calls.append(name), call(k, name, *a))[1])
+    for _ in range(3):
+        grads = [torch.randn(t.shape, generator=g) * 0.01 for t in base]
+        for a, b, grad in zip(ours, ref, grads):
+            a.grad, b.grad = grad.clone(), grad.clone()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref, max_norm)
+        our_norm = our_opt.clip_grad_norm_(max_norm)
+        torch.testing.assert_close(our_norm, ref_norm, rtol=1e-6, atol=0)
+        assert all(torch.equal(a.grad, grad) for a, grad in zip(ours, grads))   # scaled only as the step reads them
+        our_opt.step(), ref_opt.step()
+    assert (float(ref_norm) > max_norm) == (max_norm < 1)   # the small max_norm clips, the large one does not
+    assert calls == ["grad_sumsq", "update_many"] * 3
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    for a, b in zip(our_opt.state.values(), ref_opt.state.values()):
+        torch.testing.assert_close(a["exp_avg"], b["exp_avg"], atol=1e-9, rtol=1e-5)
+        torch.testing.assert_close(a["exp_avg_sq"], b["exp_avg_sq"], atol=1e-12, rtol=1e-5)
+
+    our_opt.clip_grad_norm_(max_norm)
+    ours[1].grad.add_(1.0)   # another backward's accumulation after the clip
+    before = [t.detach().clone() for t in ours]
+    with pytest.raises(RuntimeError, match="gradients changed between clip_grad_norm_ and step"):
+        our_opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(ours, before))   # nothing updated
+    our_opt.zero_grad()
+    for a in ours:
+        a.grad = torch.ones_like(a)
+    our_opt.step()   # the dropped clip scales nothing
+
+
+def test_fused_adamw_clip_is_torchs_own_where_a_gradient_is_not_the_kernels():
+    """A bf16 parameter's gradient (or any the kernel does not read as it is) makes clip_grad_norm_
+    torch's own call, which scales the gradients in place; the step then scales nothing more."""
+    from aurakernel.patch.adamw import FusedAdamW
+
+    kernel = build_kernel(get_op("adamw"), Problem("adamw", "default", (4096,), DType.fp32), {"tile_rows": 1, "threads": 2})
+    g = torch.Generator().manual_seed(1)
+    base = [torch.randn(300, generator=g), torch.randn(16, generator=g).bfloat16()]
+    ours, ref = ([torch.nn.Parameter(t.clone()) for t in base] for _ in range(2))
+    our_opt = FusedAdamW(ours, kernel=kernel.source_hash, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref, foreach=False, lr=1e-2)
+    for a, b in zip(ours, ref):
+        grad = torch.randn(a.shape, generator=g).to(a.dtype)
+        a.grad, b.grad = grad.clone(), grad.clone()
+    torch.testing.assert_close(our_opt.clip_grad_norm_(0.1), torch.nn.utils.clip_grad_norm_(ref, 0.1))
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(ours, ref))   # scaled in place, as torch does
+    our_opt.step(), ref_opt.step()
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_patched_experts_dispatch_is_bitwise_the_reference(dtype):
     """The swiglu patch also installs the experts' forward of four swappable calls, whose torch code

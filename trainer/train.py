@@ -363,7 +363,10 @@ def train_step(run: Run, batch, cfg: TrainConfig) -> tuple[float, float, float]:
         lm_loss += loss.detach()
     step_loss = float(_sum_over_ranks(lm_loss))
     clip = cfg.train.grad_clip if cfg.train.grad_clip is not None else float("inf")   # null: no clipping
-    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), clip)
+    if hasattr(run.optimizer, "clip_grad_norm_"):   # FusedAdamW: the scaling folded into its step
+        grad_norm = run.optimizer.clip_grad_norm_(clip)
+    else:
+        grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), clip)
     grad_norm = float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)
     if run.no_grad_params is None:
         objectives = optional_module("objectives", "the report of parameters without gradient")

@@ -27,12 +27,12 @@ from ...errors import BuildError
 from ...hardware import HOST_ISAS, _cpu_flags, host_isa
 from ...paths import build_cache, whole_build
 
-_CTYPES = {"ptr": ctypes.c_void_p, "i64": ctypes.c_int64, "f32": ctypes.c_float}
+_CTYPES = {"ptr": ctypes.c_void_p, "i64": ctypes.c_int64, "f32": ctypes.c_float, "f64": ctypes.c_double}
 
 
 @dataclass(frozen=True)
 class Entry:
-    """A C entry point: its symbol, argument kinds ('ptr', 'i64', 'f32') and result kind."""
+    """A C entry point: its symbol, argument kinds ('ptr', 'i64', 'f32', 'f64') and result kind."""
 
     symbol: str
     args: tuple[str, ...]

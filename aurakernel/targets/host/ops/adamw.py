@@ -7,6 +7,10 @@ In a model the optimizer's step was a call per parameter, each with its step cou
 AVX2 EPYC) took 5.2 ms against the 3.5 ms its traffic takes at the in-place rate. FusedAdamW now
 hands a group's tensors to one call (ak_adamw_many: their blocks dealt to the threads as one range)
 and counts the steps with one foreach add: 3.85 ms (torch's AdamW: 13.6 ms for-loop and foreach).
+The trainer's gradient clip before it (torch.nn.utils.clip_grad_norm_: a norm call per tensor, then a
+mul_ per tensor, one more read and write of every gradient) is FusedAdamW.clip_grad_norm_: the norm
+in one call (ak_adamw_grad_sumsq), the scaling read into the update (grad_scale). The tiny model's
+clip + step (4.8 M parameters, 118 tensors, Zen 4, alternating 60 times): 6.20 -> 5.06 ms.
 """
 
 from __future__ import annotations
@@ -36,19 +40,31 @@ def update(kernel, p, g, m, v, step: int, hyper: dict, out=None) -> None:
     kernel.call("update", p, g, m, v, po, mo, vo, p.numel(), *_scalars(step, hyper))
 
 
-def update_many(kernel, tensors: list[tuple[torch.Tensor, ...]], step: int, hyper: dict) -> None:
+def _table(tensors) -> torch.Tensor:
+    """The kernel's [count][5] table: each (p, g, m, v)'s four addresses and element count."""
+    return torch.tensor([[t.data_ptr() for t in four] + [four[0].numel()] for four in tensors], dtype=torch.int64)
+
+
+def update_many(kernel, tensors: list[tuple[torch.Tensor, ...]], step: int, hyper: dict, grad_scale: float = 1.0) -> None:
     """One AdamW step, in place, of every (p, g, m, v) in `tensors` (fp32, contiguous, on the CPU), all
-    at the same step count: one kernel call for all of them."""
+    at the same step count: one kernel call for all of them, each gradient read times `grad_scale`."""
     if not tensors:
         return
-    table = torch.tensor([[t.data_ptr() for t in four] + [four[0].numel()] for four in tensors], dtype=torch.int64)
-    kernel.call("update_many", table, len(tensors), *_scalars(step, hyper))
+    kernel.call("update_many", _table(tensors), len(tensors), *_scalars(step, hyper), grad_scale)
+
+
+def grad_sumsq(kernel, grads: list[torch.Tensor]) -> float:
+    """The sum of squares of every element of `grads` (fp32, contiguous, on the CPU), in one kernel call."""
+    if not grads:
+        return 0.0
+    return kernel.call("grad_sumsq", _table([(g, g, g, g) for g in grads]), len(grads))
 
 
 class AdamWHost(HostKernel):
     knob_docs = {"tile_rows": "blocks of 1024 elements per OpenMP chunk", "threads": "OpenMP threads"}
     entries = {"update": Entry("ak_adamw", ("ptr",) * 7 + ("i64",) + ("f32",) * 7),
-               "update_many": Entry("ak_adamw_many", ("ptr", "i64") + ("f32",) * 7)}
+               "update_many": Entry("ak_adamw_many", ("ptr", "i64") + ("f32",) * 8),
+               "grad_sumsq": Entry("ak_adamw_grad_sumsq", ("ptr", "i64"), "f64")}
 
     def tiling_problem(self, problem: Problem, hw):
         rows = max(1, math.ceil(problem.shape[0] / ELEMS_PER_ROW))
