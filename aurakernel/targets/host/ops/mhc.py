@@ -61,6 +61,12 @@ The plan had held mhc_pre's column chunk to a quarter of the 512 KB L2 (1 KB a c
 d_fn's rows for every stream), so 128 columns at every width; a chunk is GEMM calls with K = the
 chunk, which block for the caches themselves, and the widest chunks ran fastest: now planned against
 the L3 share (1024x4x256 fp32 3.39 -> 2.35 ms, 1024x4x4096 bf16 50.6 -> 40.9 ms fwd+bwd).
+perf of the forward at the tiny widths (1024x4x256 fp32, Zen 4): the GEMM ~62% of its cycles; of the
+rest, a sixth went to transposing fn into the GEMM's B (a column at a time: fn's 24 rows lie W floats
+apart, 4 KB or a multiple of it, so they fell into one L1 set and evicted each other) and an eighth to
+the sums of squares (one chain of dependent FMAs per row). fn is now transposed 16 columns at a time
+along its rows, and the sums keep 64 partial sums: forward 492 -> 443 us (three alternating runs of
+each); 1024x4x4096 bf16 8.45 / 9.37 -> 8.09 / 8.91 ms.
 """
 
 from __future__ import annotations
