@@ -27,7 +27,7 @@ CASES = {
     "linear_cross_entropy": ["300x64x1000", "37x40x5003"],
     # TOKENSxINxOUT: rows and columns off the register blocks, a narrow output, widths off the SIMD grid
     # and both widths past 1024 (A's blocks packed)
-    "linear": ["300x96x64", "37x131x5", "33x1030x1027"],
+    "linear": ["300x96x64", "37x131x5", "300x1024x16", "33x1030x1027"],   # OUT <= 16: the narrow path
     # ROWSxEXPERTSxINxOUT: uneven groups, the first empty (make_inputs); more experts than rows (most empty)
     "grouped_linear": ["300x4x96x64", "37x3x131x5", "5x8x40x24"],
     # TOKENSxGROUPSxINxOUT: as linear's, two and three groups

@@ -16,6 +16,14 @@ parity, so autotune keeps torch's GEMM at those shapes; the tiny training step w
 projection on the kernel, 4-6% faster than without (three A/B runs of 14 alternating steps, same
 losses). Where it pays clearly is large shapes: linear_cross_entropy's fp32 chunk GEMMs (1024 x 1024
 x 16384) run on the same driver, forward 265 vs 359 ms.
+A narrow layer (OUT <= NARROW_OUT: a router's gate, an indexer's per-head weights) filled a register
+block's 2 vectors of columns with OUT of them: 1024 x 256 x 4 took 814 us through the module against
+eager's 233 (autotune kept torch's). The template's narrow path streams x instead (narrow_model prices
+it). Kernel alone against torch's GEMMs on the same tensors (Zen 4, medians of 200): 1024 x 256 x 4
+forward 32 vs 52 us, backward 59 vs 105; x 8 forward ~55 vs ~110, backward ~95-126 vs ~112-134;
+1024 x 4096 x 8 forward 1.0-1.4 vs 1.4-2.3 ms, backward 2.4 vs 3.6-4.0 ms. Through the module at
+the tiny sizes the custom op's and autograd's own ~0.1-0.3 ms take that back (1024 x 256 x 4: 409 vs
+330 us, x 8: 385 vs 382, one noisy run each), so autotune decides there.
 The model below prices the FMA work at the calibrated peak with each k-panel's accumulator loads
 and stores and each block's call, B's packing and its strips' trips to L1, A's packing and reads,
 the accumulation passes over C and a depth split's partial sums, under L1 (a kc-long strip of B)
@@ -45,6 +53,9 @@ ROW_BLOCK = 24
 # A is packed where its elements along a row or a column lie this many floats apart (the template's
 # PACK_A_STRIDE): a block read in place would fall on a few cache sets
 PACK_A_STRIDE = 1024
+# the widest OUT the template's narrow path takes (streaming x, no GEMM blocks: the register blocks'
+# 2 vectors of columns would be mostly empty)
+NARROW_OUT = 16
 
 
 @dataclass(frozen=True)
@@ -178,6 +189,36 @@ def gemm_model(phases: dict[str, list[Gemm]], hw, groups: int = 1) -> ChoiceMode
     return ChoiceModel(domains, constraints, model_phases)
 
 
+def narrow_model(problem: Problem, hw) -> ChoiceModel:
+    """The narrow path's model (OUT <= NARROW_OUT: the template streams x, no GEMM blocks, so kc, nc
+    and mc are their smallest values and only the threads are a choice): per phase the FMAs at half the
+    per-core peak (OUT chains of dependent FMAs a row, too few to fill the units at small OUT), against
+    x (and dy, dx) streamed; the backward's per-thread partial dW written, read and added; a call and a
+    fork a phase."""
+    tokens, d_in, d_out = problem.shape
+    domains, _, rates = blocking(gemms(problem)["forward"], hw)
+    domains = {**{k: v[:1] for k, v in domains.items()}, "threads": thread_candidates(hw.cores)}
+    knobs = ("kc", "nc", "mc", "threads")
+
+    def fma(passes: int):
+        return lambda kc, nc, mc, th: passes * 2 * tokens * d_in * d_out / (rates["peak"] / 2 * th)
+
+    def memory(backward: bool):
+        def cost(kc, nc, mc, th):
+            streamed = tokens * (d_in * (3 if backward else 1) + d_out * (1 if backward else 1)) * 4
+            partials = th * d_out * d_in * 4 * 3 if backward else 0
+            return (streamed + partials) / hw.stream_bandwidth(th)
+        return cost
+
+    def call(th: int) -> float:
+        return hw.call_overhead_us * 1e-6 + (hw.fork_overhead_us * 1e-6 if th > 1 else 0.0)
+
+    phases = [Phase(name, {"FMA": [Term.of(knobs, domains, fma(passes))], "memory": [Term.of(knobs, domains, memory(passes > 1))]},
+                    [Term.of(("threads",), domains, call)])
+              for name, passes in (("forward", 1), ("backward", 2))]
+    return ChoiceModel(domains, [], phases)
+
+
 class LinearHost(HostKernel):
     knob_docs = {"kc": "reduction depth of a packed panel (a kc x 2-vector strip of B stays in L1)",
                  "nc": "columns of C per packed panel of B (the panel stays in L2)",
@@ -188,12 +229,12 @@ class LinearHost(HostKernel):
                "scratch": Entry("ak_linear_scratch", (), "i64")}
 
     def tiling_problem(self, problem: Problem, hw):
-        return gemm_model(gemms(problem), hw)
+        return narrow_model(problem, hw) if problem.shape[2] <= NARROW_OUT else gemm_model(gemms(problem), hw)
 
     def render_params(self, problem: Problem, knobs: dict[str, int]) -> dict:
         return {"dtype": problem.dtype, "d_in": int(problem.shape[1]), "d_out": int(problem.shape[2]),
                 "kc": int(knobs["kc"]), "nc": int(knobs["nc"]), "mc": int(knobs["mc"]),
-                "threads": int(knobs["threads"]), "vec": int(knobs["vec"])}
+                "threads": int(knobs["threads"]), "vec": int(knobs["vec"]), "narrow_out": NARROW_OUT}
 
     def empty_outputs(self, problem: Problem, inputs: Tensors) -> Tensors:
         x = inputs["x"]
