@@ -343,7 +343,12 @@ def test_fused_adamw_clips_gradients_as_torch_does_inside_its_step(monkeypatch, 
     our_opt.zero_grad()
     for a in ours:
         a.grad = torch.ones_like(a)
-    our_opt.step()   # the dropped clip scales nothing
+    our_opt.step()   # no error: zero_grad dropped the clip (a pending one would refuse these new gradients)
+
+    ours[0].grad = torch.full_like(ours[0], float("nan"))   # a non-finite norm: torch's error where asked for
+    with pytest.raises(RuntimeError, match="non-finite"):
+        our_opt.clip_grad_norm_(max_norm, error_if_nonfinite=True)
+    assert torch.isnan(our_opt.clip_grad_norm_(max_norm))
 
 
 def test_fused_adamw_clip_is_torchs_own_where_a_gradient_is_not_the_kernels():
