@@ -1296,7 +1296,6 @@ def test_projects_of_several_widths_load_side_by_side(tmp_path):
         Identifier("rms_norm; rm -rf")
 
 
-
 @pytest.mark.parametrize("op_type, name", [
     # the documented conversion table (asc-devkit, custom-op naming rules) and its special cases
     ("AddCustom", "add_custom"), ("ReduceMaxCustom", "reduce_max_custom"), ("Conv2DCustom", "conv2_d_custom"),

@@ -48,16 +48,17 @@ def runs_kernel(module: DeepseekV4GroupedLinear, x) -> bool:
             and x.dtype == module.weight.dtype == torch.float32 and not torch.is_autocast_enabled("cpu"))
 
 
-def _key(module: DeepseekV4GroupedLinear) -> tuple[int, int, int]:
+def block_key(module: DeepseekV4GroupedLinear) -> tuple[int, int, int]:
+    """A grouped output projection's kernel key: (groups, IN, OUT of a group)."""
     return module.n_groups, module.in_features, module.out_features // module.n_groups
 
 
 def _module_forward(self: DeepseekV4GroupedLinear, x: torch.Tensor) -> torch.Tensor:
     """forward of a patched DeepseekV4GroupedLinear."""
-    kernel = self._ak_lookup(_key(self), x.dtype) if runs_kernel(self, x) else None
+    kernel = self._ak_lookup(block_key(self), x.dtype) if runs_kernel(self, x) else None
     if kernel is None:
         return DeepseekV4GroupedLinear.forward(self, x)
-    groups, d_in, d_out = _key(self)
+    groups, d_in, d_out = block_key(self)
     return OP(x.reshape(-1, groups, d_in), self.weight, kernel).view(*x.shape[:-1], d_out)
 
 
@@ -66,7 +67,7 @@ class BlockLinearPatch(Patch):
         x = args[0] if args else None
         if not isinstance(module, DeepseekV4GroupedLinear) or not runs_kernel(module, x):
             return None
-        groups, d_in, d_out = _key(module)
+        groups, d_in, d_out = block_key(module)
         return Problem(self.spec.name, "default", (x.numel() // (groups * d_in), groups, d_in, d_out),
                        DType.from_torch(x.dtype))
 

@@ -93,8 +93,7 @@ TABLE: tuple[Row, ...] = (
     Row(nn.Embedding, "embedding"),
     # the projections: matmul work, timed in the matmul bucket with the GEMMs outside modules; the
     # grouped output projection is an nn.Linear whose forward is a batched GEMM of its own
-    Row(v4.DeepseekV4GroupedLinear, "matmul", "block_linear",
-        key=lambda n, m, c: (m.n_groups, m.in_features, m.out_features // m.n_groups)),
+    Row(v4.DeepseekV4GroupedLinear, "matmul", "block_linear", key=lambda n, m, c: block_linear.block_key(m)),
     Row(nn.Linear, "matmul", "linear", key=lambda n, m, c: (m.in_features, m.out_features)),
     Row(v4.DeepseekV4Model, None, "rope", function=True),
     Row(v4.DeepseekV4Model, None, "attn_softmax", key=lambda n, m, c: (), function=True),

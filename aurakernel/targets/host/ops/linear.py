@@ -158,6 +158,11 @@ def gemm_peak(hw, library: bool) -> float:
     return rates.get("fp32", 0.1) * 1e12 / max(hw.cores, 1)
 
 
+def calls_seconds(hw, calls: int, forks: int, threads: int) -> float:
+    """`calls` C calls' overhead, and `forks` OpenMP teams' where more than one thread runs."""
+    return calls * hw.call_overhead_us * 1e-6 + (forks * hw.fork_overhead_us * 1e-6 if threads > 1 else 0.0)
+
+
 def gemm_model(phases: dict[str, list[Gemm]], hw, groups: int = 1) -> ChoiceModel:
     """The tiling model of a kernel that runs `phases` (forward and backward, each a list of GEMMs on
     _gemm_driver.h.j2, one call each) `groups` times over (a grouped kernel's equal groups): their FMA
@@ -177,8 +182,7 @@ def gemm_model(phases: dict[str, list[Gemm]], hw, groups: int = 1) -> ChoiceMode
 
     def calls_s(n: int):
         def cost(th: int, by_group: int = 0) -> float:
-            forks = 1 if by_group else n
-            return n * hw.call_overhead_us * 1e-6 + (forks * hw.fork_overhead_us * 1e-6 if th > 1 else 0.0)
+            return calls_seconds(hw, n, 1 if by_group else n, th)
         return cost
 
     knobs = ("kc", "nc", "mc", "threads", *(("by_group",) if groups > 1 else ()))
@@ -205,16 +209,14 @@ def narrow_model(problem: Problem, hw) -> ChoiceModel:
 
     def memory(backward: bool):
         def cost(kc, nc, mc, th):
-            streamed = tokens * (d_in * (3 if backward else 1) + d_out * (1 if backward else 1)) * 4
+            # forward: x read, y written; backward: x read, dx written, dy read, the partials' three passes
+            streamed = tokens * (d_in * (2 if backward else 1) + d_out) * 4
             partials = th * d_out * d_in * 4 * 3 if backward else 0
             return (streamed + partials) / hw.stream_bandwidth(th)
         return cost
 
-    def call(th: int) -> float:
-        return hw.call_overhead_us * 1e-6 + (hw.fork_overhead_us * 1e-6 if th > 1 else 0.0)
-
     phases = [Phase(name, {"FMA": [Term.of(knobs, domains, fma(passes))], "memory": [Term.of(knobs, domains, memory(passes > 1))]},
-                    [Term.of(("threads",), domains, call)])
+                    [Term.of(("threads",), domains, lambda th: calls_seconds(hw, 1, 1, th))])
               for name, passes in (("forward", 1), ("backward", 2))]
     return ChoiceModel(domains, [], phases)
 
