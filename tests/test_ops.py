@@ -398,3 +398,21 @@ def test_fused_linear_loss_runs_its_gemms_on_the_faster_of_ours_and_torchs(host)
         assert all(k.has("gemm") == (torch_gemm == 0) for _, k in kernels)
         result = verify(spec, kernels, seeds=(0,))
         assert result.passed, f"torch_gemm={torch_gemm}: {result.summary}"
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_mhc_post_pre_backward_both_ways(dtype, host):
+    """The fused backward runs mhc_post's rows on each tile's dx in cache where a column chunk is a
+    whole stream (col_chunk >= D: no dx_pre written), else writes dx_pre whole and runs them after;
+    each way verifies against the layer's code (the planner's knobs, with col_chunk forced each way)."""
+    from aurakernel.targets.host.ops.mhc_post_pre import post_in_tiles
+
+    spec = get_op("mhc_post_pre")
+    problem = spec.problem("45x4x256", dtype)
+    plan = solve_tiling(host_kernel(spec).tiling_problem(problem, host), op="mhc_post_pre", variant="default",
+                        shape=problem.shape, dtype=dtype, target="host")
+    for col_chunk, whole in ((256, True), (64, False)):
+        kernel = build_kernel(spec, problem, {**plan.knobs, "col_chunk": col_chunk})
+        assert post_in_tiles(kernel.meta) is whole
+        result = verify(spec, [(problem, kernel)], seeds=(0, 1))
+        assert result.passed, f"col_chunk {col_chunk}: {result.summary}"
