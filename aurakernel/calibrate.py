@@ -20,6 +20,7 @@ seconds, not minutes, and is reported as having none.
 from __future__ import annotations
 
 import functools
+import math
 import statistics
 import time
 
@@ -34,11 +35,16 @@ _ENTRIES = {
     "stream": Entry("ak_stream", ("ptr", "ptr", "i64", "i64", "ptr")),
     "inplace": Entry("ak_stream_inplace", ("ptr", "i64", "i64", "ptr")),
     "fork": Entry("ak_fork", ("i64", "ptr")),
+    "fma": Entry("ak_fma", ("i64", "ptr")),
+    "fma_flops": Entry("ak_fma_flops_per_iter", (), "i64"),
 }
 
 
 def _probe(threads: int):
-    return compile_source(render("host/calibrate.c.j2", {"threads": threads}), _ENTRIES)
+    simd = host_profile(calibrated=False).simd_bytes
+    if simd not in (16, 32, 64):
+        raise ValueError(f"SIMD width {simd} B: the probes take 16, 32 or 64")
+    return compile_source(render("host/calibrate.c.j2", {"threads": int(threads), "simd_bytes": int(simd)}), _ENTRIES)
 
 
 SPREAD_LIMIT = 1.5        # slowest / fastest repeat of one probe beyond this: the machine was busy
@@ -173,11 +179,29 @@ def own_gemm_tflops(n: int = 4096, budget_s: float = MATMUL_BUDGET_S) -> float:
     return _sized_rate(lambda size, reps: _median_seconds(product(size), reps), n, budget_s)
 
 
-def theoretical_tflops(cores: int, clock_ghz: float, simd_bytes: int, flags: set[str]) -> dict[str, float]:
-    """The peak the ISA allows, an estimate stated beside the measured one: two FMA pipes of the
-    SIMD width per core (2 x lanes x 2 FLOP per cycle); bf16 through AMX tiles where the CPU has them
-    (1024 FLOP per cycle per core), through AVX512-BF16 dot products (twice fp32's), else fp32's rate."""
-    fp32 = cores * clock_ghz * 2 * (simd_bytes // 4) * 2 / 1e3
+def fma_tflops(threads: int, iters: int = 2_000_000, repeats: int = 5) -> float:
+    """The fp32 multiply-add roof of `threads` cores, measured: independent FMA chains at the SIMD
+    width (calibrate.c.j2's ak_fma), the best of `repeats` (a busy machine only slows it). What the
+    ISA and the clock the cores really run at allow, where counting pipes gets it wrong (Zen 4 issues
+    one 512-bit FMA a cycle, not two; turbo clocks differ from the reported one)."""
+    k = _probe(threads)
+    out = torch.zeros(1, dtype=torch.float64)
+    k.call("fma", max(iters // 10, 1), out)   # warm-up (clock ramp)
+    best = math.inf
+    for _ in range(repeats):
+        k.call("fma", iters, out)
+        best = min(best, float(out))
+    return threads * iters * int(k.call("fma_flops")) / best / 1e12
+
+
+def theoretical_tflops(cores: int, clock_ghz: float, simd_bytes: int, flags: set[str],
+                       fp32_roof: float | None = None) -> dict[str, float]:
+    """The compute roof beside the measured matmul peak: fp32's from the FMA probe where measured
+    (`fp32_roof`), else two FMA pipes of the SIMD width per core at the reported clock (2 x lanes x
+    2 FLOP per cycle, an estimate); bf16 through AMX tiles where the CPU has them (1024 FLOP per
+    cycle per core at the reported clock, an estimate), through AVX512-BF16 dot products (twice
+    fp32's), else fp32's rate."""
+    fp32 = fp32_roof if fp32_roof is not None else cores * clock_ghz * 2 * (simd_bytes // 4) * 2 / 1e3
     if "amx_bf16" in flags:
         bf16 = cores * clock_ghz * 1024 / 1e3
     elif "avx512_bf16" in flags:
@@ -199,6 +223,9 @@ def calibrate(progress=None, attempts: int = 3) -> dict:
     cores = host_cores()
     torch.set_num_threads(cores)
     cal = {"stream_gbps": {}, "call_overhead_us": 0.0, "fork_overhead_us": 0.0, "peak_tflops": {}}
+    if progress:
+        progress("FMA roof fp32")
+    roof = fma_tflops(cores)   # again at the end: the better of two, seconds apart, so a busy spell at one is outlived
     for attempt in range(attempts):
         runs, in_place = {}, {}
         for t in range(1, cores + 1):
@@ -227,8 +254,12 @@ def calibrate(progress=None, attempts: int = 3) -> dict:
     if progress:
         progress("own GEMM fp32")
     cal["own_gemm_tflops"] = {"fp32": round(own_gemm_tflops(), 4)}
+    if progress:
+        progress("FMA roof fp32 (again)")
+    roof = max(roof, fma_tflops(cores))
     hw = host_profile(calibrated=False)
-    cal["theoretical_tflops"] = theoretical_tflops(cores, hw.clock_ghz, hw.simd_bytes, _cpu_flags())
+    cal["theoretical_tflops"] = theoretical_tflops(cores, hw.clock_ghz, hw.simd_bytes, _cpu_flags(),
+                                                   fp32_roof=round(roof, 4))
     cal["theoretical_clock_ghz"] = round(hw.clock_ghz, 3)   # the OS's reported clock: turbo can exceed it
     cal["no_fast_path"] = slow_dtypes(cal["peak_tflops"])
     cal["warnings"] = warnings

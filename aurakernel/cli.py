@@ -437,9 +437,9 @@ def train(
     isa = result.get("isa_peak_tflops")
     t = Table(title=f"{result['steps']} steps, {result['tokens_per_step']} tokens/step, {result['dtype']}, "
                     f"{result['world_size']} process(es), peak {result['peak_tflops']:.3f} TFLOP/s per device "
-                    f"({result['peak_source']})" + (f", ISA peak ~{isa:.2f} TFLOP/s (an estimate)" if isa else ""))
+                    f"({result['peak_source']})" + (f", compute roof {isa:.2f} TFLOP/s (calibrate's FMA probe; bf16's derived from it)" if isa else ""))
     mem = "peak GiB (resident set)" if result.get("device", "cpu") == "cpu" else "peak GiB (allocator)"
-    for col in ("run", "median step ms", "tokens/s", "MFU", *(("MFU of ISA peak",) if isa else ()), "final loss",
+    for col in ("run", "median step ms", "tokens/s", "MFU", *(("MFU of compute roof",) if isa else ()), "final loss",
                 "skipped steps", mem):
         t.add_column(col)
     for label, r in result["runs"].items():
@@ -522,9 +522,14 @@ def calibrate(
         t.add_row(f"in-place update bandwidth, {k} thread(s)", f"{v:.2f} GB/s")
     t.add_row("call overhead", f"{cal['call_overhead_us']:.2f} us")
     t.add_row("fork/join overhead", f"{cal['fork_overhead_us']:.2f} us")
+    from .hardware import _cpu_flags
+
+    amx = "amx_bf16" in _cpu_flags()
     for k, v in cal["peak_tflops"].items():
         ideal = cal["theoretical_tflops"].get(k)
-        t.add_row(f"matmul peak {k}", f"{v:.3f} TFLOP/s" + (f" (ISA peak ~{ideal:.2f} at the reported {cal['theoretical_clock_ghz']} GHz: an estimate)" if ideal else "")
+        roof = ("the FMA probe's" if k == "fp32" else "derived from fp32's FMA roof" if not amx
+                else f"AMX tiles at the reported {cal['theoretical_clock_ghz']} GHz: an estimate")
+        t.add_row(f"matmul peak {k}", f"{v:.3f} TFLOP/s" + (f" (compute roof {ideal:.2f}: {roof})" if ideal else "")
                   + (" (no fast path on this CPU)" if k in cal["no_fast_path"] else ""))
     for k, v in cal.get("own_gemm_tflops", {}).items():
         t.add_row(f"AuraKernel's blocked GEMM {k}", f"{v:.3f} TFLOP/s (where a kernel may run either, the faster is planned)")

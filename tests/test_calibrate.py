@@ -3,6 +3,7 @@ warning that show / train print; the matmul probe is bounded in time and reports
 fast path. The probes themselves are replaced by stand-ins that play a busy or an AVX2-only machine."""
 
 import pytest
+import torch
 
 from aurakernel import calibrate
 from aurakernel.hardware import host_cores, host_profile, load_calibration, save_calibration
@@ -25,6 +26,7 @@ def stand_ins(tmp_path, monkeypatch):
     monkeypatch.setattr(calibrate, "matmul_tflops", lambda dtype, **k: 1.0 if dtype.itemsize == 4 else 0.01)
     monkeypatch.setattr(calibrate, "_inplace_runs", lambda threads, **k: [14.0 * threads] * 5)
     monkeypatch.setattr(calibrate, "own_gemm_tflops", lambda **k: 0.8)
+    monkeypatch.setattr(calibrate, "fma_tflops", lambda threads, **k: 1.2)
     return monkeypatch
 
 
@@ -50,6 +52,7 @@ def test_a_busy_first_measurement_is_measured_again(stand_ins):
     assert hw.stream_bandwidth(1) == 10.0e9 and hw.inplace_bandwidth(1) == 14.0e9
     assert hw.peak_tflops["fp32"] == 1.0 and hw.own_gemm_tflops == {"fp32": 0.8}   # torch's GEMM and ours
     assert cal["no_fast_path"] == ["bf16", "fp16"]
+    assert cal["theoretical_tflops"]["fp32"] == 1.2   # the FMA probe's roof, not a count of pipes
     assert "no fast matmul path for bf16, fp16" in calibrate.describe(cal) and "IMPLAUSIBLE" not in calibrate.describe(cal)
 
 
@@ -109,6 +112,28 @@ def test_the_theoretical_peak_follows_the_isa():
     assert avx512 == {"fp32": pytest.approx(0.256), "bf16": pytest.approx(0.512)}
     amx = calibrate.theoretical_tflops(2, 2.0, 64, {"avx512f", "amx_bf16"})
     assert amx["bf16"] == pytest.approx(4.096)
+    # a measured fp32 roof replaces the pipe count (Zen 4: one 512-bit FMA a cycle, not two), and bf16's
+    # dot products are twice it
+    zen4 = calibrate.theoretical_tflops(2, 2.6, 64, {"avx512f", "avx512_bf16"}, fp32_roof=0.234)
+    assert zen4 == {"fp32": pytest.approx(0.234), "bf16": pytest.approx(0.468)}
+
+
+def test_the_fma_probe_counts_every_threads_multiply_adds(monkeypatch):
+    """The roof is threads x iterations x the probe's FLOP per iteration (its chains x SIMD lanes x 2)
+    over the slowest thread's time, the best of the repeats; the probe runs on the SIMD width of the
+    build (16 chains of 64 B with AVX-512, 10 of 32 B on AVX2)."""
+    from aurakernel.hardware import host_profile
+
+    simd = host_profile(calibrated=False).simd_bytes
+    k = calibrate._probe(2)
+    assert k.call("fma_flops") == (16 if simd >= 64 else 10) * (simd // 4) * 2
+    out = torch.zeros(1, dtype=torch.float64)
+    k.call("fma", 1000, out)
+    assert 0 < float(out) < 1   # the slowest thread's seconds: written, and a plausible time
+    times = iter([0.5, 0.25, 1.0])
+    monkeypatch.setattr(calibrate, "_probe", lambda threads: type("K", (), {
+        "call": staticmethod(lambda name, *a: 512 if name == "fma_flops" else a[1].fill_(next(times, 0.25)))})())
+    assert calibrate.fma_tflops(2, iters=1000, repeats=2) == pytest.approx(2 * 1000 * 512 / 0.25 / 1e12)
 
 
 def test_the_own_gemm_probe_times_the_linear_kernel():

@@ -177,7 +177,7 @@ class RunSummary:
     median_step_s: float
     tokens_per_s: float
     mfu: float
-    mfu_of_isa_peak: float | None   # against the ISA's theoretical peak (host calibration), when known
+    mfu_of_isa_peak: float | None   # against the compute roof (host calibration: the FMA probe's), when known
     final_loss: float
     losses: list[float]
     skipped_steps: int
@@ -505,7 +505,7 @@ def export_model(run: Run, out_dir: str, world: Dist, tokenizer_dir: str | None 
 def summarize(run: Run, tokens_per_step: int, flops_token: float, peak: float, world_size: int = 1,
               isa_peak: float | None = None) -> RunSummary:
     """tokens_per_step and tokens/s over all ranks; MFU per device, against the measured peak and
-    (when known) the ISA's theoretical one."""
+    (when known) the compute roof (the FMA probe's, calibrate.theoretical_tflops)."""
     timed = run.step_s[2:] if len(run.step_s) > 4 else run.step_s  # the first steps warm caches up
     med = statistics.median(timed)
     tps = tokens_per_step / med
