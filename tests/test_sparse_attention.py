@@ -95,6 +95,59 @@ def test_backward_is_deterministic_and_keeps_no_dense_scores():
         assert torch.equal(runs[0][k], runs[1][k]), k
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_q_and_do_are_read_in_the_layout_they_come_in(dtype):
+    """q arrives as rope's output of the attention's transposed view (rows stored [B][S][H]) and dO as
+    the attention output's (rows stored [B][H][S]); the kernels read both there, uncopied, dq is written
+    in q's layout, and every output and gradient is the same bit for bit as from contiguous copies; a
+    layout that is neither is copied."""
+    from aurakernel.targets.host.ops.sparse_attention import _args, backward, forward, rows_in_place
+
+    problem = SPEC.problem("2x4x45x64x64x16", dtype, "csa")
+    knobs = solve_tiling(kernel_of(SPEC).tiling_problem(problem, host_profile()), op=problem.op, variant="csa",
+                         shape=problem.shape, dtype=dtype, target="host").knobs
+    kernel = build_kernel(SPEC, problem, knobs)
+    inputs = SPEC.make_inputs(problem, seed=1)
+    impl = kernel_of(SPEC)
+    outputs = impl.empty_outputs(problem, inputs)
+    impl.run_forward(kernel, inputs, outputs)
+    b, h, s, d = inputs["q"].shape
+    g_bhsd = torch.randn(b, h, s, d, generator=torch.Generator().manual_seed(2)).to(problem.dtype.torch)
+    transposed = g_bhsd.transpose(1, 2)                   # [B, S, H, D], stored [B][H][S]
+    assert rows_in_place(transposed) == (transposed, 1)     # read in place
+    assert rows_in_place(transposed.contiguous())[1] == 0
+    odd = torch.randn(s, b, h, d).to(problem.dtype.torch).permute(1, 0, 2, 3)
+    assert rows_in_place(odd)[0].is_contiguous()            # neither layout: copied
+
+    def grads_from(dout):
+        q, kv, ckv, idx = _args(inputs)
+        out = {"q": torch.empty_like(q), "kv": torch.empty_like(kv), "ckv": torch.empty_like(ckv),
+               "sinks": torch.empty(h)}
+        backward(kernel, q, kv, ckv, idx, inputs["sinks"].float().contiguous(), outputs["y"], outputs["lse"],
+                 dout, out["q"], out["kv"], out["ckv"], out["sinks"], d ** -0.5)
+        return out
+
+    in_place, copied = grads_from(transposed), grads_from(transposed.contiguous())
+    for k in in_place:
+        assert torch.equal(in_place[k], copied[k]), k
+
+    # q stored [B][S][H]: forward and backward against the contiguous q's, dq in q's layout
+    q, kv, ckv, idx = _args(inputs)
+    q_bsh = q.transpose(1, 2).contiguous().transpose(1, 2)
+    assert rows_in_place(q_bsh) == (q_bsh, 1)
+    sinks = inputs["sinks"].float().contiguous()
+    results = []
+    for qx in (q, q_bsh):
+        out, lse = torch.empty_like(outputs["y"]), torch.empty_like(outputs["lse"])
+        forward(kernel, qx, kv, ckv, idx, sinks, out, lse, d ** -0.5)
+        dq, dkv, dckv = torch.empty_like(qx), torch.empty_like(kv), torch.empty_like(ckv)
+        backward(kernel, qx, kv, ckv, idx, sinks, out, lse, transposed, dq, dkv, dckv, torch.empty(h), d ** -0.5)
+        assert dq.stride() == qx.stride()
+        results.append((out, lse, dq, dkv, dckv))
+    for a, b_ in zip(*results):
+        assert torch.equal(a, b_)
+
+
 def test_the_planner_sizes_tasks_to_the_cache_and_the_window():
     """A wide head (V4-Flash: 64 heads of 512) leaves no room for big tasks; the tiny model's heads
     do; the plan always fits the cache it was planned for."""

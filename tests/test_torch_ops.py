@@ -248,3 +248,33 @@ def test_bench_times_the_kernel_inside_torch_compile(op, shape, with_reference, 
     for a, b in zip(compiled_grads, candidates["aurakernel"]()):
         if a is not None:
             torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_rope_writes_in_its_inputs_layout_and_its_fake_says_so(dtype):
+    """The attention output reaches rope as the transposed view of [B, S, H, D]; rope's output and its
+    gradient keep that layout (the reshape after it is then a view, not a copy), a contiguous input gives
+    a contiguous output, the values are the reference's, and opcheck finds the fake implementations'
+    strides the same as the kernel's (what a compiled graph relies on)."""
+    from aurakernel.ops.rope import SWAP
+    from aurakernel.patch import rope
+
+    spec = get_op("rope")
+    problem = Problem("rope", "default", (40, 4, 64, 16), DType.parse(dtype))
+    kernel = build_kernel(spec, problem, {"tile_rows": 4, "threads": 2}).source_hash
+    inputs = spec.make_inputs(problem, seed=0)
+    cos, sin = inputs["cos"], inputs["sin"]
+    for x in (inputs["x"], inputs["x"].contiguous()):
+        x = x.detach().requires_grad_(True)
+        y = rope.OP(x, cos, sin, kernel)
+        assert y.stride() == x.stride()
+        g = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(y.dtype).transpose(1, 2).contiguous().transpose(1, 2)
+        (dx,) = torch.autograd.grad(y, x, g)
+        assert rope.OP.bwd(g, cos, sin, kernel).stride() == g.stride()
+        ref_x = x.detach().clone().requires_grad_(True)
+        ref = SWAP.reference(ref_x, cos, sin, 1)
+        tol = {} if dtype == "fp32" else {"atol": 8e-3, "rtol": 1.6e-2}   # bf16: the reference's backward rounds twice
+        torch.testing.assert_close(y, ref)
+        torch.testing.assert_close(dx, torch.autograd.grad(ref, ref_x, g)[0], **tol)
+        torch.library.opcheck(rope.OP.fwd, (x.detach(), cos, sin, kernel))
+        torch.library.opcheck(rope.OP.bwd, (g, cos, sin, kernel))

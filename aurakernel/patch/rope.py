@@ -17,21 +17,30 @@ from .install import swap_globals
 from .torch_op import torch_op
 
 
+def _like(t: torch.Tensor) -> torch.Tensor:
+    """The output of a rotation of t: t's layout where t is dense (the attention output's transposed
+    view stays one, so the reshape after it is a view, not a copy), else contiguous; rows of unit
+    stride either way (the kernel writes through the strides). The fake implementations make the same,
+    so a compiled graph sees the strides the kernel writes."""
+    y = torch.empty_like(t)
+    return y if y.stride(-1) == 1 else t.new_empty(t.shape)
+
+
 def _forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernel: str) -> torch.Tensor:
-    y = x.new_empty(x.shape)
+    y = _like(x)
     _call(built_kernel(kernel), "fwd", x, cos, sin, y)
     return y
 
 
 def _backward(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernel: str) -> torch.Tensor:
-    """The inverse rotation (dx keeps dy's shape; rope is orthogonal)."""
-    dx = dy.new_empty(dy.shape)
+    """The inverse rotation (dx keeps dy's shape and layout; rope is orthogonal)."""
+    dx = _like(dy)
     _call(built_kernel(kernel), "bwd", dy, cos, sin, dx)
     return dx
 
 
-OP = torch_op("rope", _forward, _backward, fake_forward=lambda x, cos, sin, kernel: x.new_empty(x.shape),
-              fake_backward=lambda dy, cos, sin, kernel: dy.new_empty(dy.shape),
+OP = torch_op("rope", _forward, _backward, fake_forward=lambda x, cos, sin, kernel: _like(x),
+              fake_backward=lambda dy, cos, sin, kernel: _like(dy),
               saved=("cos", "sin"), consts=("kernel",), grads=("x",))
 
 

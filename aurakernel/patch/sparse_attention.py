@@ -31,7 +31,7 @@ from ..dtypes import DType
 from ..ops.base import Problem
 from ..ops.sparse_attention import SPEC, SparseAttention, block_bias, sparse_attention_reference, window_mask
 from ..targets.host.library import built_kernel
-from ..targets.host.ops.sparse_attention import backward, forward, sorted_indices
+from ..targets.host.ops.sparse_attention import backward, forward, rows_in_place, sorted_indices
 from .base import Patch
 from .compressor import _csa_forward, _hca_forward
 from .install import copied_from, install, require
@@ -47,7 +47,7 @@ def _forward(q: torch.Tensor, kv: torch.Tensor, compressed_kv: torch.Tensor | No
     an output for what reads the attention's probabilities: compressed_mass). `indices` come sorted."""
     b, h, s, d = q.shape
     out, lse = q.new_empty(b, s, h, d), q.new_empty(b, h, s, dtype=torch.float32)
-    forward(built_kernel(kernel), q.contiguous(), kv.contiguous(),
+    forward(built_kernel(kernel), q, kv.contiguous(),
             compressed_kv.contiguous() if compressed_kv is not None else None, indices, sinks.float().contiguous(),
             out, lse, scaling)
     return out, lse
@@ -58,20 +58,33 @@ def _fake_forward(q, kv, compressed_kv, indices, sinks, scaling, kernel):
     return q.new_empty(b, s, h, d), q.new_empty(b, h, s, dtype=torch.float32)
 
 
+def _gradients(q: torch.Tensor, kv: torch.Tensor, compressed_kv: torch.Tensor | None):
+    """The backward's operands it allocates gradients like, and those gradients (dq in q's layout, as
+    it comes or contiguous: the kernel writes it through q's rows; the rest contiguous): the fake
+    backward makes the same, so a compiled graph sees the strides the kernel writes."""
+    q, kv = rows_in_place(q)[0], kv.contiguous()
+    ckv = compressed_kv.contiguous() if compressed_kv is not None else None
+    grads = (torch.empty_like(q), torch.empty_like(kv), torch.empty_like(ckv) if ckv is not None else q.new_empty(0),
+             q.new_empty(q.shape[1], dtype=torch.float32))
+    return (q, kv, ckv), grads
+
+
 def _backward(dy: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, compressed_kv: torch.Tensor | None,
               indices: torch.Tensor | None, sinks: torch.Tensor, y: torch.Tensor, lse: torch.Tensor, scaling: float,
               kernel: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    q, kv = q.contiguous(), kv.contiguous()
-    ckv = compressed_kv.contiguous() if compressed_kv is not None else None
-    dq, dkv = torch.empty_like(q), torch.empty_like(kv)
-    dckv = torch.empty_like(ckv) if ckv is not None else q.new_empty(0)
-    dsinks = torch.empty(q.shape[1])
+    (q, kv, ckv), (dq, dkv, dckv, dsinks) = _gradients(q, kv, compressed_kv)
     backward(built_kernel(kernel), q, kv, ckv, indices, sinks.float().contiguous(), y.contiguous(), lse,
-             dy.to(q.dtype).contiguous(), dq, dkv, dckv if ckv is not None else None, dsinks, scaling)
+             dy.to(q.dtype), dq, dkv, dckv if ckv is not None else None, dsinks, scaling)
     return dq, dkv, dckv, dsinks.to(sinks.dtype)
 
 
-OP = torch_op("sparse_attention", _forward, _backward, fake_forward=_fake_forward, outputs=2, differentiable=1, save_outputs=True,
+def _fake_backward(dy, q, kv, compressed_kv, indices, sinks, y, lse, scaling, kernel):
+    dq, dkv, dckv, dsinks = _gradients(q, kv, compressed_kv)[1]
+    return dq, dkv, dckv, dsinks.to(sinks.dtype)
+
+
+OP = torch_op("sparse_attention", _forward, _backward, fake_forward=_fake_forward, fake_backward=_fake_backward,
+              outputs=2, differentiable=1, save_outputs=True,
               saved=("q", "kv", "compressed_kv", "indices", "sinks"), consts=("scaling", "kernel"),
               grads=("q", "kv", "compressed_kv", "sinks"))
 

@@ -30,14 +30,16 @@ def _call(kernel, entry: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
         c32, s32 = c32.contiguous(), s32.contiguous()
     if x.stride(-1) != 1:
         x = x.contiguous()
+    if y.stride(-1) != 1:
+        raise ValueError(f"rope writes rows of unit stride: y's strides are {y.stride()}")
     kernel.call(entry, x, x.stride(0), x.stride(1), x.stride(2), c32, s32, c32.stride(0), c32.stride(1),
-                y, b, h, s)
+                y, y.stride(0), y.stride(1), y.stride(2), b, h, s)
 
 
 class RopeHost(HostKernel):
     knob_docs = {"tile_rows": "(token, head) rows per tile", "threads": "OpenMP threads"}
-    entries = {"fwd": Entry("ak_rope_fwd", ("ptr", "i64", "i64", "i64", "ptr", "ptr", "i64", "i64", "ptr", "i64", "i64", "i64")),
-               "bwd": Entry("ak_rope_bwd", ("ptr", "i64", "i64", "i64", "ptr", "ptr", "i64", "i64", "ptr", "i64", "i64", "i64"))}
+    entries = {name: Entry(f"ak_rope_{name}", ("ptr", "i64", "i64", "i64", "ptr", "ptr", "i64", "i64", "ptr", "i64", "i64",
+                                               "i64", "i64", "i64", "i64")) for name in ("fwd", "bwd")}
 
     def tiling_problem(self, problem: Problem, hw):
         tokens, heads, head_dim, rope_dim = problem.shape

@@ -91,26 +91,44 @@ def dims(q, ckv, idx) -> tuple[int, int, int, int]:
     return b, s, (ckv.shape[1] if ckv is not None else 0), (idx.shape[-1] if idx is not None else 0)
 
 
+def rows_in_place(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A 4-D tensor of rows (q [B, H, S, D], dO [B, S, H, D]) as the kernel reads it in place, and its
+    layout flag: 0 stored in its dims' order, 1 stored with dims 1 and 2 swapped (a transposed view:
+    rope's output of the attention's q, the attention output's gradient); any other layout is copied
+    into the first."""
+    if t.is_contiguous():
+        return t, 0
+    if t.transpose(1, 2).is_contiguous():
+        return t, 1
+    return t.contiguous(), 0
+
+
 def forward(kernel, q, kv, ckv, idx, sinks, out, lse, scaling: float) -> None:
     b, s, t, k = dims(q, ckv, idx)
     scratch = kernel.workspace_of(kernel.call("scratch", b, s, t, k, 0))
+    q, q_swapped = rows_in_place(q)
     kernel.call("fwd", q, kv, ckv if ckv is not None else 0, idx if idx is not None else 0, sinks, out, lse,
-                scratch, b, s, t, k, scaling)
+                scratch, b, s, t, k, scaling, q_swapped)
 
 
 def backward(kernel, q, kv, ckv, idx, sinks, out, lse, dout, dq, dkv, dckv, dsinks, scaling: float) -> None:
+    """dq is written in q's layout (allocate it with empty_like of the q that rows_in_place returns)."""
     b, s, t, k = dims(q, ckv, idx)
     scratch = kernel.workspace_of(kernel.call("scratch", b, s, t, k, 1))
+    (q, q_swapped), (dout, dout_swapped) = rows_in_place(q), rows_in_place(dout)
+    if dq.stride() != q.stride():
+        raise ValueError(f"sparse_attention backward: dq's strides {dq.stride()} are not q's {q.stride()}")
     kernel.call("bwd", q, kv, ckv if ckv is not None else 0, idx if idx is not None else 0, sinks, out, lse,
-                dout, dq, dkv, dckv if dckv is not None else 0, dsinks, scratch, b, s, t, k, scaling)
+                dout, dq, dkv, dckv if dckv is not None else 0, dsinks, scratch, b, s, t, k, scaling, q_swapped,
+                dout_swapped)
 
 
 class SparseAttentionHost(HostKernel):
     knob_docs = {"tile_rows": "query positions per task (their heads share the window's keys)",
                  "key_chunk": "keys per online-softmax chunk", "threads": "OpenMP threads",
                  "pack_rows": "a key's gathering and packing in GEMM rows of it (csa: when a task gathers its picks' union)"}
-    entries = {"fwd": Entry("ak_sparse_attention_fwd", ("ptr",) * 8 + ("i64",) * 4 + ("f32",)),
-               "bwd": Entry("ak_sparse_attention_bwd", ("ptr",) * 13 + ("i64",) * 4 + ("f32",)),
+    entries = {"fwd": Entry("ak_sparse_attention_fwd", ("ptr",) * 8 + ("i64",) * 4 + ("f32", "i64")),
+               "bwd": Entry("ak_sparse_attention_bwd", ("ptr",) * 13 + ("i64",) * 4 + ("f32", "i64", "i64")),
                "scratch": Entry("ak_sparse_attention_scratch", ("i64",) * 5, "i64")}
 
     def tiling_problem(self, problem: Problem, hw):
