@@ -256,10 +256,10 @@ def calibrate(progress=None, attempts: int = 3) -> dict:
     cal["own_gemm_tflops"] = {"fp32": round(own_gemm_tflops(), 4)}
     if progress:
         progress("FMA roof fp32 (again)")
-    roof = max(roof, fma_tflops(cores))
+    cal["fma_tflops"] = {"fp32": round(max(roof, fma_tflops(cores)), 4)}   # measured (calibrations before it: absent)
     hw = host_profile(calibrated=False)
     cal["theoretical_tflops"] = theoretical_tflops(cores, hw.clock_ghz, hw.simd_bytes, _cpu_flags(),
-                                                   fp32_roof=round(roof, 4))
+                                                   fp32_roof=cal["fma_tflops"]["fp32"])
     cal["theoretical_clock_ghz"] = round(hw.clock_ghz, 3)   # the OS's reported clock: turbo can exceed it
     cal["no_fast_path"] = slow_dtypes(cal["peak_tflops"])
     cal["warnings"] = warnings

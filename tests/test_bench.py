@@ -106,6 +106,24 @@ def test_roofline_points_are_attained_gflops_under_the_slope_or_the_matmul_peak(
     assert c["gflops"] == pytest.approx(7.0) and c["roof_pct"] == pytest.approx(140.0)
 
 
+def test_the_roofline_draws_the_measured_fma_roof_above_the_matmul_peaks(tmp_path, monkeypatch):
+    """The plot's roofs: a line per matmul peak and, where the calibration measured it, the fp32 FMA
+    roof; a calibration from before the probe draws the peaks alone."""
+    import matplotlib.axes
+
+    lines = []
+    real_axhline = matplotlib.axes.Axes.axhline
+    monkeypatch.setattr(matplotlib.axes.Axes, "axhline", lambda ax, y, **kw: lines.append(y) or real_axhline(ax, y, **kw))
+    rows = [kernel("rms_norm", 5.0, 1.5)]
+    from aurakernel.bench.report import roofline_plot
+
+    roofline_plot(result(rows, machine=dict(MACHINE, fma_tflops={"fp32": 3.0})), rows, tmp_path / "r.png")
+    assert sorted(lines) == [400.0, 2000.0, 3000.0]   # GFLOP/s: fp32 and bf16 matmul peaks, the FMA roof
+    lines.clear()
+    roofline_plot(result(rows), rows, tmp_path / "r2.png")   # a calibration from before the probe
+    assert sorted(lines) == [400.0, 2000.0]
+
+
 def test_matmul_class_operators_run_in_fp32_where_bf16_has_no_fast_path(tmp_path):
     import dataclasses
 

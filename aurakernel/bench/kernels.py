@@ -38,12 +38,15 @@ KERNEL_KEYS = ("op", "variant", "shape", "dtype", "aurakernel_us", "eager_us", "
 
 def machine_info() -> dict:
     """The CPU, its fast paths, and the calibrated roofs (stream bandwidth with every core, a copy's and
-    an update in place's, matmul peaks)."""
+    an update in place's, matmul peaks, the fp32 FMA roof where the calibration measured it)."""
+    from ..hardware import load_calibration
+
     flags = _cpu_flags()
     hw = load_profile("host")
     return {"cpu": _cpu_model(), "cores": host_cores(), "path_flags": sorted(f for f in PATH_FLAGS if f in flags),
             "platform": platform.platform(), "stream_gbps": hw.stream_bandwidth(hw.cores) / 1e9,
-            "inplace_gbps": hw.inplace_bandwidth(hw.cores) / 1e9, "peak_tflops": dict(hw.peak_tflops)}
+            "inplace_gbps": hw.inplace_bandwidth(hw.cores) / 1e9, "peak_tflops": dict(hw.peak_tflops),
+            "fma_tflops": dict((load_calibration() or {}).get("fma_tflops", {}))}
 
 
 def versions() -> dict:

@@ -120,13 +120,15 @@ def roofline_points(result: dict, rows: list[dict]) -> list[dict]:
 
 def roofline_plot(result: dict, rows: list[dict], path: Path) -> None:
     """Attained GFLOP/s (fwd + bwd work over the measured time) against arithmetic intensity, log-log,
-    under the machine's roofs: the calibrated stream bandwidth's slope and the matmul peaks. Each
-    point is one kernel, named in the legend (labels beside points overlap where kernels cluster)."""
+    under the machine's roofs: the calibrated stream bandwidth's slope, the matmul peaks (what torch's
+    GEMMs attain) and, where calibrated, the fp32 FMA roof (what the cores can issue). Each point is
+    one kernel, named in the legend (labels beside points overlap where kernels cluster)."""
     import matplotlib.pyplot as plt
 
     m = result["machine"]
     bw = m.get("stream_gbps")
     peaks = m.get("peak_tflops") or {}
+    fma = (m.get("fma_tflops") or {}).get("fp32")
     points = roofline_points(result, rows)
     fig, ax = plt.subplots(figsize=(9, 5.5))
     markers = "osD^v<>PXh*p"
@@ -135,7 +137,7 @@ def roofline_plot(result: dict, rows: list[dict], path: Path) -> None:
                    zorder=3, label=f"{p['label']} ({p['roof_pct']:.0f}% of its roof)")
     xs = [p["intensity"] for p in points] or [0.1, 10.0]
     lo, hi = min(xs) / 3, max(max(xs) * 3, 100.0)
-    top = max(peaks.values(), default=None)
+    top = max([*peaks.values(), *([fma] if fma else [])], default=None)
     if bw:   # the memory slope up to the highest compute roof, then that roof
         knee = min(hi, top * 1e3 / bw) if top else hi
         ax.plot([lo, knee, hi], [bw * lo, bw * knee, bw * knee], color="black", linewidth=1.2)
@@ -148,8 +150,11 @@ def roofline_plot(result: dict, rows: list[dict], path: Path) -> None:
         if dtype == "fp16" and peaks.get("bf16") == tflops:
             continue   # the same roof as bf16
         ax.axhline(tflops * 1e3, color="gray", linestyle="--", linewidth=1.0)
-        ax.annotate(f"{dtype} matmul peak {tflops:.2f} TFLOP/s", (lo * 1.1, tflops * 1e3 * 1.08), fontsize=8,
-                    color="dimgray")
+        ax.annotate(f"{dtype} matmul peak {tflops:.2f} TFLOP/s", (hi / 1.1, tflops * 1e3 * 1.04), fontsize=8,
+                    color="dimgray", ha="right")   # at the right: the slopes' labels are at the left
+    if fma:
+        ax.axhline(fma * 1e3, color="black", linestyle="-.", linewidth=1.0)
+        ax.annotate(f"fp32 FMA roof {fma:.2f} TFLOP/s (measured)", (hi / 1.1, fma * 1e3 * 1.04), fontsize=8, ha="right")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlim(lo, hi)
