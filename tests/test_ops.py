@@ -413,6 +413,6 @@ def test_mhc_post_pre_backward_both_ways(dtype, host):
                         shape=problem.shape, dtype=dtype, target="host")
     for col_chunk, whole in ((256, True), (64, False)):
         kernel = build_kernel(spec, problem, {**plan.knobs, "col_chunk": col_chunk})
-        assert post_in_tiles(kernel.meta) is whole
+        assert post_in_tiles(kernel) is whole
         result = verify(spec, [(problem, kernel)], seeds=(0, 1))
         assert result.passed, f"col_chunk {col_chunk}: {result.summary}"

@@ -42,18 +42,19 @@ from .mhc import MhcHost
 from .mhc_post import MhcPostHost
 
 
-def post_in_tiles(params: dict) -> bool:
-    """Whether the backward's column chunks are whole streams (col_chunk >= D), so that mhc_post's
-    rows run on each tile's dx while it is in cache (the template's POST_IN_TILES) and mhc_pre's dx
-    is never written out whole."""
-    return params["col_chunk"] >= params["d"]
+def post_in_tiles(kernel) -> bool:
+    """Whether the built kernel's backward chunks are whole streams (its plan's col_chunk >= D), so
+    that mhc_post's rows run on each tile's dx while it is in cache (the template's POST_IN_TILES) and
+    mhc_pre's dx is never written out whole; else the kernel's scratch holds that dx."""
+    return bool(kernel.call("post_in_tiles"))
 
 
 class MhcPostPreHost(MhcHost):
     entries = {"fwd": Entry("ak_mhc_post_pre_fwd", ("ptr",) * 14 + ("i64", "f32", "f32")),
-               "bwd": Entry("ak_mhc_post_pre_bwd", ("ptr",) * 23 + ("i64", "f32")),
+               "bwd": Entry("ak_mhc_post_pre_bwd", ("ptr",) * 22 + ("i64", "f32")),
                "fwd_scratch": Entry("ak_mhc_fwd_scratch", (), "i64"),
-               "bwd_scratch": Entry("ak_mhc_bwd_scratch", ("i64",), "i64")}
+               "bwd_scratch": Entry("ak_mhc_bwd_scratch", ("i64",), "i64"),
+               "post_in_tiles": Entry("ak_mhc_post_in_tiles", (), "i64")}
 
     def __init__(self, spec):
         super().__init__(spec)
@@ -94,18 +95,14 @@ class MhcPostPreHost(MhcHost):
 
     def run_backward(self, kernel, inputs: Tensors, outputs: Tensors, grad_outputs: Tensors, grads: Tensors) -> None:
         rows = outputs["rstd"].numel()
-        streams = outputs["streams"]
-        own = kernel.call("bwd_scratch", rows)
-        if post_in_tiles(kernel.meta):   # mhc_post's rows take each tile's dx from cache: no dx_pre
-            scratch, dx_pre = kernel.workspace_of(own), None
-        else:   # mhc_pre's dx lives after the kernel's own scratch: reused, so no page faults per call
-            scratch = kernel.workspace_of(own + -(-streams.numel() * streams.element_size() // 4))
-            dx_pre = scratch[own:].view(streams.dtype)[: streams.numel()].view(streams.shape)
+        # the kernel's scratch (mhc_pre's whole dx in it where post_in_tiles is not): reused, so no page
+        # faults per call
+        scratch = kernel.workspace_of(kernel.call("bwd_scratch", rows))
         d_scale = torch.empty(3, dtype=torch.float32)
         kernel.call("bwd", inputs["post"], inputs["comb"], inputs["out"], inputs["h"], outputs["streams"],
                     inputs["fn"], inputs["base"], inputs["scale"], outputs["mix"], outputs["rstd"],
                     grad_outputs["streams"], grad_outputs["y"], grad_outputs["next_post"], grad_outputs["next_comb"],
-                    dx_pre, grads["post"], grads["comb"], grads["out"], grads["h"], grads["fn"], grads["base"],
+                    grads["post"], grads["comb"], grads["out"], grads["h"], grads["fn"], grads["base"],
                     d_scale, scratch, rows, EPS)
         grads["scale"].copy_(d_scale[: grads["scale"].numel()])
 
