@@ -1624,8 +1624,32 @@ def test_indexer_cube_starts_on_the_first_keys_while_the_rest_arrive(monkeypatch
             assert result.passed, result.summary
             return {phase: r.cycles for phase, r in ascend.emulate(spec, problem, knobs, emu).items()}
     split = cycles(planned)
-    whole = cycles({"fwd_key_ends": (knobs["key_chunk"],) * 4, "bwd_key_ends": (528,) * 4})
+    whole = cycles(planned | {"fwd_key_ends": (knobs["key_chunk"],) * 4, "bwd_key_ends": (528,) * 4})
     assert split["forward"] < whole["forward"] and split["backward"] < whole["backward"], (split, whole)
+
+
+def test_indexer_backward_copies_the_next_q_in_parts_between_coefficients(monkeypatch, tmp_path):
+    """The Cube backward's in-order MTE2 carries each key tile's coefficients and, once per query tile,
+    the next tile's q. Copied whole, q sat in front of the next coefficients and the Cube waited at every
+    query tile; the planner splits it into parts that each fit beside a coefficient copy under a pair's
+    Mmads. Five query tiles per AI core (4 cores, tails in rows and keys): both verify, and the parts
+    run the backward in fewer emulated cycles than the whole copy."""
+    spec = OPS["indexer_score"]
+    kernel = ascend.kernel_of(spec)
+    problem = spec.problem("1x39x64x128x200", "bf16")
+    knobs = ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs").knobs | {"cube_blocks": 4, "bwd_rows": 2}
+    planned = kernel.profile_params(problem, knobs, HW)
+    fractal_rows = 2 * 64 // 16
+    assert 1 <= planned["bwd_q_part"] < fractal_rows
+
+    def backward_cycles(part, sub):
+        monkeypatch.setattr(type(kernel), "profile_params", lambda self, p, k, hw: planned | {"bwd_q_part": part})
+        emu = ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, tmp_path / sub, HW), HW)
+        result = ascend.verify(spec, [problem], knobs, emu, seeds=(0,))
+        assert result.passed, result.summary
+        return ascend.emulate(spec, problem, knobs, emu)["backward"].cycles
+    parts, whole = backward_cycles(planned["bwd_q_part"], "parts"), backward_cycles(fractal_rows, "whole")
+    assert parts < whole, (parts, whole)
 
 
 @pytest.mark.parametrize("variant,q_buffers,cube_blocks", [("sliding", 2, 24), ("hca", 2, 24), ("csa", 2, 24), ("sliding", 1, 8),

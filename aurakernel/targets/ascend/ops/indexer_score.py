@@ -112,6 +112,19 @@ def key_head(keys: int, tile_keys: int, dim: int, elem: int, tile_cycles: float,
     return _part_ends([0, head, *bounds], tile_keys, keys)
 
 
+def q_part(rows: int, heads: int, dim: int, keys: int, elem: int, pair_cycles: float, p) -> int:
+    """The backward's q copy into L1 in parts (the kernel's Q_PART, in fractal rows of 16 query-head
+    rows), one after each coefficient copy on the Cube's in-order MTE2: the most rows whose copy (from
+    HBM at the core's share) fits beside that coefficient copy under a key tile pair's Cube work, at
+    least one fractal row. A tile's whole q at once delayed the next coefficients at every query tile
+    (1x1536x64x128x1024: 29 stalls of 1.8k cycles a core)."""
+    m1 = -(-rows * heads // 16)
+    coef = p.mte_latency + rows * heads * keys * elem / p.l2_bytes_per_cycle
+    slack = pair_cycles - coef - p.mte_latency
+    per_row = 16 * dim * elem / min(p.mte_bytes_per_cycle, p.hbm_share_per_cycle)
+    return max(1, min(m1, int(slack // per_row)))
+
+
 def slot_read_cycles(rows: int, heads: int, keys: int, p) -> float:
     """A vector core's read of its rows (half a tile's) of a forward product slot, fp32 from L2: two
     adjacent slots a copy, so half a copy's latency."""
@@ -328,7 +341,8 @@ class IndexerScoreAscend(AscendKernel):
         m, bkn = int(knobs.get("bwd_rows", 1)) * heads, int(knobs.get("bwd_keys", 64))
         bwd_tile = sum(cube_tile_cycles(*mnk, e, hw, cores).cube for mnk in ((m, bkn, dim), (m, dim, bkn), (bkn, dim, m)))
         return {"fwd_key_ends": key_parts(min(int(knobs["key_chunk"]), keys), kn, dim, e, fwd_tile, p),
-                "bwd_key_ends": key_head(keys, bkn, dim, e, bwd_tile, p, self.bwd_slots(knobs))}
+                "bwd_key_ends": key_head(keys, bkn, dim, e, bwd_tile, p, self.bwd_slots(knobs)),
+                "bwd_q_part": q_part(int(knobs.get("bwd_rows", 1)), heads, dim, bkn, e, bwd_tile, p)}
 
     def verification_problems(self, problem: Problem, knobs: dict[str, int]) -> list[Problem]:
         """One batch row of (at most 64) queries over the cores, leaving a tail core; and two batch rows
