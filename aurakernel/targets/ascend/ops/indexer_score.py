@@ -38,6 +38,18 @@ What is left: the backward's start (~3.2k before the first P: q, then the keys' 
 covers P's lead: a first part of one tile, the rest in three, took 35.4k) and its end (the last dq
 Fixpipe beside the dk conversion, ~1k); the Cube is ~90% busy in between. The forward's AIVs read at their L2
 rate (~10k of its 15k; reading the first slot alone, so they start one Fixpipe sooner, took 15.2k).
+
+At V4's 4096 queries (170 a core) fill and drain no longer weigh (1.23x of the bound against 1.49x at
+96 queries), and what is left is per query tile. The forward's vector cores read the fp32 products at
+their L2 rate: 4 B a product over two AIVs at 64 B a cycle is the Cube's 128 MACs a product at 4096 a
+cycle, so with a copy's latency per two slots they run at ~1.17x the Cube (1.27x with the weights' copy
+per tile): a 16-bit workspace would halve that, but the scores must match the fp32 reference. The
+backward (1536 queries, cycles per AI core: 476k against the Cube's 412k) waited 1.8k at every query
+tile: the next tile's q, copied whole (1.1k at the HBM share), sat in the Cube's in-order MTE2 in front
+of the next coefficients. It now comes in parts (`q_part`: what fits beside a coefficient copy under a
+pair's Mmads, one fractal row here), one behind each coefficient copy: 452k; and dk's Mmad goes first
+on a tile's first pair, while dq's L0C waits for the last tile's dq to go out (L0C holds P, dq and dk,
+no second dq): 442k. At 4096 queries: backward 1.21x -> 1.12x, fwd+bwd 1.23x -> 1.16x.
 """
 
 from __future__ import annotations
