@@ -35,7 +35,7 @@ CASES = (("rms_norm", "weighted", "{rows}x4096", "bf16"), ("rms_norm", "unweight
          ("cross_entropy", "default", "1024x129280", "bf16"),
          # the lightning indexer: 64 heads x 128, the 4096 queries of a 4096-token sequence over its 1024
          # compressed keys (CSA, m = 4); both directions mixed kernels (products on the Cube). At fewer
-         # queries a core's fill and drain weigh in (96 queries, 4 per AI core: 1.48x of the bound, 1.16x here)
+         # queries a core's fill and drain weigh in (96 queries, 4 per AI core: 1.48x of the bound, 1.15x here)
          ("indexer_score", "default", "1x4096x64x128x1024", "bf16"),
          ("mhc_post", "default", "{rows}x4x4096", "bf16"),   # 1024 tokens: the emulator runs every logit
          # mHC pre and head: 1024 tokens (the emulator runs NOUT products per element; the d_fn partials
