@@ -581,3 +581,66 @@ def test_fused_linear_loss_reuses_its_residuals_and_refuses_a_second_backward():
         torch.testing.assert_close(ours[k].grad, ref[k].grad, rtol=1e-4, atol=1e-7)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         (loss * 0.375).backward()
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_each_layers_last_update_runs_fused_with_the_next_layers_hyperconnection(checkpointing, monkeypatch):
+    """mhc_post of one decoder layer with mhc_pre of the next: where both layers run the fused update,
+    the first's last stream update runs on the mhc_post_pre kernel together with the next layer's
+    attention HyperConnection, and the model's forward hands the result across. A forward of L layers
+    then runs the fused kernel 2L - 1 times, mhc_post's alone once (the last layer's) and mhc_pre's
+    once (the first layer's attention, besides the head's); loss and every gradient match the
+    reference. Under transformers' checkpointing switch (which may be reentrant: a tensor handed
+    across layers would get no gradient) the layers stay apart (L fused calls) and still match."""
+    from aurakernel.targets.host.library import Kernel
+
+    model = build_model(load_config(TINY).model, seed=0)
+    if checkpointing:
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    layers = model.config.num_hidden_layers
+    ids = torch.randint(0, model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    ours = copy.deepcopy(model)
+    assert not apply(ours, plan_for(ours, ops={"mhc_post", "mhc_pre", "mhc_post_pre"})).rejected
+    backward = collections.Counter()   # a backward entry runs once per call (a checkpointed forward twice)
+    call = Kernel.call
+    monkeypatch.setattr(Kernel, "call", lambda k, name, *a: backward.update([k.entries[name].symbol] * (name == "bwd"))
+                        or call(k, name, *a))
+    results = []
+    for m in (model, ours):
+        loss = m(input_ids=ids, labels=ids).loss
+        results.append([loss, *torch.autograd.grad(loss, list(m.parameters()), allow_unused=True)])
+    for a, b in zip(*results, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+    apart = layers if checkpointing else 1
+    assert backward["ak_mhc_post_pre_bwd"] == 2 * layers - apart
+    assert backward["ak_mhc_post_bwd"] == backward["ak_mhc_bwd"] == apart
+
+
+def test_sharded_layers_make_their_own_hyperconnection(tmp_path, monkeypatch):
+    """Under FSDP2 a layer's parameters are gathered only for its own forward, so a layer whose last
+    update ran fused with the next layer's HyperConnection would read that layer's shards: with the
+    layers sharded (one rank, gloo) each makes its own (L fused calls, not 2L - 1), and the loss is the
+    unsharded patched model's."""
+    import torch.distributed as dist
+    from aurakernel.targets.host.library import Kernel
+    from trainer.train import shard
+
+    model = build_model(load_config(TINY).model, seed=0)
+    assert not apply(model, plan_for(model, ops={"mhc_post", "mhc_pre", "mhc_post_pre"})).rejected
+    ids = torch.randint(0, model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    expected = float(model(input_ids=ids, labels=ids).loss)
+    backward = collections.Counter()
+    call = Kernel.call
+    monkeypatch.setattr(Kernel, "call", lambda k, name, *a: backward.update([k.entries[name].symbol] * (name == "bwd"))
+                        or call(k, name, *a))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        shard(model)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+    finally:
+        dist.destroy_process_group()
+    assert float(loss) == pytest.approx(expected, rel=1e-6)
+    assert backward["ak_mhc_post_pre_bwd"] == model.config.num_hidden_layers

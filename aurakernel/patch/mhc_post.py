@@ -63,14 +63,19 @@ def _post_forward(module: MhcPost, post, comb, block_output, hidden_states):
 
 
 @copied_from(DeepseekV4DecoderLayer, "forward", "a46984c70748a453")
-def _layer_forward(self: DeepseekV4DecoderLayer, hidden_states, input_ids=None, **kwargs):
+def _layer_forward(self: DeepseekV4DecoderLayer, hidden_states, input_ids=None, ak_carry=None, ak_next=None, **kwargs):
     """DeepseekV4DecoderLayer.forward (transformers 5.24) with both stream updates through _ak_post,
     the first together with the FFN's HyperConnection after it (_ak_post_pre: fused where the plan
-    has an mhc_post_pre kernel, else the two one after the other)."""
-    post, comb, collapsed = self.attn_hc(hidden_states)
+    has an mhc_post_pre kernel, else the two one after the other). Across layers (the model's forward
+    of mhc_post_pre.link_layers): `ak_carry` is this layer's attention HyperConnection of its streams,
+    which the layer before made with its last update; `ak_next` is that update fused with the next
+    layer's HyperConnection, and the layer then returns (streams, post, comb, collapsed)."""
+    post, comb, collapsed = ak_carry if ak_carry is not None else self.attn_hc(hidden_states)
     attn_output, _ = self.self_attn(self.input_layernorm(collapsed), **kwargs)
     hidden_states, post, comb, collapsed = self._ak_post_pre(post, comb, attn_output, hidden_states)
     mlp_output = self.mlp(self.post_attention_layernorm(collapsed), input_ids=input_ids)
+    if ak_next is not None:
+        return ak_next(post, comb, mlp_output, hidden_states)
     return self._ak_post(post, comb, mlp_output, hidden_states)
 
 
