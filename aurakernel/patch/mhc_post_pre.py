@@ -1,6 +1,7 @@
-"""The mhc_post_pre kernel in a model: its torch op (custom op with autograd and fake registrations)
-and the patched forward of a decoder layer's first stream update with the FFN's HyperConnection
-after it (mhc_post.patch_layer's `_ak_post_pre`)."""
+"""The mhc_post_pre kernel in a model: its torch op (custom op with autograd and fake registrations),
+the patched forward of a decoder layer's first stream update with the FFN's HyperConnection after it
+(mhc_post.patch_layer's `_ak_post_pre`), and across layers (link_layers) a layer's last update with
+the next layer's attention HyperConnection, which the model's forward hands on (_model_forward)."""
 
 from __future__ import annotations
 
