@@ -583,6 +583,18 @@ def test_fused_linear_loss_reuses_its_residuals_and_refuses_a_second_backward():
         (loss * 0.375).backward()
 
 
+def _count_backward_calls(monkeypatch) -> collections.Counter:
+    """Calls of each kernel's backward entry from now on, by symbol (a backward runs once per call,
+    where a checkpointed forward runs twice)."""
+    from aurakernel.targets.host.library import Kernel
+
+    backward = collections.Counter()
+    call = Kernel.call
+    monkeypatch.setattr(Kernel, "call", lambda k, name, *a: backward.update([k.entries[name].symbol] * (name == "bwd"))
+                        or call(k, name, *a))
+    return backward
+
+
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_each_layers_last_update_runs_fused_with_the_next_layers_hyperconnection(checkpointing, monkeypatch):
     """mhc_post of one decoder layer with mhc_pre of the next: where both layers run the fused update,
@@ -592,8 +604,6 @@ def test_each_layers_last_update_runs_fused_with_the_next_layers_hyperconnection
     once (the first layer's attention, besides the head's); loss and every gradient match the
     reference. Under transformers' checkpointing switch (which may be reentrant: a tensor handed
     across layers would get no gradient) the layers stay apart (L fused calls) and still match."""
-    from aurakernel.targets.host.library import Kernel
-
     model = build_model(load_config(TINY).model, seed=0)
     if checkpointing:
         model.activation_checkpointing_enable({"use_reentrant": False})
@@ -601,10 +611,7 @@ def test_each_layers_last_update_runs_fused_with_the_next_layers_hyperconnection
     ids = torch.randint(0, model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
     ours = copy.deepcopy(model)
     assert not apply(ours, plan_for(ours, ops={"mhc_post", "mhc_pre", "mhc_post_pre"})).rejected
-    backward = collections.Counter()   # a backward entry runs once per call (a checkpointed forward twice)
-    call = Kernel.call
-    monkeypatch.setattr(Kernel, "call", lambda k, name, *a: backward.update([k.entries[name].symbol] * (name == "bwd"))
-                        or call(k, name, *a))
+    backward = _count_backward_calls(monkeypatch)
     results = []
     for m in (model, ours):
         loss = m(input_ids=ids, labels=ids).loss
@@ -624,17 +631,13 @@ def test_sharded_layers_make_their_own_hyperconnection(tmp_path, monkeypatch):
     layers sharded (one rank, gloo) each makes its own (L fused calls, not 2L - 1), and the loss is the
     unsharded patched model's."""
     import torch.distributed as dist
-    from aurakernel.targets.host.library import Kernel
     from trainer.train import shard
 
     model = build_model(load_config(TINY).model, seed=0)
     assert not apply(model, plan_for(model, ops={"mhc_post", "mhc_pre", "mhc_post_pre"})).rejected
     ids = torch.randint(0, model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
     expected = float(model(input_ids=ids, labels=ids).loss)
-    backward = collections.Counter()
-    call = Kernel.call
-    monkeypatch.setattr(Kernel, "call", lambda k, name, *a: backward.update([k.entries[name].symbol] * (name == "bwd"))
-                        or call(k, name, *a))
+    backward = _count_backward_calls(monkeypatch)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
     try:
         shard(model)

@@ -156,10 +156,10 @@ def link_layers(model: DeepseekV4Model, fused: list[DeepseekV4DecoderLayer]) -> 
     """Where two consecutive layers both run the fused update (`fused`), the first's last stream
     update runs fused with the second's attention HyperConnection, on the same kernel (one pass over
     the streams less each way); the model's forward carries the result across (_model_forward)."""
-    layers = list(model.layers)
+    layers, fused_ids = list(model.layers), {id(layer) for layer in fused}
     nexts = [None] * len(layers)
     for i, (layer, after) in enumerate(zip(layers, layers[1:])):
-        if any(layer is f for f in fused) and any(after is f for f in fused):
+        if id(layer) in fused_ids and id(after) in fused_ids:
             update = MhcPostPre(after.attn_hc, layer._ak_post)
             update._ak_lookup = layer._ak_post_pre._ak_lookup
             install(update, "forward", _fused_forward)
