@@ -222,7 +222,8 @@ def test_sparse_attention_key_gradients_add_in_l2_where_they_fit(tmp_path, monke
 def test_router_flags_exactly_the_rows_whose_kth_and_next_scores_tie(tmp_path):
     """With a zero bias, bf16 scores tie at the k-th place in many rows: the sorting kernel flags those
     rows (and only those: every other row's experts and weights are the reference's), so torch.topk
-    decides them as it does in the reference."""
+    decides them as it does in the reference. A row whose top 7 scores are +inf ties too (inf - inf
+    is NaN: no difference told apart)."""
     import torch
     from transformers.activations import ACT2FN
     spec, kernel = OPS["router"], ascend.kernel_of(OPS["router"])
@@ -230,12 +231,13 @@ def test_router_flags_exactly_the_rows_whose_kth_and_next_scores_tie(tmp_path):
     knobs = ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs").knobs
     emu = ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, tmp_path, HW), HW)
     logits = (torch.randn(120, 256, generator=torch.Generator().manual_seed(0)) * 3).to(torch.bfloat16)
+    logits[3, 10:17] = float("inf")
     scores, bias = ACT2FN["sqrtsoftplus"](logits), torch.zeros(256)
     indices, weights, tie, report = kernel.select(problem, knobs, scores, bias, emu)
     assert report.ok, report.errors
     ranked = (scores.float() + bias).sort(dim=-1, descending=True).values
     want_tie = ranked[:, 5] == ranked[:, 6]
-    assert 0 < int(want_tie.sum()) < 120                    # both kinds of row are here
+    assert 0 < int(want_tie.sum()) < 120 and want_tie[3]    # both kinds of row are here
     assert torch.equal(tie.bool(), want_tie)
     ref = spec.reference(problem, {"logits": logits, "bias": bias})
     clear = ~want_tie
