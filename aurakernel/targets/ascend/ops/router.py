@@ -116,21 +116,22 @@ class RouterAscend(AscendKernel):
             cw, qg = self.candidates(experts, top_k), self.group_tops(experts, top_k)
             merged = cw > 32   # the candidates are several Sort32 lists, merged
             scratch = vp * 4 + 64 * 4 + 64 * 8 + 4 * qg * 8 + cw * (6 * 4 + 8) + 64 * 4 + merged * 2 * 4 * q * 8
-            # the tail's: gather offsets and key offsets, the K experts and their keys (KP lanes a row), their
-            # sorted structures, the index words, the weights' sums and broadcast, a row's scratch, the tie
-            # values and lane masks, the gather tables (InitGather), ReduceSum's scratch
+            # the tail's: gather offsets and key offsets, the K experts and their keys' bits (KP lanes a row),
+            # their sorted structures, the weights' sums and broadcast, a row's scratch, the tie values (two
+            # floats, two halves and a mask bit), the index words' lane mask, the gather tables (InitGather),
+            # ReduceSum's scratch
             kp = self.sort_lanes(top_k)
-            scratch += ((2 + 2 * kp + idx_bytes // 4) * 4 + 3 * kp * 4 + kp * 8 + idx_bytes + 2 * lanes * 4 + 4 + e + 10
-                        + kp / 8 + idx_bytes / 32 + 4 * lanes * 4 + lanes * e + lanes / 8 + vp * 4 / 256 * 4)
+            scratch += ((2 + 2 * kp + idx_bytes // 4) * 4 + 2 * kp * 4 + kp * 8 + 2 * lanes * 4 + 4 + e + 12
+                        + idx_bytes / 32 + 4 * lanes * 4 + lanes * e + lanes / 8 + vp * 4 / 256 * 4)
             # per element of a row: cast, bias, the NaN sum, the maxima (fast), the groups' and candidates'
             # copies to their merges; at the slow rate per 256 B written: the maxima's two lists and the
             # tail's Sort32, the groups' merge, the two Gathers and Sort32 of the candidates, their merge.
             # The scratch (one per tile row, not queued) in fp32 rows of E (a fraction: its bytes exactly)
             fwd = AscendRowPhase("forward", 1, 0, 0, idx_bytes + lanes * e + 1, vp * 4 + 288, 0,
                                  fast_ops_per_elem=4 + (4 * cw + 4 * qg + merged * 4 * q) / experts
-                                 + 30 * lanes * 4 / 256 / repeats,
+                                 + 22 * lanes * 4 / 256 / repeats,
                                  slow_ops_per_elem=(128 + 2 * kp + 8 * qg + 4 * cw + merged * 8 * q) / experts, instrs_per_chunk=0,
-                                 f32_tiles=scratch / (experts * 4), instrs_per_tile=50,
+                                 f32_tiles=scratch / (experts * 4), instrs_per_tile=42,
                                  short_tile_first=True,   # vector-bound: its short tile's copy is all that waits
                                  own_tile_rows=True)      # its launch holds no backward: 32 rows fit where the backward takes 24
         # logits in, d logits out; index and d weights in (two copies, SIDE_TILES tiles each); per row, beside the queues, the
