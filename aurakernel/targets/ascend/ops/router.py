@@ -3,7 +3,7 @@
 Where the time goes (ascend910b2, 8192 x 256 experts, top-6, bf16; 171 rows per vector core; emulator
 cycles per core; the backward's tiles of 24 rows, the most that fit its UB, and 24 against 16 cut the
 instructions per row, 22.1 -> 20.6 us for forward + backward):
-- forward (~15.0k cycles against an HBM bound of ~5.3k): the vector unit. Selection sorts only the
+- forward (~13.6k cycles against an HBM bound of ~5.3k): the vector unit. Selection sorts only the
   members of each row's top K + 1 groups (was all 256 + two merges: 22.8k -> 18.7k cycles), but the
   NPU's sorting and gathering instructions (Sort32, MrgSort, Gather) run at the slow-op rate per 256 B
   they write (the emulator's estimate). The traced instruction mix (`python -m
@@ -22,7 +22,19 @@ instructions per row, 22.1 -> 20.6 us for forward + backward):
   (keys -(expert + j VP) keep the list's rows apart), where each row was a list of 32 lanes, 26 of
   them -inf: 15.8k. Every router kernel now copies its bias and first tiles in before it makes its
   tables (InitGather, the selection's offsets: ~1.9k cycles of scalar writes and Progressions came
-  before any copy): 15.0k, the backward 11.2k -> 11.0k, the hash forward 7.8k -> 7.6k.
+  before any copy): 15.0k, the backward 11.2k -> 11.0k, the hash forward 7.8k -> 7.6k. The tail had
+  ~35 instructions a tile over its compact tiles, 12 cycles of issue each: the ascending sort's keys
+  are now integer adds on their bits (0xCB000000 + n is the float -(2^23 + n); lanes past K get
+  0xFF000000 + ..., below them), where a Cast, a Muls and a Select made them; the index words' high
+  halves are gathered from a zero word past the sorted lists (no Select); the weights' row sums read K
+  lanes (no fill of the others); the tie flag is one compare (kth - next >= 2^-100) and a Select
+  (five instructions were seven; a row tied at +inf, whose difference is NaN, was not flagged): 14.8k
+  -> 14.0k. A tile's index words go out once the weights have read them, under its weights and tie
+  flags (the last tile's three copies out ran one after the other at the end): 13.7k; v's -inf fill
+  only where E leaves lanes past the pitch: 13.6k. A 32-row tile is now ~2.0k cycles, ~1.5k of it the
+  passes over v (cast, bias, the NaN sum, the maxima: ~600) and the selection's sorts and gathers
+  (~900). Wider tiles would spread the issue costs: with the UB limit lifted, 40 rows (212 KB of UB)
+  emulate 13.7k and 48 rows (254 KB) 13.2k.
 - backward (~13k cycles against ~10k; was ~17k): the scatter of each row's K gradients on the
   scalar unit. A2/A3 have no vector Scatter (the documented one is Ascend 950's), so the scalar unit
   writes the K gradients one by one; it reads the row's experts and gradients (in the dtype) from the
