@@ -89,6 +89,40 @@ def test_router_ties_go_exactly_as_torch_topk(dtype, host):
     torch.testing.assert_close(out["weights"], ref["weights"])
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_causal_indexer_computes_only_the_entries_each_query_sees(dtype, host):
+    """indexer_score[causal]: each query's entries at or past its limit are -inf, and the kernel computes
+    none of their products. Keys no query sees hold NaN (a product with them, even one multiplied by a
+    zero gradient, would spread it), yet the scores and q's gradient are the reference's (computed with
+    those keys at zero) and those keys' gradient is zero; limits vary per row (one row sees nothing)."""
+    spec = get_op("indexer_score")
+    problem = spec.problem("2x40x4x32x37", dtype, "causal")
+    plan = solve_tiling(host_kernel(spec).tiling_problem(problem, host), op="indexer_score", variant="causal",
+                        shape=problem.shape, dtype=dtype, target="host")
+    kernel = build_kernel(spec, problem, plan.knobs)
+    inputs = spec.make_inputs(problem, 0)
+    inputs["limit"] = torch.randint(0, 31, (2, 40), generator=torch.Generator().manual_seed(1))
+    inputs["limit"][1, 7] = 0
+    g = torch.randn(2, 40, 37)
+    q, k = inputs["q"].clone().requires_grad_(), inputs["k"].clone()
+    k[:, 30:] = 0.0
+    k.requires_grad_()
+    ref = spec.reference(problem, {**inputs, "q": q, "k": k})["y"]
+    ref.backward(g)
+    assert torch.isinf(ref).sum() > 0 and not torch.isnan(q.grad).any()
+    inputs["k"] = inputs["k"].clone()
+    inputs["k"][:, 30:] = float("nan")                   # no query's limit reaches these keys
+    out = kernel.empty_outputs(problem, inputs)
+    kernel.run_forward(inputs, out)
+    grads = {n: torch.empty_like(inputs[n]) for n in ("q", "k", "hidden", "proj")}
+    kernel.run_backward(inputs, out, {"y": g}, grads)
+    tol = spec.tolerance(problem.dtype, "q")
+    torch.testing.assert_close(out["y"], ref.detach(), atol=1e-4, rtol=1e-3)   # -inf exactly where the reference has it
+    torch.testing.assert_close(grads["q"].float(), q.grad.float(), atol=tol.atol, rtol=tol.rtol)
+    torch.testing.assert_close(grads["k"][:, :30].float(), k.grad[:, :30].float(), atol=tol.atol, rtol=tol.rtol)
+    assert torch.equal(grads["k"][:, 30:].float(), torch.zeros(2, 7, 32))
+
+
 def test_swiglu_bf16_lookup_follows_each_limit(host):
     """bf16 swiglu looks the gate's silu and its derivative up in a table built per limit: calls with
     two limits in turn (and back) each match transformers' gate at that limit, forward and backward,

@@ -136,8 +136,8 @@ def indexer_kl(index_scores: torch.Tensor, selected: torch.Tensor, attn_mass: to
     # p * (log p - log q) with 0 log 0 = 0; the where keeps -inf (unselected) out of the products
     terms = torch.where(p > 0, p * (torch.log(p.clamp_min(torch.finfo(torch.float32).tiny)) - log_q), 0.0)
     kl_rows = terms.sum(-1)
-    if not bool(rows.any()):
-        return index_scores.float().sum() * 0.0
+    if not bool(rows.any()):   # (the selected scores: a causal scorer leaves the future entries at -inf)
+        return torch.where(selected, index_scores.float(), 0.0).sum() * 0.0
     return kl_rows[rows].mean()
 
 

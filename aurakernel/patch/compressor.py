@@ -11,6 +11,7 @@ from ..ops.base import Problem, Tensors
 from ..ops.compressor import CompressorPool, SPEC, pool_reference
 from ..targets.host.library import built_kernel
 from .base import Patch, bind
+from .indexer_score import causal_scores
 from .install import copied_from
 from .rms_norm import norm_eps
 from .torch_op import torch_op
@@ -155,18 +156,16 @@ def _indexer_forward(self, hidden_states, q_residual, position_ids, cache, layer
     cos_q, sin_q = self.rotary_emb(hidden_states, position_ids=position_ids, layer_type=self.rope_layer_type)
     q = self.q_b_proj(q_residual).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
     q = apply_rotary_pos_emb(q, cos_q, sin_q).transpose(1, 2)
-    index_scores = self.scorer(q, compressed_kv, hidden_states)
     compressed_len = compressed_kv.shape[1]
     top_k = min(self.index_topk, compressed_len)
     if compressed_len > 0:
         causal_threshold = (position_ids + 1) // self.compress_rate
-        entry_indices = torch.arange(compressed_len, device=index_scores.device)
-        future_mask = entry_indices.view(1, 1, -1) >= causal_threshold.unsqueeze(-1)
-        index_scores = index_scores.masked_fill(future_mask, float("-inf"))
+        # the scores with the future entries at -inf (through the scorer's kernel: never computed)
+        index_scores = causal_scores(self.scorer, q, compressed_kv, hidden_states, causal_threshold)
         top_k_indices = index_scores.topk(top_k, dim=-1).indices
         invalid = top_k_indices >= causal_threshold.unsqueeze(-1)
         return torch.where(invalid, torch.full_like(top_k_indices, -1), top_k_indices)
-    return index_scores.topk(top_k, dim=-1).indices
+    return self.scorer(q, compressed_kv, hidden_states).topk(top_k, dim=-1).indices
 
 
 class CompressorPatch(Patch):

@@ -87,6 +87,10 @@ def plan(spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, so
     """Tiling (the UB-partition MILP), then, where the template renders one, the pipeline schedule
     of each phase at that tiling; a schedule that cannot be solved leaves the plain order. Without
     `scheduled` and `explain` (what predicted_us needs): no schedules and no binding constraint."""
+    computes = kernel_of(spec).variants
+    if computes is not None and problem.variant not in computes:
+        raise PlanInfeasible("variant", f"{spec.name}[{problem.variant}] has no AscendC kernel: its kernels compute "
+                                        f"{', '.join(computes)}")
     rows = model(spec, problem, hw)
     if rows.phases:
         the_plan = solve_tiling(rows, solver=solver, explain=explain, **_plan_fields(problem, target))

@@ -37,6 +37,8 @@ class AscendKernel(Part, ABC):
     # the kernel's blocks meet in SyncAll: its launch is in batch mode (the tiling's SetScheduleMode(1),
     # rendered where the template's batch_mode is set, and the emulator's launch) and it declares the mix type
     syncs_cores: ClassVar[bool] = False
+    # the operator's variants the kernel computes (None: all of them); plan() refuses the others by name
+    variants: ClassVar[tuple[str, ...] | None] = None
 
     @property
     def folder(self) -> str:

@@ -154,6 +154,7 @@ def cube_split(tiles: int, cores: int) -> tuple[int, int]:
 
 class IndexerScoreAscend(AscendKernel):
     syncs_cores = True   # the backward's blocks meet in SyncAll
+    variants = ("default",)   # the causal variant's limits (skipped key tiles, a masked boundary tile): not yet
     # --- AscendC (templates/ascendc/indexer_score/) ---
     # forward: a mixed kernel (per AI core its Cube core and two vector cores): q k^T on the Cube in
     #   query tiles of `cube_rows` rows x `cube_keys` keys, the keys resident in L1 `key_chunk` at a
