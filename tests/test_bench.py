@@ -134,8 +134,8 @@ def test_matmul_class_operators_run_in_fp32_where_bf16_has_no_fast_path(tmp_path
     amx = dataclasses.replace(host, peak_tflops={"fp32": 0.2, "bf16": 1.5, "fp16": 1.5})
     dtypes = {p.describe(): p.dtype.value for p in bench.bench_problems(False, None, avx2)}
     fp32 = sorted(d.split()[0] for d, t in dtypes.items() if t == "fp32")
-    assert fp32 == ["adamw", "block_linear", "grouped_linear", "indexer_score", "linear", "linear_cross_entropy",
-                    "sparse_attention[csa]",
+    assert fp32 == ["adamw", "block_linear", "grouped_linear", "indexer_score", "indexer_score[causal]", "linear",
+                    "linear_cross_entropy", "sparse_attention[csa]",
                     "sparse_attention[hca]", "sparse_attention[sliding]"]   # adamw and the linears take fp32 only
     assert all(p.dtype.value == "bf16" for p in bench.bench_problems(False, None, amx)
                if p.op not in ("adamw", "linear", "grouped_linear", "block_linear"))
