@@ -196,6 +196,24 @@ def test_indexer_relu_kink_allowance_is_narrow():
     assert compare(ref, ref, 2e-2, 1.6e-2, slack["q"])[2] is True
 
 
+def test_masked_outputs_compare_exactly_where_the_reference_is_infinite():
+    """Masked scores (-inf in the reference) must be the same infinity in the output; the finite rest
+    is compared as numbers, its scale not swamped by the infinities."""
+    from aurakernel.verify import compare
+    ref = torch.tensor([[1.0, 2.0, float("-inf")], [0.5, float("-inf"), float("-inf")]])
+    assert compare(ref.clone(), ref, 1e-5, 1e-5)[2] is True
+    finite_there = ref.clone()
+    finite_there[0, 2] = -1e30
+    ok, why = compare(finite_there, ref, 1e-5, 1e-5)[2:]
+    assert ok is False and "1 elements differ where the reference is infinite" in why
+    off = ref.clone()
+    off[1, 0] += 1e-3
+    assert compare(off, ref, 1e-5, 1e-5)[2] is False
+    wrong_sign = ref.clone()
+    wrong_sign[1, 1] = float("inf")
+    assert compare(wrong_sign, ref, 1e-5, 1e-5)[2] is False
+
+
 def test_cross_entropy_plans_and_verifies_on_a_512_kb_l2_machine(host):
     """The AVX2 EPYC this project also runs on has 32 KB L1d and 512 KB L2 per core: V4's 129,280-wide
     vocabulary (250 KB of bf16 per row) does not stay in its L2 budget, so the kernel streams each row
