@@ -59,6 +59,16 @@ def _allowed(r: torch.Tensor, atol: float, rtol: float, slack: torch.Tensor | No
     return atol * scale + rtol * r.abs() + (slack.double() if slack is not None else 0.0)
 
 
+def _finite_part(truth: torch.Tensor, tensors: tuple, slack: torch.Tensor | None):
+    """Where `truth` is infinite (masked scores) the output (tensors[0]) must be that same infinity:
+    (how many are not, the tensors and slack at truth's finite elements, compared as numbers)."""
+    infinite = torch.isinf(truth)
+    if not infinite.any():
+        return 0, tensors, slack
+    wrong = int((tensors[0][infinite] != truth[infinite]).sum())
+    return wrong, tuple(t[~infinite] for t in tensors), slack[~infinite] if slack is not None else None
+
+
 def compare(out: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float,
             slack: torch.Tensor | None = None) -> tuple[float, float, bool, str]:
     """Max abs/rel error and whether every element is within atol * RMS(ref) + rtol * |ref| (+ slack:
@@ -69,13 +79,9 @@ def compare(out: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float,
     if torch.isnan(o).any() and not torch.isnan(r).any():
         n = int(torch.isnan(o).sum())
         return float("nan"), float("nan"), False, f"{n} elements left unwritten or NaN (poisoned buffer)"
-    infinite = torch.isinf(r)
-    if infinite.any():   # (masked scores) must be the same infinity; the rest compared as numbers
-        n = int((o[infinite] != r[infinite]).sum())
-        if n:
-            return float("inf"), float("inf"), False, f"{n} elements differ where the reference is infinite"
-        o, r = o[~infinite], r[~infinite]
-        slack = slack[~infinite] if slack is not None else None
+    n, (o, r), slack = _finite_part(r, (o, r), slack)
+    if n:
+        return float("inf"), float("inf"), False, f"{n} elements differ where the reference is infinite"
     err = (o - r).abs()
     ok = bool((err <= _allowed(r, atol, rtol, slack)).all())
     rel = float((err / r.abs().clamp_min(1e-12)).max()) if r.numel() else 0.0
@@ -87,13 +93,10 @@ def within_reference_error(out: torch.Tensor, ref: torch.Tensor, exact: torch.Te
     """Every element within compare's bound of the exact result, plus the reference's distance from it."""
     if exact.shape != out.shape or torch.isnan(out).any():
         return False
-    o, r, x = out.detach().double(), ref.detach().double(), exact.detach().double()
-    infinite = torch.isinf(x)
-    if infinite.any():   # the same infinity there; the rest as numbers
-        if not torch.equal(o[infinite], x[infinite]):
-            return False
-        o, r, x = o[~infinite], r[~infinite], x[~infinite]
-        slack = slack[~infinite] if slack is not None else None
+    x = exact.detach().double()
+    n, (o, r, x), slack = _finite_part(x, (out.detach().double(), ref.detach().double(), x), slack)
+    if n:
+        return False
     return bool(((o - x).abs() <= _allowed(r, atol, rtol, slack) + (r - x).abs()).all())
 
 

@@ -50,11 +50,12 @@ def _kernel_for(scorer: DeepseekV4IndexerScorer, q: torch.Tensor, compressed_kv:
 
 
 def _scorer_forward(self: DeepseekV4IndexerScorer, q, compressed_kv, hidden_states, ak_limit=None):
-    """The scorer through the kernel; `ak_limit` (from causal_scores: the kernel's path only) masks each
-    query's entries past its limit to -inf, their products never computed."""
+    """The scorer through the kernel; `ak_limit` (from causal_scores) masks each query's entries past its
+    limit to -inf: in the kernel, their products never computed, else after the reference lines."""
     kernel = _kernel_for(self, q, compressed_kv)
     if kernel is None:
-        return DeepseekV4IndexerScorer.forward(self, q, compressed_kv, hidden_states)
+        scores = DeepseekV4IndexerScorer.forward(self, q, compressed_kv, hidden_states)
+        return scores if ak_limit is None else mask_future(scores, ak_limit)
     weights = self.weights_proj(hidden_states).float() * self.weights_scaling
     return OP(q, compressed_kv, weights, ak_limit, kernel)
 
@@ -65,10 +66,9 @@ def causal_scores(scorer: DeepseekV4IndexerScorer, q: torch.Tensor, compressed_k
     (position + 1) // compress_rate) are -inf. Through the kernel those products are never computed
     (about half of them over a sequence); else the scorer's own scores, masked as transformers masks them.
     Either way the scorer module is called, so its hooks (the indexer objective's) see the scores."""
-    if _kernel_for(scorer, q, compressed_kv) is not None:
-        return scorer(q, compressed_kv, hidden_states,
-                      ak_limit=limit.to(torch.int64).expand(q.shape[0], q.shape[1]).contiguous())
-    return mask_future(scorer(q, compressed_kv, hidden_states), limit)
+    if getattr(scorer, "_ak_lookup", None) is None:   # not patched: transformers' scorer, then its mask
+        return mask_future(scorer(q, compressed_kv, hidden_states), limit)
+    return scorer(q, compressed_kv, hidden_states, ak_limit=limit.to(torch.int64).expand(q.shape[0], q.shape[1]).contiguous())
 
 
 def _causal_scorer_forward(self: CausalScorer, q, k, hidden, limit):
