@@ -53,6 +53,7 @@ SPREAD_TESTS = True   # xdist spreads these long emulator cases over its workers
     ("indexer_score", "default", "1x60x64x128x64", "bf16"),   # V4-Flash and V4-Pro: 64 heads x index_head_dim 128
     ("indexer_score", "default", "2x37x64x128x70", "fp32"),   # fp32 operands on the Cube: 16 x 8 fractals (vector backward)
     ("indexer_score", "default", "1x37x64x128x100", "fp16"),  # fp16: dq out of the Fixpipe as F322F16
+    ("indexer_score", "causal", "1x60x64x128x15", "bf16"),    # DeepseekV4Indexer's causal rule: entries past a row's limit -inf
     ("rope", "default", "5x64x512x64", "bf16"),         # V4-Flash q: 64 heads of 512, rope slice 64
     ("rope", "default", "3x128x512x64", "bf16"),        # V4-Pro q: 128 heads
     ("rope", "default", "60x1x512x64", "fp32"),         # the shared kv head
@@ -1226,6 +1227,7 @@ TILING_HEADERS = (("sparse_attention", "csa", "1x64x200x512x128x64", "bf16", _sp
                   ("sparse_attention", "hca", "1x64x200x512x128x128", "bf16", _sparse_attention_tiling),
                   ("indexer_score", "default", "1x96x64x128x1024", "bf16", _indexer_score_tiling),
                   ("indexer_score", "default", "2x40x64x128x512", "fp32", _indexer_score_tiling),   # the vector backward
+                  ("indexer_score", "causal", "2x1000x64x128x250", "bf16", _indexer_score_tiling),  # ranges of equal work
                   ("rms_norm", "weighted", "300x4096", "bf16", _rms_norm_tiling),
                   ("rms_norm", "unweighted", "1000x512", "bf16", _rms_norm_tiling),
                   ("swiglu", "default", "300x2048", "bf16", _swiglu_tiling),
@@ -1599,6 +1601,60 @@ def test_indexer_backward_streams_keys_that_do_not_fit_l1():
         result = ascend.verify(spec, [problem], knobs, emu, seeds=(0,))
     assert result.passed, result.summary
     assert {c.tensor for c in result.checks} >= {"y", "grad_q", "grad_k", "grad_hidden", "grad_proj"}
+
+
+def test_causal_indexer_computes_only_the_key_tiles_its_queries_see(tmp_path):
+    """indexer_score[causal] on the AI cores (the scores DeepseekV4Indexer takes to its top-k): a query tile
+    computes only the key tiles its rows see (their largest limit), writes each row's scores below its limit
+    and -inf from there, and takes a row's gradient past its limit as zero. Verified forward and backward over
+    two batch rows with the keys in two L1 chunks (the second a single key) and streamed in the backward; at
+    the same plan both directions run in fewer emulated cycles than scoring every entry. The AI cores' tile
+    ranges are contiguous and of equal work: the first cores take more of the early tiles, which see few keys."""
+    import torch
+    from aurakernel.targets.ascend.ops.indexer_score import tile_bounds
+    spec = OPS["indexer_score"]
+    knobs = {"cube_rows": 2, "cube_keys": 64, "key_chunk": 64, "bwd_rows": 2, "bwd_keys": 64}
+    cycles = {}
+    for variant, stream in (("causal", 0), ("causal", 1), ("default", 0)):
+        problem = spec.problem("2x260x64x128x65", "bf16", variant)
+        plan = ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs").knobs | knobs | {"bwd_stream": stream}
+        emu = ascend.Emulated(spec, ascend.render_project(spec, problem, plan, tmp_path / f"{variant}{stream}", HW), HW)
+        if variant == "causal":
+            result = ascend.verify(spec, [problem], plan, emu, seeds=(0,))
+            assert result.passed, result.summary
+            y = {c.tensor for c in result.checks}
+            assert {"y", "grad_q", "grad_k", "grad_hidden", "grad_proj"} <= y
+        if stream == 0:
+            cycles[variant] = {phase: r.cycles for phase, r in ascend.emulate(spec, problem, plan, emu).items()}
+    assert all(cycles["causal"][phase] < cycles["default"][phase] for phase in ("forward", "backward")), cycles
+    bounds = tile_bounds(1, 4096, 2, 1024, 128, 24, True, 27)
+    sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+    assert bounds[0] == 0 and bounds[-1] == 2048 and sizes[0] == max(sizes) > 2 * sizes[-1]
+    assert tile_bounds(1, 4096, 2, 1024, 128, 24, False) == tuple(min(86 * c, 2048) for c in range(25))
+    # fp32 runs the backward on the vector cores: every key tile, the gradient masked at each row's limit
+    problem = spec.problem("1x40x64x128x10", "fp32", "causal")
+    plan = ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs").knobs
+    emu = ascend.Emulated(spec, ascend.render_project(spec, problem, plan, tmp_path / "fp32", HW), HW)
+    result = ascend.verify(spec, [problem], plan, emu, seeds=(0,))
+    assert result.passed, result.summary
+    inputs = spec.make_inputs(problem, 0)
+    grad = torch.randn(1, 40, 10, generator=torch.Generator().manual_seed(1))
+    out, grads, _ = ascend.kernel_of(spec).run(problem, plan, inputs, {"y": grad}, emu)
+    limit = inputs["limit"][0]
+    past = torch.arange(10).view(1, -1) >= limit.view(-1, 1)
+    assert torch.isneginf(out["y"][0][past]).all() and torch.isfinite(out["y"][0][~past]).all()
+    _, masked, _ = ascend.kernel_of(spec).run(problem, plan, inputs, {"y": grad.masked_fill(past, 0.0)}, emu)
+    assert all(torch.equal(grads[name], masked[name]) for name in ("q", "k")), "a gradient past a row's limit reached q or k"
+
+
+def test_the_planner_refuses_a_variant_the_ascend_kernel_does_not_compute(monkeypatch, capsys):
+    """A kernel that computes some of its operator's variants (AscendKernel.variants) is planned for those
+    only: the CLI names the variant and what the kernels compute, exit 2."""
+    from aurakernel.cli import main
+    monkeypatch.setattr(type(ascend.kernel_of(OPS["indexer_score"])), "variants", ("default",))
+    assert main(["tune", "indexer_score", "--variant", "causal", "--target", "ascend910b2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "indexer_score[causal] has no AscendC kernel: its kernels compute default" in err[0]
 
 
 def test_indexer_cube_starts_on_the_first_keys_while_the_rest_arrive(monkeypatch):

@@ -82,6 +82,7 @@ def _cube_figures(problem: Problem, hw: HardwareProfile):
     return problem.dtype.itemsize, cores, hw.ascend_pipes(cores), -(-problem.shape[4] // 64) * 64
 
 
+INF_FILL = 2048   # floats of -inf in a forward vector core's UB (causal): the copies out past a row's limit
 W_GROUP = 16    # whole query tiles whose weights a vector core copies in at once (the kernel's HeadWeights)
 KEY_PARTS = 4   # the resident keys' parts, each its own L1 buffer and event (the kernel's ResidentKeys)
 
@@ -152,9 +153,90 @@ def cube_split(tiles: int, cores: int) -> tuple[int, int]:
     return block_tiles, -(-tiles // block_tiles)
 
 
+MAX_AI_CORES = 64   # the tiling's per-core tile ranges (AkIndexerScoreTiling's fwdFirst / bwdFirst: MAX_AI_CORES + 1)
+
+
+def hbm_macs(hw: HardwareProfile) -> int:
+    """The Cube's 16-bit MACs per byte an AI core moves from HBM in that time (the causal split's
+    weighing of a tile's q against its key tiles: tile_bounds)."""
+    p = hw.ascend_pipes(cube_cores(hw))
+    return max(1, round(p.cube_macs_16bit / p.hbm_share_per_cycle))
+
+
+def causal_key_tiles(batch: int, seq: int, rows: int, keys: int, kn: int) -> torch.Tensor:
+    """Per query tile (rows query rows of a batch row) its key tiles under the causal rule of a training
+    sequence (causal_limit: (s + 1) // (S // T) at its last row), at least one: what a tile costs the
+    causal kernels beside its q (as the tiling's AkIndexerScoreCausalKeyTiles)."""
+    per_batch = -(-seq // rows)
+    last = ((torch.arange(batch * per_batch) % per_batch) * rows + rows).clamp(max=seq) - 1
+    limit = ((last + 1) // max(1, seq // max(keys, 1))).clamp(max=keys)
+    return ((limit + kn - 1) // kn).clamp(min=1)
+
+
+def q_cost(elem: int, macs: int, kn: int, copies: int, mmads: int) -> int:
+    """A query tile's q traffic (`copies` of q's size through HBM: the forward's q in; the backward's q in
+    and dq out) in sixteenths of one key tile's Cube work (`mmads` Mmads of kn keys), from the profile's
+    hbm_macs: the query rows cancel out."""
+    return max(1, 16 * elem * macs * copies // (kn * mmads))
+
+
+def tile_bounds(batch: int, seq: int, rows: int, keys: int, kn: int, cores: int, causal: bool, q16: int = 16,
+                added: bool = False) -> tuple[int, ...]:
+    """Each AI core's first query tile and, last, the end (as the tiling's AkIndexerScoreTileBounds):
+    contiguous ranges of ceil(tiles / cores) tiles; with the causal rule ranges of equal work, a tile
+    going to the core its middle falls in. A tile costs its key tiles (causal_key_tiles, 16 each) and its
+    q's copies (`q16`: q_cost): the more of the two in the forward (they run on other pipes), their sum in
+    the backward (`added`: a tile's chain of P, coefficients and dq adds to its pairs). Equal counts left
+    the last core every key of the last positions and the first almost none. Emulated (1x2048x64x128x512
+    bf16, cycles): forward 111.4k (every entry) -> 85.7k (a tile costing one key tile more than its own)
+    -> 80.1k (the more of q_cost's 27 and its key tiles' 16 each: the first cores' MTE2 had been 97% busy
+    with q); backward 313.8k -> 256.9k -> 285k (the more of) -> 228k / 214k / 228k with q16 32 / 48 / 64
+    added (q_cost's 37 here: 221k). Only the balance assumes a training sequence's limits: the kernels
+    compute from the limits they are given."""
+    per_batch, cores = -(-seq // rows), min(cores, MAX_AI_CORES)
+    tiles = batch * per_batch
+    if not causal:
+        per, used = cube_split(tiles, cores)
+        return tuple(min(c * per, tiles) for c in range(used + 1))
+    used = max(1, min(tiles, cores))
+    k16 = 16 * causal_key_tiles(batch, seq, rows, keys, kn)
+    cost = q16 + k16 if added else k16.clamp(min=q16)
+    before = cost.cumsum(0) - cost
+    core = ((2 * before + cost) * used // (2 * int(cost.sum()))).clamp(max=used - 1)   # each tile's, ascending
+    return tuple(int(b) for b in torch.searchsorted(core, torch.arange(used + 1)))
+
+
+@functools.cache
+def core_loads(batch: int, seq: int, rows: int, keys: int, kn: int, chunk: int, cores: int, causal: bool, q16: int,
+               added: bool) -> tuple[tuple[int, int, int], ...]:
+    """Per AI core of tile_bounds' split: its query tiles, the key tiles they compute and their copies of q
+    (one per chunk of `chunk` keys a tile sees; the backward's chunk is every key)."""
+    bounds = tile_bounds(batch, seq, rows, keys, kn, cores, causal, q16, added)
+    if causal:
+        per_batch = -(-seq // rows)
+        last = ((torch.arange(batch * per_batch) % per_batch) * rows + rows).clamp(max=seq) - 1
+        limit = ((last + 1) // max(1, seq // max(keys, 1))).clamp(max=keys)
+        whole = limit // chunk   # chunks seen whole, then the part of the one the limit falls in
+        pairs = (whole * -(-chunk // kn) + (limit - whole * chunk + kn - 1) // kn).clamp(min=1)
+        copies = (limit + chunk - 1) // chunk
+    else:
+        per_tile = sum(-(-min(chunk, keys - c0) // kn) for c0 in range(0, keys, chunk))
+        pairs = torch.full((batch * -(-seq // rows),), per_tile)
+        copies = torch.full_like(pairs, -(-keys // chunk))
+    sums = [(b - a, int(pairs[a:b].sum()), int(copies[a:b].sum())) for a, b in zip(bounds, bounds[1:])]
+    return tuple(sums)
+
+
+def slowest(loads, pipes) -> dict[str, float]:
+    """Per pipe, the most cycles an AI core spends on it: pipes(tiles, key tiles, q copies) of each core's loads."""
+    per = [pipes(*load) for load in loads]
+    return {k: max(p[k] for p in per) for k in per[0]}
+
+
+
 class IndexerScoreAscend(AscendKernel):
     syncs_cores = True   # the backward's blocks meet in SyncAll
-    variants = ("default",)   # the causal variant's limits (skipped key tiles, a masked boundary tile): not yet
+    variants = ("default", "causal")
     # --- AscendC (templates/ascendc/indexer_score/) ---
     # forward: a mixed kernel (per AI core its Cube core and two vector cores): q k^T on the Cube in
     #   query tiles of `cube_rows` rows x `cube_keys` keys, the keys resident in L1 `key_chunk` at a
@@ -213,30 +295,32 @@ class IndexerScoreAscend(AscendKernel):
         batch, seq, heads, dim, keys = problem.shape
         e, cores, p, keys64 = _cube_figures(problem, hw)
         lat, rate, l2, issue = p.mte_latency, p.mte_bytes_per_cycle, p.l2_bytes_per_cycle, p.vec_issue
+        macs = hbm_macs(hw)
         domains = {"cube_rows": [r for r in (1, 2, 4, 8) if r <= seq and r * heads <= 4095],
                    "cube_keys": [k for k in (64, 128, 256) if k <= keys64],
                    "key_chunk": sorted({min(keys64, c) for c in (256, 512, 1024, 2048, 4096)}),
                    "cube_buffers": [1, 2],
-                   "cube_blocks": [cores]}
+                   "cube_blocks": [cores], "hbm_macs": [macs]}
+
+        causal = problem.variant == "causal"
 
         @functools.cache   # every pipe's term and the fill read the same cell
         def per_core(rows, kn, chunk, nb):   # cycles of each pipe on the busiest AI core
-            tiles = batch * -(-seq // rows)
-            tc = cube_split(tiles, cores)[0]
             m, mine = rows * heads, -(-rows // 2)
             chunks = [min(chunk, keys - c0) for c0 in range(0, keys, chunk)]
-            key_tiles = sum(-(-nk // kn) for nk in chunks)
             t = cube_tile_cycles(m, kn, dim, e, hw, cores, a_loads=-(-m // 16), b_loads=dim * e // 32)
-            batches = min(batch, 1 + math.ceil((tc * rows - 1) / seq))    # batch rows one core's tiles touch
             vec = (heads * kn / 64 * 2 + heads / 64 + 2 * kn / 64 + heads / 8) + issue * (kn / 64 + math.log2(heads) + 5)
-            keys_in = batches * sum(2 * lat + nk * dim * e / l2 for nk in chunks)   # k from L2, in two parts a chunk
-            return {"MTE2": len(chunks) * tc * (lat + m * dim * e / rate) + keys_in,
-                    "MTE1": tc * (len(chunks) * t.mte1_a + key_tiles * t.mte1_b),
-                    "Cube": tc * key_tiles * t.cube, "FIX": tc * key_tiles * t.fix,
-                    "AIV MTE2": tc * key_tiles * slot_read_cycles(rows, heads, kn, p) + tc * len(chunks) * (lat + mine * heads * 4 / rate),
-                    "Vector": tc * key_tiles * mine * vec,
-                    "AIV MTE3": tc * key_tiles * (lat + mine * kn * 4 / rate),
-                    "tile": key_tiles * tc}
+            keys_in = sum(2 * lat + nk * dim * e / l2 for nk in chunks)   # k from L2, in two parts a chunk
+
+            def pipes(tc, pairs, copies):   # a core's query tiles, key tiles computed and q copies (one a chunk seen)
+                batches = min(batch, 1 + math.ceil((tc * rows - 1) / seq))    # batch rows one core's tiles touch
+                return {"MTE2": copies * (lat + m * dim * e / rate) + batches * keys_in,
+                        "MTE1": copies * t.mte1_a + pairs * t.mte1_b, "Cube": pairs * t.cube, "FIX": pairs * t.fix,
+                        "AIV MTE2": pairs * slot_read_cycles(rows, heads, kn, p) + tc * len(chunks) * (lat + mine * heads * 4 / rate),
+                        "Vector": pairs * mine * vec,   # (causal: a -inf copy a row and chunk from its limit on)
+                        "AIV MTE3": pairs * (lat + mine * kn * 4 / rate) + causal * tc * len(chunks) * mine * lat,
+                        "tile": pairs}
+            return slowest(core_loads(batch, seq, rows, keys, kn, chunk, cores, causal, q_cost(e, macs, kn, 1, 1), False), pipes)
         cells = CubeCells(("cube_rows", "cube_keys", "key_chunk", "cube_buffers"), domains, per_core, hw)
         cap = cells.cap
 
@@ -250,7 +334,7 @@ class IndexerScoreAscend(AscendKernel):
         def ub(r, kn, ch, nb):   # per AIV: its rows' products (2 buffers of 2 slots), their score rows (2), w (W_GROUP
             mine = -(-r // 2)    # tiles' a copy), its Brcb blocks
             return (4 * mine * heads * kn * 4 + 2 * mine * kn * 4 + W_GROUP * align32(mine * heads * 4)
-                    + align32((mine * heads + 8) * 4) + (mine * heads + 8) * 32)
+                    + align32((mine * heads + 8) * 4) + (mine * heads + 8) * 32 + causal * INF_FILL * 4)
         constraints = [
             cap("L0A capacity", lambda r, kn, ch, nb: nb * r * heads * dim * e, p.l0a_bytes,
                 "cube_buffers x cube_rows x H x D x elem (q's fractals)"),
@@ -258,7 +342,8 @@ class IndexerScoreAscend(AscendKernel):
             cap("L0C capacity", lambda r, kn, ch, nb: 2 * r * heads * kn * 4, p.l0c_bytes, "2 x M x cube_keys x fp32"),
             cap("L1 capacity", lambda r, kn, ch, nb: (nb * r * heads + -(-min(ch, keys) // 16) * 16) * dim * e, p.l1_usable,
                 "(cube_buffers x M + key_chunk) x D x elem"),
-            cap("UB capacity", ub, p.ub_usable, "4 x rows/2 x H x cube_keys fp32 products + 2 score tiles + w and its Brcb blocks"),
+            cap("UB capacity", ub, p.ub_usable, "4 x rows/2 x H x cube_keys fp32 products + 2 score tiles + w and its Brcb blocks"
+                                               " (+ INF_FILL floats of -inf, causal)"),
         ]
         forward = Phase("forward", pipes, [cells.tile_fill(), cells.launch()])
         return self.cube_choice_model(problem, hw, domains, forward, constraints)
@@ -274,23 +359,26 @@ class IndexerScoreAscend(AscendKernel):
         domains["bwd_keys"] = [k for k in (64, 128) if k <= keys64]
         domains["bwd_stream"] = [0, 1]   # 1: the keys stream through L1 a tile at a time (they do not fit it)
 
+        causal, macs = problem.variant == "causal", hbm_macs(hw)
+
         @functools.cache
         def per_core(rows, kn, stream):
-            tc = cube_split(batch * -(-seq // rows), cores)[0]
-            m, mine, kt = rows * heads, -(-rows // 2), -(-keys // kn)
+            m, mine = rows * heads, -(-rows // 2)
             pt = cube_tile_cycles(m, kn, dim, e, hw, cores, a_loads=-(-m // 16), b_loads=dim * e // 32)   # P
             dq = cube_tile_cycles(m, dim, kn, e, hw, cores, a_loads=-(-m // 16), b_loads=-(-kn // 16), out_bytes=0)
             dk = cube_tile_cycles(kn, dim, m, e, hw, cores, a_loads=1, b_loads=0)
-            batches = min(batch, 1 + math.ceil((tc * rows - 1) / seq))
-            vec = 9 * heads * kn / 64 + issue * (3 * kn / 64 + 12)
-            n = tc * kt
-            key_loads = n * (lat + kn * dim * e / l2) if stream else batches * (2 * lat + keys * dim * e / l2)   # from L2
-            return {"MTE2": tc * (lat + m * dim * e / rate) + key_loads + n * (lat + m * kn * e / l2),
-                    "MTE1": tc * (pt.mte1_a + dk.mte1_b) + n * (pt.mte1_b + dq.mte1_a + dk.mte1_a + dq.mte1_b),
-                    "Cube": n * (pt.cube + dq.cube + dk.cube),
-                    "FIX": n * (pt.fix + dk.fix) + tc * (issue + m * dim * e / p.fix_bytes_per_cycle),
-                    "AIV MTE2": n * (2 * lat + mine * heads * kn * 4 / l2 + mine * kn * 4 / rate) + tc * (lat + mine * heads * 4 / rate),
-                    "Vector": n * mine * vec, "AIV MTE3": n * (lat + mine * heads * kn * e / l2), "tile": n}
+            vec = 9 * heads * kn / 64 + issue * (3 * kn / 64 + 12) + causal * 2 * mine * issue   # (causal: a row's mask)
+
+            def pipes(tc, n, _):   # a core's query tiles and its (query tile, key tile) pairs
+                batches = min(batch, 1 + math.ceil((tc * rows - 1) / seq))
+                key_loads = n * (lat + kn * dim * e / l2) if stream else batches * (2 * lat + keys * dim * e / l2)   # from L2
+                return {"MTE2": tc * (lat + m * dim * e / rate) + key_loads + n * (lat + m * kn * e / l2),
+                        "MTE1": tc * (pt.mte1_a + dk.mte1_b) + n * (pt.mte1_b + dq.mte1_a + dk.mte1_a + dq.mte1_b),
+                        "Cube": n * (pt.cube + dq.cube + dk.cube),
+                        "FIX": n * (pt.fix + dk.fix) + tc * (issue + m * dim * e / p.fix_bytes_per_cycle),
+                        "AIV MTE2": n * (2 * lat + mine * heads * kn * 4 / l2 + mine * kn * 4 / rate) + tc * (lat + mine * heads * 4 / rate),
+                        "Vector": n * mine * vec, "AIV MTE3": n * (lat + mine * heads * kn * e / l2), "tile": n}
+            return slowest(core_loads(batch, seq, rows, keys, kn, keys, cores, causal, q_cost(e, macs, kn, 2, 3), True), pipes)
         cells = CubeCells(("bwd_rows", "bwd_keys", "bwd_stream"), domains, per_core, hw)
         cap = cells.cap
 
@@ -298,7 +386,8 @@ class IndexerScoreAscend(AscendKernel):
             mine = -(-r // 2)
             return (2 * mine * heads * kn * 4 + 2 * mine * kn * 4 + W_GROUP * align32(mine * heads * 4) + 2 * mine * heads * kn * e
                     + 2 * align32(mine * heads * 4) + align32((mine * heads + 8) * 4) + (mine * heads + 8) * 32
-                    + 2 * heads * kn * 4 + heads * kn // 8 + align32(heads * 4) + 4096 * (4 + e))
+                    + 2 * heads * kn * 4 + heads * kn // 8 + align32(heads * 4) + 4096 * (4 + e)
+                    + causal * (kn * 4 + align32(kn // 8)))   # (causal: the column numbers and a row's mask)
         constraints = [
             cap("backward L0A capacity", lambda r, kn, st: (r * heads * dim + 2 * r * heads * kn) * e, p.l0a_bytes,
                 "(M x D + 2 x M x bwd_keys) x elem (q, coef, coef^T)"),
@@ -344,7 +433,8 @@ class IndexerScoreAscend(AscendKernel):
                 "cube_buffers": int(knobs["cube_buffers"]), "cube_backward": self.cube_backward(problem),
                 "bwd_rows": int(knobs.get("bwd_rows", 1)), "bwd_keys": int(knobs.get("bwd_keys", 64)),
                 "bwd_stream": int(knobs.get("bwd_stream", 0)), "bwd_slots": self.bwd_slots(knobs), "fwd_slots": self.FWD_SLOTS,
-                "w_group": W_GROUP}
+                "w_group": W_GROUP, "causal": problem.variant == "causal", "max_ai_cores": MAX_AI_CORES, "inf_fill": INF_FILL,
+                "hbm_macs": int(knobs.get("hbm_macs", 1))}
 
     def profile_params(self, problem: Problem, knobs: dict[str, int], hw: HardwareProfile) -> dict:
         """The resident keys' parts as the keys each ends at, forward (per chunk: key_parts) and backward
@@ -379,12 +469,19 @@ class IndexerScoreAscend(AscendKernel):
         slots per AI core; the Cube backward's slots of fp32 products and 16-bit coefficients per AI core,
         then the fp32 dk all cores add into; the vector backward's dk partial per core."""
         batch, seq, heads, dim, entries = problem.shape
+        causal = problem.variant == "causal"
         block_rows, block_dim = row_split(batch * seq, knobs["block_dim"])
         per_batch = -(-seq // knobs["cube_rows"])
-        block_tiles, cube_blocks = cube_split(batch * per_batch, knobs["cube_blocks"])
+        e, macs = problem.dtype.itemsize, knobs.get("hbm_macs", 1)
+        fwd_bounds = tile_bounds(batch, seq, knobs["cube_rows"], entries, knobs["cube_keys"], knobs["cube_blocks"], causal,
+                                 q_cost(e, macs, knobs["cube_keys"], 1, 1))
         bwd_rows, bwd_keys = knobs.get("bwd_rows", 1), knobs.get("bwd_keys", 64)
         bwd_per_batch = -(-seq // bwd_rows)
-        bwd_block_tiles, bwd_blocks = cube_split(batch * bwd_per_batch, knobs["cube_blocks"])
+        bwd_bounds = tile_bounds(batch, seq, bwd_rows, entries, bwd_keys, knobs["cube_blocks"], causal,
+                                 q_cost(e, macs, bwd_keys, 2, 3), added=True)
+        cube_blocks, bwd_blocks = len(fwd_bounds) - 1, len(bwd_bounds) - 1
+        block_tiles = max(b - a for a, b in zip(fwd_bounds, fwd_bounds[1:]))
+        bwd_block_tiles = max(b - a for a, b in zip(bwd_bounds, bwd_bounds[1:]))
         if self.cube_backward(problem):
             bwd_ws = (bwd_blocks * self.bwd_slots(knobs) * bwd_rows * heads * bwd_keys * (4 + problem.dtype.itemsize)
                       + batch * entries * dim * 4)
@@ -393,6 +490,7 @@ class IndexerScoreAscend(AscendKernel):
         return SimpleNamespace(block_rows=block_rows, block_dim=block_dim, per_batch=per_batch, block_tiles=block_tiles,
                                cube_blocks=cube_blocks, bwd_rows=bwd_rows, bwd_keys=bwd_keys, bwd_per_batch=bwd_per_batch,
                                bwd_block_tiles=bwd_block_tiles, bwd_blocks=bwd_blocks, bwd_ws=bwd_ws,
+                               fwd_bounds=fwd_bounds, bwd_bounds=bwd_bounds, causal=causal,
                                fwd_ws=cube_blocks * self.FWD_SLOTS * knobs["cube_rows"] * heads * knobs["cube_keys"] * 4)
 
     def tiling(self, problem: Problem, knobs: dict[str, int], geo: SimpleNamespace | None = None) -> bytearray:
@@ -400,12 +498,16 @@ class IndexerScoreAscend(AscendKernel):
         `geo`, the launch, where the caller has it)."""
         batch, seq, _, dim, entries = problem.shape
         geo = geo or self.launch(problem, knobs)
-        return bytearray(struct.pack("<10If15I", batch * seq, seq, entries, batch, geo.block_rows, geo.block_dim, knobs["chunk"],
+
+        def bounds(b):   # MAX_AI_CORES + 1 words, the end repeated
+            return (*b, *[b[-1]] * (MAX_AI_CORES + 1 - len(b)))
+        return bytearray(struct.pack(f"<10If16I{2 * (MAX_AI_CORES + 1)}I", batch * seq, seq, entries, batch, geo.block_rows, geo.block_dim, knobs["chunk"],
                                      knobs["tile_rows"], -(-entries // knobs["chunk"]) * knobs["chunk"], -(-batch * entries // geo.block_dim),
                                      dim ** -0.5, geo.cube_blocks, knobs["cube_rows"], knobs["cube_keys"], knobs["key_chunk"],
                                      geo.per_batch, batch * geo.per_batch, geo.block_tiles, knobs["cube_buffers"],
                                      geo.bwd_rows, geo.bwd_keys, geo.bwd_per_batch, batch * geo.bwd_per_batch, geo.bwd_block_tiles,
-                                     geo.bwd_blocks, knobs.get("bwd_stream", 0)))
+                                     geo.bwd_blocks, knobs.get("bwd_stream", 0), int(geo.causal),
+                                     *bounds(geo.fwd_bounds), *bounds(geo.bwd_bounds)))
 
     def run(self, problem: Problem, knobs: dict[str, int], inputs: Tensors, grad_out: Tensors, emu):
         """Forward and backward kernels in the emulator: (outputs, grads, {phase: RunReport})."""
@@ -420,23 +522,25 @@ class IndexerScoreAscend(AscendKernel):
         score = torch.full((batch, seq, entries), float("nan"))
         # k, read by every AI core, is found in L2 (as mhc's fn and sparse attention's kv); the forward's
         # workspace (its product slots) is kept in L2
-        fwd_bufs = [to_bytes(q), to_bytes(k), to_bytes(w), to_bytes(score), bytearray(geo.fwd_ws), tiling]
-        fwd = emulator.run(emu.exe("fwd", 6, cores="mix_1_2", l2_args=(1, 4)),
+        limit = [to_bytes(inputs["limit"].to(torch.int64).contiguous())] if geo.causal else []   # the kernels' extra argument
+        fwd_bufs = [to_bytes(q), to_bytes(k), to_bytes(w), *limit, to_bytes(score), bytearray(geo.fwd_ws), tiling]
+        at = len(limit)   # the arguments after w move up by one with it
+        fwd = emulator.run(emu.exe("fwd", 6 + at, cores="mix_1_2", l2_args=(1, 4 + at)),
                            geo.cube_blocks, fwd_bufs)
         dq, dk, dw = (torch.full_like(t, float("nan")) for t in (q, k, w))
         g = grad_out["y"].float().contiguous()
         if self.cube_backward(problem):   # the slots and the fp32 dk in L2
-            exe, blocks = emu.exe("bwd", 9, cores="mix_1_2", l2_args=(1, 7)), geo.bwd_blocks
+            exe, blocks = emu.exe("bwd", 9 + at, cores="mix_1_2", l2_args=(1, 7 + at)), geo.bwd_blocks
         else:
-            exe, blocks = emu.exe("bwd", 9), geo.block_dim
-        bwd_bufs = [to_bytes(q), to_bytes(k), to_bytes(w), to_bytes(g), to_bytes(dq), to_bytes(dk), to_bytes(dw),
+            exe, blocks = emu.exe("bwd", 9 + at), geo.block_dim
+        bwd_bufs = [to_bytes(q), to_bytes(k), to_bytes(w), *limit, to_bytes(g), to_bytes(dq), to_bytes(dk), to_bytes(dw),
                     bytearray(geo.bwd_ws), bytearray(tiling)]
         bwd = emulator.run(exe, blocks, bwd_bufs)
-        dq, dk, dw = (from_bytes(bwd_bufs[4 + i], t) for i, t in enumerate((dq, dk, dw)))
+        dq, dk, dw = (from_bytes(bwd_bufs[4 + at + i], t) for i, t in enumerate((dq, dk, dw)))
         dw = dw * heads**-0.5   # back through the scaling and the projection (torch, as run_backward does)
         grads = {"q": dq, "k": dk, "hidden": (dw.to(hidden.dtype) @ proj).to(hidden.dtype),
                  "proj": dw.reshape(-1, heads).t() @ hidden.reshape(-1, hidden.shape[-1])}
-        return {"y": from_bytes(fwd_bufs[3], score)}, grads, {"forward": fwd, "backward": bwd}
+        return {"y": from_bytes(fwd_bufs[3 + at], score)}, grads, {"forward": fwd, "backward": bwd}
 
 
 PARTS = (IndexerScoreAscend(SPEC),)
