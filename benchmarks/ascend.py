@@ -37,6 +37,8 @@ CASES = (("rms_norm", "weighted", "{rows}x4096", "bf16"), ("rms_norm", "unweight
          # compressed keys (CSA, m = 4); both directions mixed kernels (products on the Cube). At fewer
          # queries a core's fill and drain weigh in (96 queries, 4 per AI core: 1.48x of the bound, 1.15x here)
          ("indexer_score", "default", "1x4096x64x128x1024", "bf16"),
+         # and as a model's indexer poses it: each query's entries past (position + 1) // 4 masked, not computed
+         ("indexer_score", "causal", "1x4096x64x128x1024", "bf16"),
          ("mhc_post", "default", "{rows}x4x4096", "bf16"),   # 1024 tokens: the emulator runs every logit
          # mHC pre and head: 1024 tokens (the emulator runs NOUT products per element; the d_fn partials
          # are per core, so fewer tokens weigh them more)

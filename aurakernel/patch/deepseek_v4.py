@@ -72,7 +72,8 @@ TABLE: tuple[Row, ...] = (
     Row(v4.DeepseekV4HCACompressor, "compressor", "compressor", "hca", _compressor),
     Row(v4.DeepseekV4CSACompressor, "compressor", "compressor", "csa", _compressor),
     Row(v4.DeepseekV4Indexer, "compressor", "compressor", "csa", _compressor),
-    Row(v4.DeepseekV4IndexerScorer, None, "indexer_score", key=lambda n, m, c: (c.index_n_heads, c.index_head_dim)),
+    # causal: its one caller, DeepseekV4Indexer, masks each query's entries past its position to -inf
+    Row(v4.DeepseekV4IndexerScorer, None, "indexer_score", "causal", key=lambda n, m, c: (c.index_n_heads, c.index_head_dim)),
     Row(v4.DeepseekV4HashRouter, "router", "router", "hash", _router),
     Row(v4.DeepseekV4TopKRouter, "router", "router", "topk", _router),
     Row(v4.DeepseekV4Experts, "moe_experts", "swiglu", key=lambda n, m, c: (m.intermediate_dim,)),

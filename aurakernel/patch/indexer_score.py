@@ -77,12 +77,14 @@ def _causal_scorer_forward(self: CausalScorer, q, k, hidden, limit):
 
 class IndexerScorePatch(Patch):
     def call_problem(self, module, args):
+        """The causal variant: a model's scorer is called by DeepseekV4Indexer, which masks each query's
+        entries past its position (the patched indexer passes those limits to the kernel: causal_scores)."""
         if len(args) < 2 or not all(isinstance(a, torch.Tensor) for a in args[:2]):
             return None
         q, k = args[0], args[1]
         if q.dtype not in (d.torch for d in self.spec.dtypes) or q.dim() != 4:
             return None
-        return Problem(self.spec.name, "default", (q.shape[0], q.shape[1], q.shape[2], q.shape[3], k.shape[1]),
+        return Problem(self.spec.name, "causal", (q.shape[0], q.shape[1], q.shape[2], q.shape[3], k.shape[1]),
                        DType.from_torch(q.dtype))
 
     def patch(self, module: torch.nn.Module, lookup) -> None:

@@ -69,7 +69,7 @@ from ....emulator import from_bytes, to_bytes
 from ....errors import PlanInfeasible
 from ....hardware import HardwareProfile
 from ....ops.base import Problem, Tensors
-from ....ops.indexer_score import SPEC
+from ....ops.indexer_score import SPEC, causal_limit
 from ....planner.ascend import AscendRowPhase, CubeCells, CubeWork, align32, cube_cores, cube_tile_cycles, row_split
 from ....planner.model import ChoiceModel, Constraint, Phase
 from ..kernel import AscendKernel
@@ -405,7 +405,8 @@ class IndexerScoreAscend(AscendKernel):
 
     def cube_floor(self, problem: Problem) -> dict[str, CubeWork]:
         batch, seq, heads, dim, keys = problem.shape
-        macs = batch * seq * heads * dim * keys
+        scored = int(causal_limit(batch, seq, keys).sum()) if problem.variant == "causal" else batch * seq * keys
+        macs = scored * heads * dim   # (causal: the entries each query sees, as the op's work counts them)
         floors = {"forward": CubeWork(macs, fp32=problem.dtype.itemsize == 4)}
         if self.cube_backward(problem):   # P again, dq and dk
             floors["backward"] = CubeWork(3 * macs)
