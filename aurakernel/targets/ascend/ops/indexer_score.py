@@ -52,6 +52,23 @@ on a tile's first pair, while dq's L0C waits for the last tile's dq to go out (L
 no second dq): 442k. At 4096 queries: backward 1.21x -> 1.12x, fwd+bwd 1.23x -> 1.16x. The forward's
 vector cores copied each query tile's head weights on their own (256 B, a copy's latency); the weights
 of up to W_GROUP whole tiles now come in one strided copy: forward 1.27x -> 1.22x, fwd+bwd 1.15x.
+
+The causal variant (what a model's indexer poses: DeepseekV4Indexer masks each query's entries from
+(position + 1) // 4 on) skips, per query tile, the key tiles none of its rows sees; the forward writes a
+row's scores below its limit and -inf from there (INF_FILL floats a copy), the backward masks the
+gradient at each row's limit (CompareScalar against a tile's column numbers, a Select). With the even
+split of query tiles the last AI core would still compute every key of the last positions: the tiling
+gives each core a contiguous range of equal work (tile_bounds, mirrored in the tiling header). Traced
+at 1x2048x64x128x512, a key tile a tile plus one for q left the first cores' MTE2 97% busy with q
+copies (a tile of few keys costs its q's copy: forward 85.7k cycles); a tile costing the more of its
+q's copy and its key tiles, 80.1k (against 111.4k for every entry). The backward's tiles cost the sum
+(its chain of P, coefficients and dq per tile adds to the pairs): 221k (313.8k every entry); and its last
+key tile of a query tile takes only the keys the tile sees, not the whole tile: 206k. At V4's 4096
+queries (benchmarks.ascend): fwd+bwd 526 us against 890 us scoring every entry (1.69x faster); against
+the causal bound (the entries each query sees, at the Cube's peak) 1.36x: the forward 1.03x of its HBM
+traffic (it writes the whole score matrix, -inf included), the backward 1.30x of its Cube work, where
+the default's is 1.12x: the early tiles' few pairs each carry a tile's chain, and a tile computes its
+two rows' larger limit rounded to 16 keys.
 """
 
 from __future__ import annotations
