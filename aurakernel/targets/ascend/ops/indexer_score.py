@@ -180,14 +180,18 @@ def hbm_macs(hw: HardwareProfile) -> int:
     return max(1, round(p.cube_macs_16bit / p.hbm_share_per_cycle))
 
 
-def causal_key_tiles(batch: int, seq: int, rows: int, keys: int, kn: int) -> torch.Tensor:
-    """Per query tile (rows query rows of a batch row) its key tiles under the causal rule of a training
-    sequence (causal_limit: (s + 1) // (S // T) at its last row), at least one: what a tile costs the
-    causal kernels beside its q (as the tiling's AkIndexerScoreCausalKeyTiles)."""
+def causal_tile_limits(batch: int, seq: int, rows: int, keys: int) -> torch.Tensor:
+    """Per query tile (rows query rows of a batch row) the keys its rows see under the causal rule of a
+    training sequence (causal_limit: (s + 1) // (S // T), at its last row)."""
     per_batch = -(-seq // rows)
     last = ((torch.arange(batch * per_batch) % per_batch) * rows + rows).clamp(max=seq) - 1
-    limit = ((last + 1) // max(1, seq // max(keys, 1))).clamp(max=keys)
-    return ((limit + kn - 1) // kn).clamp(min=1)
+    return ((last + 1) // max(1, seq // max(keys, 1))).clamp(max=keys)
+
+
+def causal_key_tiles(batch: int, seq: int, rows: int, keys: int, kn: int) -> torch.Tensor:
+    """Per query tile its key tiles under the causal rule (causal_tile_limits), at least one: what a tile
+    costs the causal kernels beside its q (as the tiling's AkIndexerScoreCausalKeyTiles)."""
+    return ((causal_tile_limits(batch, seq, rows, keys) + kn - 1) // kn).clamp(min=1)
 
 
 def q_cost(elem: int, macs: int, kn: int, copies: int, mmads: int) -> int:
@@ -230,9 +234,7 @@ def core_loads(batch: int, seq: int, rows: int, keys: int, kn: int, chunk: int, 
     (one per chunk of `chunk` keys a tile sees; the backward's chunk is every key)."""
     bounds = tile_bounds(batch, seq, rows, keys, kn, cores, causal, q16, added)
     if causal:
-        per_batch = -(-seq // rows)
-        last = ((torch.arange(batch * per_batch) % per_batch) * rows + rows).clamp(max=seq) - 1
-        limit = ((last + 1) // max(1, seq // max(keys, 1))).clamp(max=keys)
+        limit = causal_tile_limits(batch, seq, rows, keys)
         whole = limit // chunk   # chunks seen whole, then the part of the one the limit falls in
         pairs = (whole * -(-chunk // kn) + (limit - whole * chunk + kn - 1) // kn).clamp(min=1)
         copies = (limit + chunk - 1) // chunk
