@@ -207,13 +207,11 @@ def tile_bounds(batch: int, seq: int, rows: int, keys: int, kn: int, cores: int,
     contiguous ranges of ceil(tiles / cores) tiles; with the causal rule ranges of equal work, a tile
     going to the core its middle falls in. A tile costs its key tiles (causal_key_tiles, 16 each) and its
     q's copies (`q16`: q_cost): the more of the two in the forward (they run on other pipes), their sum in
-    the backward (`added`: a tile's chain of P, coefficients and dq adds to its pairs). Equal counts left
-    the last core every key of the last positions and the first almost none. Emulated (1x2048x64x128x512
-    bf16, cycles): forward 111.4k (every entry) -> 85.7k (a tile costing one key tile more than its own)
-    -> 80.1k (the more of q_cost's 27 and its key tiles' 16 each: the first cores' MTE2 had been 97% busy
-    with q); backward 313.8k -> 256.9k -> 285k (the more of) -> 228k / 214k / 228k with q16 32 / 48 / 64
-    added (q_cost's 37 here: 221k). Only the balance assumes a training sequence's limits: the kernels
-    compute from the limits they are given."""
+    the backward (`added`: a tile's chain of P, coefficients and dq adds to its pairs); equal counts left
+    the last core every key of the last positions and the first almost none (what each weighing emulated:
+    the module's docstring; the backward's added q16 swept 16 / 32 / 37 / 48 / 64 at 1x2048x64x128x512,
+    257k / 228k / 221k / 214k / 228k cycles, and 30 / 37 / 44 at 4096 queries, 707k / 700k / 705k). Only
+    the balance assumes a training sequence's limits: the kernels compute from the limits they are given."""
     per_batch, cores = -(-seq // rows), min(cores, MAX_AI_CORES)
     tiles = batch * per_batch
     if not causal:
@@ -250,7 +248,6 @@ def slowest(loads, pipes) -> dict[str, float]:
     """Per pipe, the most cycles an AI core spends on it: pipes(tiles, key tiles, q copies) of each core's loads."""
     per = [pipes(*load) for load in loads]
     return {k: max(p[k] for p in per) for k in per[0]}
-
 
 
 class IndexerScoreAscend(AscendKernel):
