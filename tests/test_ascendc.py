@@ -1608,10 +1608,10 @@ def test_causal_indexer_computes_only_the_key_tiles_its_queries_see(tmp_path):
     computes only the key tiles its rows see (their largest limit), writes each row's scores below its limit
     and -inf from there, and takes a row's gradient past its limit as zero. Verified forward and backward over
     two batch rows with the keys in two L1 chunks (the second a single key) and streamed in the backward; at
-    the same plan both directions run in fewer emulated cycles than scoring every entry. The AI cores' tile
-    ranges are contiguous and of equal work: the first cores take more of the early tiles, which see few keys."""
+    the same plan both directions run in fewer emulated cycles than scoring every entry. Each AI core takes
+    an early range of tiles (few keys each, so more of them) and a late one, of equal work."""
     import torch
-    from aurakernel.targets.ascend.ops.indexer_score import tile_bounds
+    from aurakernel.targets.ascend.ops.indexer_score import causal_key_tiles, core_parts, tile_bounds
     spec = OPS["indexer_score"]
     knobs = {"cube_rows": 2, "cube_keys": 64, "key_chunk": 64, "bwd_rows": 2, "bwd_keys": 64}
     cycles = {}
@@ -1627,10 +1627,16 @@ def test_causal_indexer_computes_only_the_key_tiles_its_queries_see(tmp_path):
         if stream == 0:
             cycles[variant] = {phase: r.cycles for phase, r in ascend.emulate(spec, problem, plan, emu).items()}
     assert all(cycles["causal"][phase] < cycles["default"][phase] for phase in ("forward", "backward")), cycles
-    bounds = tile_bounds(1, 4096, 2, 1024, 128, 24, True, 27)
-    sizes = [b - a for a, b in zip(bounds, bounds[1:])]
-    assert bounds[0] == 0 and bounds[-1] == 2048 and sizes[0] == max(sizes) > 2 * sizes[-1]
-    assert tile_bounds(1, 4096, 2, 1024, 128, 24, False) == tuple(min(86 * c, 2048) for c in range(25))
+    bounds = tile_bounds(1, 4096, 2, 1024, 128, 24, True, 27)   # 2048 query tiles of two rows, 24 AI cores
+    cost = (16 * causal_key_tiles(1, 4096, 2, 1024, 128)).clamp(min=27)
+    cores = core_parts(bounds, True)
+    work = [sum(int(cost[a:b].sum()) for a, b in ranges) for ranges in cores]
+    assert len(bounds) == 49 and bounds[0] == 0 and bounds[-1] == 2048 and len(cores) == 24
+    assert max(work) < 1.05 * min(work)                                    # of equal work
+    assert all(early[1] <= bounds[24] <= late[0] for early, late in cores)  # each an early range and a late one
+    assert bounds[1] - bounds[0] > 2 * (bounds[-1] - bounds[-2])           # the early tiles cheaper: more of them
+    assert core_parts(tile_bounds(1, 4096, 2, 1024, 128, 24, False), False) == [[(86 * c, min(86 * c + 86, 2048))]
+                                                                                for c in range(24)]
     # fp32 runs the backward on the vector cores: every key tile, the gradient masked at each row's limit
     problem = spec.problem("1x40x64x128x10", "fp32", "causal")
     plan = ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs").knobs

@@ -58,17 +58,20 @@ The causal variant (what a model's indexer poses: DeepseekV4Indexer masks each q
 row's scores below its limit and -inf from there (INF_FILL floats a copy), the backward masks the
 gradient at each row's limit (CompareScalar against a tile's column numbers, a Select). With the even
 split of query tiles the last AI core would still compute every key of the last positions: the tiling
-gives each core a contiguous range of equal work (tile_bounds, mirrored in the tiling header). Traced
-at 1x2048x64x128x512, a key tile a tile plus one for q left the first cores' MTE2 97% busy with q
-copies (a tile of few keys costs its q's copy: forward 85.7k cycles); a tile costing the more of its
-q's copy and its key tiles, 80.1k (against 111.4k for every entry). The backward's tiles cost the sum
-(its chain of P, coefficients and dq per tile adds to the pairs): 221k (313.8k every entry); and its last
-key tile of a query tile takes only the keys the tile sees, not the whole tile: 206k. At V4's 4096
-queries (benchmarks.ascend): fwd+bwd 526 us against 890 us scoring every entry (1.69x faster); against
-the causal bound (the entries each query sees, at the Cube's peak) 1.36x: the forward 1.03x of its HBM
-traffic (it writes the whole score matrix, -inf included), the backward 1.30x of its Cube work, where
-the default's is 1.12x: the early tiles' few pairs each carry a tile's chain, and a tile computes its
-two rows' larger limit rounded to 16 keys.
+splits the tiles into parts of equal work (tile_bounds, mirrored in the tiling header). Traced at
+1x2048x64x128x512, one contiguous range a core, a key tile a tile plus one for q left the first cores'
+MTE2 97% busy with q copies (a tile of few keys costs its q's copy: forward 85.7k cycles); a tile
+costing the more of its q's copy and its key tiles, 80.1k (against 111.4k for every entry). The
+backward's tiles cost the sum (its chain of P, coefficients and dq per tile adds to the pairs): 221k
+(313.8k every entry); and its last key tile of a query tile takes only the keys the tile sees, not the
+whole tile: 206k. Then the first cores' pipes were MTE2 (q) and the last ones' the Cube: each core now
+takes two parts of 2 x cores, part c and its mirror (an early range beside a late one): at 4096 queries
+forward 266.7k -> 261.3k, backward 680.7k -> 659.7k cycles (at 2048 queries 80.1k -> 81.1k and 206.0k ->
+210.4k; the weights q_cost gives stayed the best of those tried). At V4's 4096 queries
+(benchmarks.ascend): fwd+bwd 512 us against 890 us scoring every entry (1.74x faster); against the causal
+bound (the entries each query sees, at the Cube's peak) 1.32x, the backward 1.26x of its Cube work where
+the default's is 1.12x: the early tiles' few pairs each carry a tile's chain, and a tile computes its two
+rows' larger limit rounded to 16 keys.
 """
 
 from __future__ import annotations
@@ -170,7 +173,7 @@ def cube_split(tiles: int, cores: int) -> tuple[int, int]:
     return block_tiles, -(-tiles // block_tiles)
 
 
-MAX_AI_CORES = 64   # the tiling's per-core tile ranges (AkIndexerScoreTiling's fwdFirst / bwdFirst: MAX_AI_CORES + 1)
+MAX_AI_CORES = 64   # the tiling's query tile parts (AkIndexerScoreTiling's fwdFirst / bwdFirst: 2 MAX_AI_CORES + 1)
 
 
 def hbm_macs(hw: HardwareProfile) -> int:
@@ -203,26 +206,36 @@ def q_cost(elem: int, macs: int, kn: int, copies: int, mmads: int) -> int:
 
 def tile_bounds(batch: int, seq: int, rows: int, keys: int, kn: int, cores: int, causal: bool, q16: int = 16,
                 added: bool = False) -> tuple[int, ...]:
-    """Each AI core's first query tile and, last, the end (as the tiling's AkIndexerScoreTileBounds):
-    contiguous ranges of ceil(tiles / cores) tiles; with the causal rule ranges of equal work, a tile
-    going to the core its middle falls in. A tile costs its key tiles (causal_key_tiles, 16 each) and its
-    q's copies (`q16`: q_cost): the more of the two in the forward (they run on other pipes), their sum in
-    the backward (`added`: a tile's chain of P, coefficients and dq adds to its pairs); equal counts left
-    the last core every key of the last positions and the first almost none (what each weighing emulated:
-    the module's docstring; the backward's added q16 swept 16 / 32 / 37 / 48 / 64 at 1x2048x64x128x512,
-    257k / 228k / 221k / 214k / 228k cycles, and 30 / 37 / 44 at 4096 queries, 707k / 700k / 705k). Only
-    the balance assumes a training sequence's limits: the kernels compute from the limits they are given."""
+    """The query tiles' parts (as the tiling's AkIndexerScoreTileBounds): part p is tiles [b[p], b[p + 1]).
+    Every entry: a part of ceil(tiles / cores) tiles per AI core. Causal: 2 x cores parts of equal work, a
+    tile going to the part its middle falls in, and AI core c takes parts c and 2 cores - 1 - c (core_parts):
+    the early tiles (few keys each: their q copies keep MTE2 busy) beside the late ones (many keys: the
+    Cube), so each core's pipes overlap, where one range each left the first cores on MTE2 and the last on
+    the Cube. A tile costs its key tiles (causal_key_tiles, 16 each) and its q's copies (`q16`: q_cost):
+    the more of the two in the forward (they run on other pipes), their sum in the backward (`added`: a
+    tile's chain of P, coefficients and dq adds to its pairs). What each split emulated: the module's
+    docstring. Only the balance assumes a training sequence's limits: the kernels compute from the limits
+    they are given."""
     per_batch, cores = -(-seq // rows), min(cores, MAX_AI_CORES)
     tiles = batch * per_batch
     if not causal:
         per, used = cube_split(tiles, cores)
         return tuple(min(c * per, tiles) for c in range(used + 1))
-    used = max(1, min(tiles, cores))
+    parts = 2 * max(1, min(tiles, cores))
     k16 = 16 * causal_key_tiles(batch, seq, rows, keys, kn)
     cost = q16 + k16 if added else k16.clamp(min=q16)
     before = cost.cumsum(0) - cost
-    core = ((2 * before + cost) * used // (2 * int(cost.sum()))).clamp(max=used - 1)   # each tile's, ascending
-    return tuple(int(b) for b in torch.searchsorted(core, torch.arange(used + 1)))
+    part = ((2 * before + cost) * parts // (2 * int(cost.sum()))).clamp(max=parts - 1)   # each tile's, ascending
+    return tuple(int(b) for b in torch.searchsorted(part, torch.arange(parts + 1)))
+
+
+def core_parts(bounds: tuple[int, ...], causal: bool) -> list[list[tuple[int, int]]]:
+    """Per AI core its ranges of query tiles from tile_bounds' parts: one each, or (causal) parts c and
+    2 cores - 1 - c (as the kernels' CoreTiles)."""
+    parts = len(bounds) - 1
+    if not causal:
+        return [[(bounds[c], bounds[c + 1])] for c in range(parts)]
+    return [[(bounds[c], bounds[c + 1]), (bounds[parts - 1 - c], bounds[parts - c])] for c in range(parts // 2)]
 
 
 @functools.cache
@@ -240,8 +253,8 @@ def core_loads(batch: int, seq: int, rows: int, keys: int, kn: int, chunk: int, 
         per_tile = sum(-(-min(chunk, keys - c0) // kn) for c0 in range(0, keys, chunk))
         pairs = torch.full((batch * -(-seq // rows),), per_tile)
         copies = torch.full_like(pairs, -(-keys // chunk))
-    sums = [(b - a, int(pairs[a:b].sum()), int(copies[a:b].sum())) for a, b in zip(bounds, bounds[1:])]
-    return tuple(sums)
+    return tuple((sum(b - a for a, b in ranges), sum(int(pairs[a:b].sum()) for a, b in ranges),
+                  sum(int(copies[a:b].sum()) for a, b in ranges)) for ranges in core_parts(bounds, causal))
 
 
 def slowest(loads, pipes) -> dict[str, float]:
@@ -496,9 +509,9 @@ class IndexerScoreAscend(AscendKernel):
         bwd_per_batch = -(-seq // bwd_rows)
         bwd_bounds = tile_bounds(batch, seq, bwd_rows, entries, bwd_keys, knobs["cube_blocks"], causal,
                                  q_cost(e, macs, bwd_keys, 2, 3), added=True)
-        cube_blocks, bwd_blocks = len(fwd_bounds) - 1, len(bwd_bounds) - 1
-        block_tiles = max(b - a for a, b in zip(fwd_bounds, fwd_bounds[1:]))
-        bwd_block_tiles = max(b - a for a, b in zip(bwd_bounds, bwd_bounds[1:]))
+        fwd_cores, bwd_cores = core_parts(fwd_bounds, causal), core_parts(bwd_bounds, causal)
+        cube_blocks, bwd_blocks = len(fwd_cores), len(bwd_cores)
+        block_tiles, bwd_block_tiles = (max(sum(b - a for a, b in ranges) for ranges in cores) for cores in (fwd_cores, bwd_cores))
         if self.cube_backward(problem):
             bwd_ws = (bwd_blocks * self.bwd_slots(knobs) * bwd_rows * heads * bwd_keys * (4 + problem.dtype.itemsize)
                       + batch * entries * dim * 4)
@@ -516,9 +529,9 @@ class IndexerScoreAscend(AscendKernel):
         batch, seq, _, dim, entries = problem.shape
         geo = geo or self.launch(problem, knobs)
 
-        def bounds(b):   # MAX_AI_CORES + 1 words, the end repeated
-            return (*b, *[b[-1]] * (MAX_AI_CORES + 1 - len(b)))
-        return bytearray(struct.pack(f"<10If16I{2 * (MAX_AI_CORES + 1)}I", batch * seq, seq, entries, batch, geo.block_rows, geo.block_dim, knobs["chunk"],
+        def bounds(b):   # the parts' count, then 2 MAX_AI_CORES + 1 words, the end repeated
+            return (len(b) - 1, *b, *[b[-1]] * (2 * MAX_AI_CORES + 1 - len(b)))
+        return bytearray(struct.pack(f"<10If16I{2 * (2 * MAX_AI_CORES + 2)}I", batch * seq, seq, entries, batch, geo.block_rows, geo.block_dim, knobs["chunk"],
                                      knobs["tile_rows"], -(-entries // knobs["chunk"]) * knobs["chunk"], -(-batch * entries // geo.block_dim),
                                      dim ** -0.5, geo.cube_blocks, knobs["cube_rows"], knobs["cube_keys"], knobs["key_chunk"],
                                      geo.per_batch, batch * geo.per_batch, geo.block_tiles, knobs["cube_buffers"],
