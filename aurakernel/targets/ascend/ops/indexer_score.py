@@ -185,10 +185,10 @@ def hbm_macs(hw: HardwareProfile) -> int:
 
 def causal_tile_limits(batch: int, seq: int, rows: int, keys: int) -> torch.Tensor:
     """Per query tile (rows query rows of a batch row) the keys its rows see under the causal rule of a
-    training sequence (causal_limit: (s + 1) // (S // T), at its last row)."""
+    training sequence: causal_limit at its last row."""
     per_batch = -(-seq // rows)
     last = ((torch.arange(batch * per_batch) % per_batch) * rows + rows).clamp(max=seq) - 1
-    return ((last + 1) // max(1, seq // max(keys, 1))).clamp(max=keys)
+    return causal_limit(1, seq, keys)[0, last]
 
 
 def causal_key_tiles(batch: int, seq: int, rows: int, keys: int, kn: int) -> torch.Tensor:
@@ -202,6 +202,14 @@ def q_cost(elem: int, macs: int, kn: int, copies: int, mmads: int) -> int:
     and dq out) in sixteenths of one key tile's Cube work (`mmads` Mmads of kn keys), from the profile's
     hbm_macs: the query rows cancel out."""
     return max(1, 16 * elem * macs * copies // (kn * mmads))
+
+
+def pass_bounds(batch: int, seq: int, rows: int, keys: int, kn: int, cores: int, causal: bool, elem: int, macs: int,
+                backward: bool) -> tuple[int, ...]:
+    """tile_bounds for the forward (a tile's q in against its key tiles' Mmad, the more of the two) or the
+    backward (q in and dq out against three Mmads a key tile, their sum): the kernels' and the models' split."""
+    q16 = q_cost(elem, macs, kn, 2, 3) if backward else q_cost(elem, macs, kn, 1, 1)
+    return tile_bounds(batch, seq, rows, keys, kn, cores, causal, q16, added=backward)
 
 
 def tile_bounds(batch: int, seq: int, rows: int, keys: int, kn: int, cores: int, causal: bool, q16: int = 16,
@@ -239,11 +247,11 @@ def core_parts(bounds: tuple[int, ...], causal: bool) -> list[list[tuple[int, in
 
 
 @functools.cache
-def core_loads(batch: int, seq: int, rows: int, keys: int, kn: int, chunk: int, cores: int, causal: bool, q16: int,
-               added: bool) -> tuple[tuple[int, int, int], ...]:
-    """Per AI core of tile_bounds' split: its query tiles, the key tiles they compute and their copies of q
+def core_loads(batch: int, seq: int, rows: int, keys: int, kn: int, chunk: int, cores: int, causal: bool, elem: int,
+               macs: int, backward: bool) -> tuple[tuple[int, int, int], ...]:
+    """Per AI core of pass_bounds' split: its query tiles, the key tiles they compute and their copies of q
     (one per chunk of `chunk` keys a tile sees; the backward's chunk is every key)."""
-    bounds = tile_bounds(batch, seq, rows, keys, kn, cores, causal, q16, added)
+    bounds = pass_bounds(batch, seq, rows, keys, kn, cores, causal, elem, macs, backward)
     if causal:
         limit = causal_tile_limits(batch, seq, rows, keys)
         whole = limit // chunk   # chunks seen whole, then the part of the one the limit falls in
@@ -349,7 +357,7 @@ class IndexerScoreAscend(AscendKernel):
                         "Vector": pairs * mine * vec,   # (causal: a -inf copy a row and chunk from its limit on)
                         "AIV MTE3": pairs * (lat + mine * kn * 4 / rate) + causal * tc * len(chunks) * mine * lat,
                         "tile": pairs}
-            return slowest(core_loads(batch, seq, rows, keys, kn, chunk, cores, causal, q_cost(e, macs, kn, 1, 1), False), pipes)
+            return slowest(core_loads(batch, seq, rows, keys, kn, chunk, cores, causal, e, macs, False), pipes)
         cells = CubeCells(("cube_rows", "cube_keys", "key_chunk", "cube_buffers"), domains, per_core, hw)
         cap = cells.cap
 
@@ -407,7 +415,7 @@ class IndexerScoreAscend(AscendKernel):
                         "FIX": n * (pt.fix + dk.fix) + tc * (issue + m * dim * e / p.fix_bytes_per_cycle),
                         "AIV MTE2": n * (2 * lat + mine * heads * kn * 4 / l2 + mine * kn * 4 / rate) + tc * (lat + mine * heads * 4 / rate),
                         "Vector": n * mine * vec, "AIV MTE3": n * (lat + mine * heads * kn * e / l2), "tile": n}
-            return slowest(core_loads(batch, seq, rows, keys, kn, keys, cores, causal, q_cost(e, macs, kn, 2, 3), True), pipes)
+            return slowest(core_loads(batch, seq, rows, keys, kn, keys, cores, causal, e, macs, True), pipes)
         cells = CubeCells(("bwd_rows", "bwd_keys", "bwd_stream"), domains, per_core, hw)
         cap = cells.cap
 
@@ -503,23 +511,20 @@ class IndexerScoreAscend(AscendKernel):
         block_rows, block_dim = row_split(batch * seq, knobs["block_dim"])
         per_batch = -(-seq // knobs["cube_rows"])
         e, macs = problem.dtype.itemsize, knobs.get("hbm_macs", 1)
-        fwd_bounds = tile_bounds(batch, seq, knobs["cube_rows"], entries, knobs["cube_keys"], knobs["cube_blocks"], causal,
-                                 q_cost(e, macs, knobs["cube_keys"], 1, 1))
+        fwd_bounds = pass_bounds(batch, seq, knobs["cube_rows"], entries, knobs["cube_keys"], knobs["cube_blocks"], causal, e,
+                                 macs, False)
         bwd_rows, bwd_keys = knobs.get("bwd_rows", 1), knobs.get("bwd_keys", 64)
         bwd_per_batch = -(-seq // bwd_rows)
-        bwd_bounds = tile_bounds(batch, seq, bwd_rows, entries, bwd_keys, knobs["cube_blocks"], causal,
-                                 q_cost(e, macs, bwd_keys, 2, 3), added=True)
-        fwd_cores, bwd_cores = core_parts(fwd_bounds, causal), core_parts(bwd_bounds, causal)
-        cube_blocks, bwd_blocks = len(fwd_cores), len(bwd_cores)
-        block_tiles, bwd_block_tiles = (max(sum(b - a for a, b in ranges) for ranges in cores) for cores in (fwd_cores, bwd_cores))
+        bwd_bounds = pass_bounds(batch, seq, bwd_rows, entries, bwd_keys, knobs["cube_blocks"], causal, e, macs, True)
+        cube_blocks, bwd_blocks = len(core_parts(fwd_bounds, causal)), len(core_parts(bwd_bounds, causal))
         if self.cube_backward(problem):
             bwd_ws = (bwd_blocks * self.bwd_slots(knobs) * bwd_rows * heads * bwd_keys * (4 + problem.dtype.itemsize)
                       + batch * entries * dim * 4)
         else:
             bwd_ws = block_dim * batch * entries * dim * 4
-        return SimpleNamespace(block_rows=block_rows, block_dim=block_dim, per_batch=per_batch, block_tiles=block_tiles,
+        return SimpleNamespace(block_rows=block_rows, block_dim=block_dim, per_batch=per_batch,
                                cube_blocks=cube_blocks, bwd_rows=bwd_rows, bwd_keys=bwd_keys, bwd_per_batch=bwd_per_batch,
-                               bwd_block_tiles=bwd_block_tiles, bwd_blocks=bwd_blocks, bwd_ws=bwd_ws,
+                               bwd_blocks=bwd_blocks, bwd_ws=bwd_ws,
                                fwd_bounds=fwd_bounds, bwd_bounds=bwd_bounds, causal=causal,
                                fwd_ws=cube_blocks * self.FWD_SLOTS * knobs["cube_rows"] * heads * knobs["cube_keys"] * 4)
 
@@ -531,13 +536,11 @@ class IndexerScoreAscend(AscendKernel):
 
         def bounds(b):   # the parts' count, then 2 MAX_AI_CORES + 1 words, the end repeated
             return (len(b) - 1, *b, *[b[-1]] * (2 * MAX_AI_CORES + 1 - len(b)))
-        return bytearray(struct.pack(f"<10If16I{2 * (2 * MAX_AI_CORES + 2)}I", batch * seq, seq, entries, batch, geo.block_rows, geo.block_dim, knobs["chunk"],
+        return bytearray(struct.pack(f"<10If11I{2 * (2 * MAX_AI_CORES + 2)}I", batch * seq, seq, entries, batch, geo.block_rows, geo.block_dim, knobs["chunk"],
                                      knobs["tile_rows"], -(-entries // knobs["chunk"]) * knobs["chunk"], -(-batch * entries // geo.block_dim),
                                      dim ** -0.5, geo.cube_blocks, knobs["cube_rows"], knobs["cube_keys"], knobs["key_chunk"],
-                                     geo.per_batch, batch * geo.per_batch, geo.block_tiles, knobs["cube_buffers"],
-                                     geo.bwd_rows, geo.bwd_keys, geo.bwd_per_batch, batch * geo.bwd_per_batch, geo.bwd_block_tiles,
-                                     geo.bwd_blocks, knobs.get("bwd_stream", 0), int(geo.causal),
-                                     *bounds(geo.fwd_bounds), *bounds(geo.bwd_bounds)))
+                                     geo.per_batch, knobs["cube_buffers"], geo.bwd_rows, geo.bwd_keys, geo.bwd_per_batch,
+                                     geo.bwd_blocks, knobs.get("bwd_stream", 0), *bounds(geo.fwd_bounds), *bounds(geo.bwd_bounds)))
 
     def run(self, problem: Problem, knobs: dict[str, int], inputs: Tensors, grad_out: Tensors, emu):
         """Forward and backward kernels in the emulator: (outputs, grads, {phase: RunReport})."""
