@@ -220,12 +220,13 @@ TILING = "<8If"   # AkSparseAttentionTiling
 # the forward's knobs: keys per tile, D columns per Mmad, O columns per vector step, score tiles per
 # vector core, q buffers in L1 (two: the next position's copy runs under this one's tiles), and the most
 # keys a position's last tile may have to join the tile before (pair_keys: one softmax, P V and O update
-# for both, where hca's few entries made a tile of their own after the window's)
-KNOBS = ("kv_tile", "d_chunk", "o_chunk", "s_buffers", "q_buffers", "merge_gap", "pair_keys")
+# for both, where hca's few entries made a tile of their own after the window's), and the eighths of csa's
+# compressed rows the vector cores gather for the AI core (aiv_gather)
+KNOBS = ("kv_tile", "d_chunk", "o_chunk", "s_buffers", "q_buffers", "merge_gap", "pair_keys", "aiv_gather")
 # the backward's own (its L1 holds dy and dS too, its L0C S, dP and the gradient slices, so its best
 # tiles differ): keys per tile, D columns per Mmad, dq columns per vector step, q / dy buffers in L1,
 # dQ / dKV slices in L0C (three: the Cube's next slices do not wait for the Fixpipes scattering one)
-BWD_KNOBS = ("bwd_kv_tile", "bwd_d_chunk", "bwd_o_chunk", "bwd_q_buffers", "g_buffers", "merge_gap")
+BWD_KNOBS = ("bwd_kv_tile", "bwd_d_chunk", "bwd_o_chunk", "bwd_q_buffers", "g_buffers", "merge_gap", "aiv_gather")
 PAIR_KEYS = (0, 32, 64)    # pair_keys' values: whole 32-column steps of the softmax (a tile of KN + pair_keys columns)
 # the forward's share of its Cube core's gathers and L0 loads that do not overlap, by its key tiles in L1:
 # with three (one q buffer) the gather runs two tiles ahead (emulated, csa at 1024 tokens: 385.5k cycles
@@ -241,6 +242,9 @@ HOLE_MASK_TILE, HOLE_MASK_POS = 4, 2   # with holes, vector instructions of KeyM
 # V4-Flash widths, 1024 tokens (picks 128 of up to 256 ready: half of them), 0 / 1 / 2 / 3 / 4 took
 # 1553k / 1490k / 1442k / 1445k / ~1449k cycles fwd+bwd; each value more costs the MILP ~1.5 s
 GAPS = (0, 2)
+# csa's aiv_gather: eighths of a tile's compressed rows (its last) the vector cores gather for the AI core
+AIV_GATHER = (0, 4)
+PACK_ROWS = 16             # rows a vector core stages in UB on their way to a packed slot (two such buffers)
 SLOT_PAD = 8               # -1s before the first position's slots (rendered into the kernels and the binding)
 BWD_KEY_TILES = 3          # key tiles in the backward's L1: a tile's gather one tile before its S, two before its gradients
 CVT = 2048                 # floats per step of the backward's key-gradient zeroing
@@ -259,21 +263,26 @@ def position_tiles(keys: float, kn: int, pk: int = 0) -> int:
     return tiles - 1 if pk and tiles > 1 and keys - (tiles - 1) * kn <= pk else tiles
 
 
-def bwd_ub(mine: int, kn: int, vc: int, dv: int, e: int, holes: int) -> int:
+def bwd_ub(mine: int, kn: int, vc: int, dv: int, e: int, extra: int) -> int:
     """A backward vector core's UB: S and dP in, P and dS out (kn keys), the dq accumulator's and dq's
     slices (vc columns; the accumulators' conversion steps pass through them after the tiles), Delta's
     reads and fp32 steps (dv columns; the accumulators' zeroing steps share that space, before the
-    tiles), the key mask (`holes`: with csa's
-    holes, hole_mask_ub), the per-head vectors and their Brcb blocks."""
+    tiles), the key mask, the per-head vectors and their Brcb blocks, and `extra` (with csa's holes
+    hole_mask_ub, with its packed gathers staging_ub)."""
     return (2 * mine * kn * (4 + e) + 2 * mine * vc * (4 + e) + 2 * mine * dv * e + max(2 * mine * dv * 4, CVT * 4)
-            + tail_mask_ub(kn) + holes + mine * kn // 8 + 7 * mine * 4 + 2 * mine * 32)
+            + tail_mask_ub(kn) + extra + mine * kn // 8 + 7 * mine * 4 + 2 * mine * 32)
 
 
-def delta_chunk(mine: int, dim: int, kn: int, vc: int, e: int, holes: int, ub_usable: int) -> int:
+def delta_chunk(mine: int, dim: int, kn: int, vc: int, e: int, extra: int, ub_usable: int) -> int:
     """Columns of D per step of the backward's Delta (three copies a step, y, y_lo and dy): the widest
     multiple of vc dividing D that the UB holds (at V4-Flash widths 256 where the dq slices take 128)."""
     widths = [dv for dv in range(dim, vc - 1, -vc) if dim % dv == 0 and dv % vc == 0]
-    return next((dv for dv in widths if bwd_ub(mine, kn, vc, dv, e, holes) <= ub_usable), vc)
+    return next((dv for dv in widths if bwd_ub(mine, kn, vc, dv, e, extra) <= ub_usable), vc)
+
+
+def staging_ub(aiv_gather: int, row_bytes: int) -> int:
+    """A vector core's UB for its share of the gathers (PackedKeys): two buffers of PACK_ROWS rows."""
+    return 2 * PACK_ROWS * row_bytes if aiv_gather else 0
 
 
 def hole_mask_ub(window: int, picks: int, gap: int, kn: int) -> int:
@@ -388,12 +397,38 @@ def window_rows(keys: tuple[float, ...], window: int, kn: int, apart: int, buffe
     return rows
 
 
-def slot_bytes(heads: int, dim: int, keys: int, slots: int) -> int:
+def slot_bytes(heads: int, dim: int, keys: int, slots: int, packed: int = 0) -> int:
     """An AI core's workspace slots (one source for the kernels' layout, the binding's workspace and the
     emulator runs): `slots` fp32 score tiles (S; the backward's S and dP) and as many 16-bit probability
     tiles (P; P and dS) of heads x keys, then two fp32 heads x dim (the forward's P V slots, the backward's
-    dQ accumulators)."""
-    return slots * heads * keys * (4 + 2) + 2 * heads * dim * 4
+    dQ accumulators), then `packed` 16-bit key tiles of keys x dim (the vector cores' share of the gathers)."""
+    return slots * heads * keys * (4 + 2) + 2 * heads * dim * 4 + packed * keys * dim * 2
+
+
+def pack_slots(aiv_gather: int, q_buffers: int) -> int:
+    """The forward's packed key slots (PackedKeys): none where the AI core gathers every key, else one per
+    tile its gathers run ahead (key_buffers) and two more, so the vector cores pack ahead of its need."""
+    return key_buffers(q_buffers) + 2 if aiv_gather else 0
+
+
+def packed_gather(aiv_gather: int, copies: float, rows: float, tiles: float, kn: int, row_bytes: int, lat: float,
+                  l2: float) -> tuple[float, float, float]:
+    """A position's gather with the vector cores' share of its `rows` compressed rows (aiv_gather eighths):
+    the AI core's copies (of `copies`: the window's and one per run), and a vector core's MTE2 and MTE3
+    cycles. Each copies half the share's runs in (a run cut at the middle: a copy more) and its rows out
+    packed, PACK_ROWS at a time; the AI core copies a tile's packed rows in one copy, not a copy per run."""
+    share = aiv_gather / 8
+    if not share or not rows:
+        return copies, 0.0, 0.0
+    packs = min(tiles, rows / kn + 1)   # tiles with a share
+    moved = share * rows * row_bytes / 2 / l2
+    return (copies - share * (copies - 1) + packs, (share * (copies - 1) / 2 + packs) * lat + moved,
+            (share * rows / 2 / PACK_ROWS + packs) * lat + moved)
+
+
+def bwd_pack_slots(aiv_gather: int) -> int:
+    """... and the backward's: its gathers run BWD_KEY_TILES tiles ahead of the gradients."""
+    return BWD_KEY_TILES + 2 if aiv_gather else 0
 
 
 FWD_SLOTS, BWD_SLOTS = 2, 4   # the forward's S and P slots (tile t in slot t % 2); the backward's two each of S, dP / P, dS
@@ -438,6 +473,12 @@ class SparseAttentionAscend(AscendKernel):
             keys, runs = position_keys(problem.variant, seq, window, extra, gap)
             copied = sum(keys) - sum(min(s + 1, window) for s in range(seq)) + window_rows(keys, window, kn, blocks, buffers)
             return sum(keys) / seq, sum(position_tiles(k, kn, pk) for k in keys) / seq, 1 + runs, copied / seq
+
+        @functools.cache
+        def compressed(gap: int) -> float:
+            """Mean compressed rows per position (csa's holes included)."""
+            return (sum(position_keys(problem.variant, seq, window, extra, gap)[0]) - sum(min(s + 1, window) for s in range(seq))) / seq
+        keys_copies.compressed = compressed
         return cores, p, hbm, per, keys_copies
 
     def cube_model(self, problem: Problem, hw: HardwareProfile) -> ChoiceModel:
@@ -451,6 +492,7 @@ class SparseAttentionAscend(AscendKernel):
         lat, l2, issue = p.mte_latency, p.l2_bytes_per_cycle, p.vec_issue
         mine = heads // 2
         domains = {"merge_gap": list(GAPS) if problem.variant == "csa" else [0], "kv_tile": [64, 128, 256],
+                   "aiv_gather": list(AIV_GATHER) if problem.variant == "csa" else [0],
                    "d_chunk": [c for c in (32, 64, 128, 256, 512) if c <= dim and dim % c == 0] or [dim],
                    "o_chunk": [c for c in (16, 32, 64, 128, 256) if dim % c == 0],
                    "s_buffers": [1, 2],
@@ -461,7 +503,7 @@ class SparseAttentionAscend(AscendKernel):
         domains["bwd_o_chunk"] = [c for c in domains["o_chunk"] if c <= 128]   # wider dq slices never fit the backward's UB
 
         @functools.cache
-        def per_core(kn, dc, vc, sb, qb, gap, pk):
+        def per_core(kn, dc, vc, sb, qb, gap, pk, ag):
             keys, tiles_per_position, copies, copied = keys_copies(gap, kn, pk, key_buffers(qb))
             kw = kn + pk   # the widest tile's keys: the vector cores' tile width
             tiles, chunks, vchunks = per * tiles_per_position, dim // dc, dim // vc
@@ -469,6 +511,8 @@ class SparseAttentionAscend(AscendKernel):
             # a joined tile's keys past kn are Mmads of their own, and its key slices a LoadData per D fractal column
             s = cube_tile_cycles(heads, n, dc, e, hw, cores, a_loads=heads // 16, b_loads=key_loads(kn, dc) if pk == 0 else dc // 16)
             pv = cube_tile_cycles(heads, dc, n, e, hw, cores, a_loads=heads // 16, b_loads=-(-n // 16))
+            copies, pack_in, pack_out = packed_gather(ag, copies, keys_copies.compressed(gap), tiles_per_position, kn,
+                                                      dim * e, lat, l2)
             gather = (1 + copies) * lat + heads * dim * e / hbm + copied * dim * e / l2   # q; the keys, L2 hits
             # every tile narrower than kw is masked: with pk > 0 every tile
             vec = issue * (22 + 4 * -(-kw // 64)) + mine * kw / 64 * 9 + vchunks * (issue * (1 + -(-vc // 64)) + mine * vc / 64 * 2)
@@ -484,27 +528,29 @@ class SparseAttentionAscend(AscendKernel):
                     "MTE1": tiles * (chunks * (s.mte1_a + s.mte1_b + pv.mte1_b) + pv.mte1_a),
                     "Cube": tiles * chunks * (s.cube + pv.cube),
                     "FIX": tiles * (s.fix + chunks * pv.fix),
-                    "AIV MTE2": tiles * (lat + mine * kw * 4 / l2 + vchunks * (lat + mine * vc * 4 / l2)) + mask_copies,
+                    "AIV MTE2": tiles * (lat + mine * kw * 4 / l2 + vchunks * (lat + mine * vc * 4 / l2)) + mask_copies + per * pack_in,
                     "Vector": tiles * vec + wait + mask_vec,
-                    "AIV MTE3": tiles * (lat + mine * kw * e / l2) + per * 2 * vchunks * (lat + mine * vc * e / hbm),
+                    "AIV MTE3": tiles * (lat + mine * kw * e / l2) + per * 2 * vchunks * (lat + mine * vc * e / hbm) + per * pack_out,
                     "tile": tiles}
         cells = CubeCells(KNOBS, domains, per_core, hw)
         cap = cells.cap
         constraints = [   # kw = kv_tile + pair_keys: the widest tile's keys
-            cap("L1 capacity", lambda kn, dc, vc, sb, qb, gap, pk: (qb * heads * dim + key_buffers(qb) * (kn + pk) * dim
+            cap("L1 capacity", lambda kn, dc, vc, sb, qb, gap, pk, ag: (qb * heads * dim + key_buffers(qb) * (kn + pk) * dim
                                                                   + heads * (kn + pk)) * e,
                 p.l1_usable, "(q_buffers x H x D + (5 - q_buffers) x kw x D + H x kw) x elem (q, two key tiles or three "
                 "beside one q buffer, P)"),
-            cap("L0A capacity", lambda kn, dc, vc, sb, qb, gap, pk: (2 * heads * dc + heads * (kn + pk)) * e, p.l0a_bytes,
+            cap("L0A capacity", lambda kn, dc, vc, sb, qb, gap, pk, ag: (2 * heads * dc + heads * (kn + pk)) * e, p.l0a_bytes,
                 "(2 x H x d_chunk + H x kw) x elem (q's slices, P)"),
-            cap("L0B capacity", lambda kn, dc, vc, sb, qb, gap, pk: 2 * kn * dc * e, p.l0b_bytes,
+            cap("L0B capacity", lambda kn, dc, vc, sb, qb, gap, pk, ag: 2 * kn * dc * e, p.l0b_bytes,
                 "2 x kv_tile x d_chunk x elem (K / V slices)"),
-            cap("L0C capacity", lambda kn, dc, vc, sb, qb, gap, pk: (heads * (kn + pk) + 2 * heads * dc) * 4, p.l0c_bytes,
+            cap("L0C capacity", lambda kn, dc, vc, sb, qb, gap, pk, ag: (heads * (kn + pk) + 2 * heads * dc) * 4, p.l0c_bytes,
                 "(H x kw + 2 x H x d_chunk) x fp32 (S, two P V slices)"),
-            cap("UB capacity", lambda kn, dc, vc, sb, qb, gap, pk: (sb * mine * (kn + pk) * 4 + mine * (kn + pk) * e + mine * vc * (2 * 4 + e)
+            cap("UB capacity", lambda kn, dc, vc, sb, qb, gap, pk, ag: (sb * mine * (kn + pk) * 4 + mine * (kn + pk) * e + mine * vc * (2 * 4 + e)
                                                            + mine * dim * 4 + tail_mask_ub(kn + pk) + hole_mask_ub(window, extra, gap, kn)
-                                                           + mine * (kn + pk) // 8 + 9 * mine * 4 + 3 * mine * 32),
-                p.ub_usable, "per AIV (H/2 heads): s_buffers S tiles, a P tile, two P V slices and a y slice of o_chunk, O (fp32), the key mask (with holes: a position's slots)"),
+                                                           + mine * (kn + pk) // 8 + 9 * mine * 4 + 3 * mine * 32
+                                                           + staging_ub(ag, dim * e)),
+                p.ub_usable, "per AIV (H/2 heads): s_buffers S tiles, a P tile, two P V slices and a y slice of o_chunk, O (fp32), "
+                             "the key mask (with holes: a position's slots), with aiv_gather two staging buffers of gathered rows"),
         ]
         # one q buffer (three key tiles): the next position's q waits for this one's last S, its copy issued
         # under the P V before the next position's first S; what of it is exposed is in AIC_TURNS[3], emulated
@@ -517,8 +563,8 @@ class SparseAttentionAscend(AscendKernel):
         # (MTE2) follows it, so the two pipes mostly take turns, as in the backward (emulated at 1024
         # tokens: 0.81-0.95 of their sum; with wider O slices and fewer vector copies the forward took
         # the same time, 484k cycles)
-        cube = cells.seconds(lambda kn, dc, vc, sb, qb, gap, pk: aic_turns(per_core(kn, dc, vc, sb, qb, gap, pk),
-                                                                             AIC_TURNS[key_buffers(qb)]))
+        cube = cells.seconds(lambda kn, dc, vc, sb, qb, gap, pk, ag: aic_turns(per_core(kn, dc, vc, sb, qb, gap, pk, ag),
+                                                                                 AIC_TURNS[key_buffers(qb)]))
         forward = Phase("forward", cells.pipes(("HBM", "MTE2", "MTE1", "Cube", "FIX", "AIV MTE2", "Vector", "AIV MTE3"))
                         | {"AIV sequence": [aiv], "AIC sequence": [cube]}, [cells.tile_fill(), cells.launch()])
         return self.cube_choice_model(problem, hw, domains, forward, constraints)
@@ -534,18 +580,23 @@ class SparseAttentionAscend(AscendKernel):
         in_l2 = self.gradients_stay_in_l2(problem, hw)
         add_rate = p.fix_bytes_per_cycle if in_l2 else hbm   # the dKV slices' atomic adds: L2 or the HBM share
 
-        def delta(kn, vc, gap):   # Delta's columns a step at these tiles (delta_chunk)
-            return delta_chunk(mine, dim, kn, vc, e, hole_mask_ub(window, extra, gap, kn), p.ub_usable)
+        def ub_extra(kn, gap, ag):   # csa's holes' mask, the packed gathers' staging
+            return hole_mask_ub(window, extra, gap, kn) + staging_ub(ag, dim * e)
+
+        def delta(kn, vc, gap, ag):   # Delta's columns a step at these tiles (delta_chunk)
+            return delta_chunk(mine, dim, kn, vc, e, ub_extra(kn, gap, ag), p.ub_usable)
 
         @functools.cache
-        def per_core(kn, dc, vc, qb, gb, gap):
+        def per_core(kn, dc, vc, qb, gb, gap, ag):
             keys, tiles_per_position, copies, _ = keys_copies(gap, kn)
-            dchunks = dim // delta(kn, vc, gap)
+            dchunks = dim // delta(kn, vc, gap, ag)
             tiles, n, chunks, vchunks = per * tiles_per_position, min(kn, keys), dim // dc, dim // vc
             s = cube_tile_cycles(heads, n, dc, e, hw, cores, a_loads=heads // 16, b_loads=key_loads(kn, dc))
             dq = cube_tile_cycles(heads, dc, n, e, hw, cores, a_loads=0, b_loads=-(-n // 16))
             dkv = cube_tile_cycles(n, dc, heads, e, hw, cores, a_loads=0, b_loads=heads // 16)
             scatter = copies * n / keys + 1   # Fixpipes per dKV slice: the window's run, the entries' runs or rows
+            copies, pack_in, pack_out = packed_gather(ag, copies, keys_copies.compressed(gap), tiles_per_position, kn,
+                                                      dim * e, lat, l2)
             gather = (2 + copies) * lat + 2 * heads * dim * e / hbm + keys * dim * e / l2   # q, dy; the keys, L2 hits
             vec = issue * (24 + 4 * kn // 64) + mine * kn / 64 * 10
             mask_copies, mask_vec = key_mask_cycles(gap, tiles, per, lat, issue)
@@ -564,24 +615,26 @@ class SparseAttentionAscend(AscendKernel):
                     "FIX": tiles * (2 * s.fix + chunks * (dq.fix + dkv.fix + (scatter - 1) * issue)),
                     "AIV MTE2": tiles * (lat + 2 * mine * kn * 4 / l2)   # S and dP: one copy
                                 + per * (3 * dchunks + vchunks) * lat   # Delta's y, y_lo and dy; the dq accumulator
-                                + per * vchunks * (mine * vc * e * (2 / hbm + 1 / l2) + mine * vc * 4 / l2) + mask_copies,
+                                + per * vchunks * (mine * vc * e * (2 / hbm + 1 / l2) + mine * vc * 4 / l2) + mask_copies
+                                + per * pack_in,
                     "Vector": tiles * vec + wait + per * vchunks * (issue * 7 + mine * vc / 64 * 6) + mask_vec,
-                    "AIV MTE3": tiles * (lat + 2 * mine * kn * e / l2) + per * vchunks * (lat + mine * vc * e / hbm),   # P, dS; dq
+                    "AIV MTE3": tiles * (lat + 2 * mine * kn * e / l2) + per * vchunks * (lat + mine * vc * e / hbm)   # P, dS; dq
+                                + per * pack_out,
                     "tile": tiles}
         cells = CubeCells(BWD_KNOBS, domains, per_core, hw)
         cap = cells.cap
         constraints = [
-            cap("backward L1 capacity", lambda kn, dc, vc, qb, gb, gap: (2 * qb * heads * dim + BWD_KEY_TILES * kn * dim
+            cap("backward L1 capacity", lambda kn, dc, vc, qb, gb, gap, ag: (2 * qb * heads * dim + BWD_KEY_TILES * kn * dim
                                                                          + 2 * heads * kn) * e,
                 p.l1_usable, f"(2 x q_buffers x H x D + {BWD_KEY_TILES} x kv_tile x D + 2 x H x kv_tile) x elem (q, dy, key tiles, P, dS)"),
-            cap("backward L0A capacity", lambda kn, dc, vc, qb, gb, gap: (2 * heads * dc + 3 * heads * kn) * e, p.l0a_bytes,
+            cap("backward L0A capacity", lambda kn, dc, vc, qb, gb, gap, ag: (2 * heads * dc + 3 * heads * kn) * e, p.l0a_bytes,
                 "(2 x H x d_chunk + 3 x H x kv_tile) x elem (q's / dy's slices, dS, dS^T, P^T)"),
-            cap("backward L0B capacity", lambda kn, dc, vc, qb, gb, gap: 2 * max(heads, kn) * dc * e, p.l0b_bytes,
+            cap("backward L0B capacity", lambda kn, dc, vc, qb, gb, gap, ag: 2 * max(heads, kn) * dc * e, p.l0b_bytes,
                 "2 x max(H, kv_tile) x d_chunk x elem (K, V, q^T, dy^T slices)"),
-            cap("backward L0C capacity", lambda kn, dc, vc, qb, gb, gap: (2 * heads * kn + gb * max(heads, kn) * dc) * 4,
+            cap("backward L0C capacity", lambda kn, dc, vc, qb, gb, gap, ag: (2 * heads * kn + gb * max(heads, kn) * dc) * 4,
                 p.l0c_bytes, "(2 x H x kv_tile + g_buffers x max(H, kv_tile) x d_chunk) x fp32 (S, dP, dQ / dKV slices)"),
-            cap("backward UB capacity", lambda kn, dc, vc, qb, gb, gap: bwd_ub(mine, kn, vc, delta(kn, vc, gap), e,
-                                                                               hole_mask_ub(window, extra, gap, kn)),
+            cap("backward UB capacity", lambda kn, dc, vc, qb, gb, gap, ag: bwd_ub(mine, kn, vc, delta(kn, vc, gap, ag), e,
+                                                                                   ub_extra(kn, gap, ag)),
                 p.ub_usable, "per AIV: S and dP tiles, P and dS out, dq slices of o_chunk, Delta's steps (the key gradients' "
                              "conversion steps in their space), the key mask (with holes: a position's slots)"),
         ]
@@ -595,8 +648,8 @@ class SparseAttentionAscend(AscendKernel):
         # for each slice's Fixpipes before the one after next (FIX_WAIT a slice, emulated), and the dKV
         # slices' atomic adds into HBM run at the core's share of it (FIX above counts them at the
         # Fixpipe's own rate): their excess over the Cube's slice time is exposed
-        def exposed_cycles(kn, dc, vc, qb, gb, gap):
-            c = per_core(kn, dc, vc, qb, gb, gap)
+        def exposed_cycles(kn, dc, vc, qb, gb, gap, ag):
+            c = per_core(kn, dc, vc, qb, gb, gap, ag)
             slices = c["tile"] * (dim // dc)
             scatter = slices * min(kn, keys_copies(gap, kn)[0]) * dc * 4 / add_rate
             return ((0 if qb == 2 else per * (2 * lat + 2 * heads * dim * e / hbm))
@@ -661,21 +714,28 @@ class SparseAttentionAscend(AscendKernel):
         if pair_keys not in PAIR_KEYS or pair_keys > tiles["kv_tile"] or (pair_keys and merge_gap):
             raise PlanInfeasible("pair_keys", f"{pair_keys}: one of {PAIR_KEYS}, at most kv_tile, and 0 where csa "
                                               "gathers holes (merge_gap > 0: their mask is a tile of kv_tile keys)")
+        aiv_gather = int(knobs.get("aiv_gather", 0))   # plans from before the knob: the AI core gathered every key
+        if aiv_gather not in (AIV_GATHER if problem.variant == "csa" else (0,)):
+            raise PlanInfeasible("aiv_gather", f"{aiv_gather}: one of {AIV_GATHER} eighths of a tile's picks for csa "
+                                                "(gathered by the vector cores), 0 for hca and sliding")
+        packed, bwd_packed = pack_slots(aiv_gather, tiles["q_buffers"]), bwd_pack_slots(aiv_gather)
         return {"dtype": problem.dtype, "csa": problem.variant == "csa", "hca": problem.variant == "hca", "heads": int(heads),
                 "dim": int(dim), "window": int(window), **tiles, "s_buffers": s_buffers, "g_buffers": g_buffers,
                 "cube_blocks": int(knobs["cube_blocks"]), "merge_gap": merge_gap, "slot_pad": SLOT_PAD,
                 "pair_keys": pair_keys, "key_buffers": key_buffers(tiles["q_buffers"]),
                 "bwd_key_tiles": BWD_KEY_TILES,
-                "fwd_slot_bytes": slot_bytes(heads, dim, tiles["kv_tile"] + pair_keys, FWD_SLOTS),
-                "bwd_slot_bytes": slot_bytes(heads, dim, tiles["bwd_kv_tile"], BWD_SLOTS)}
+                "aiv_gather": aiv_gather, "pack_slots": max(1, packed), "bwd_pack_slots": max(1, bwd_packed), "pack_rows": PACK_ROWS,
+                "fwd_slot_bytes": slot_bytes(heads, dim, tiles["kv_tile"] + pair_keys, FWD_SLOTS, packed),
+                "bwd_slot_bytes": slot_bytes(heads, dim, tiles["bwd_kv_tile"], BWD_SLOTS, bwd_packed)}
 
     def profile_params(self, problem: Problem, knobs: dict[str, int], hw: HardwareProfile) -> dict:
         """Delta's columns a step in the backward: as wide as the profile's UB holds beside its tiles."""
         batch, heads, seq, dim, window, extra = problem.shape
         kn, vc, gap = int(knobs["bwd_kv_tile"]), int(knobs["bwd_o_chunk"]), int(knobs.get("merge_gap", 0))
-        pipes = hw.ascend_pipes(cube_cores(hw))
-        return {"delta_chunk": delta_chunk(heads // 2, dim, kn, vc, problem.dtype.itemsize,
-                                           hole_mask_ub(window, extra, gap, kn), pipes.ub_usable)}
+        pipes, e = hw.ascend_pipes(cube_cores(hw)), problem.dtype.itemsize
+        staged = staging_ub(int(knobs.get("aiv_gather", 0)), dim * e)
+        return {"delta_chunk": delta_chunk(heads // 2, dim, kn, vc, e, hole_mask_ub(window, extra, gap, kn) + staged,
+                                           pipes.ub_usable)}
 
     def verification_problems(self, problem: Problem, knobs: dict[str, int]) -> list[Problem]:
         """Short sequences at the plan's heads and width: one batch row of 40 positions at the problem's
@@ -730,7 +790,8 @@ class SparseAttentionAscend(AscendKernel):
         y = torch.full((batch, seq, heads, dim), float("nan"), dtype=q.dtype)
         lse = torch.full((batch, seq, heads), float("nan"))
         kw = kn + int(knobs.get("pair_keys", 0))   # the forward's widest tile: its slots' columns
-        slots = workspace(blocks * slot_bytes(heads, dim, kw, FWD_SLOTS))
+        packed = pack_slots(int(knobs.get("aiv_gather", 0)), knobs["q_buffers"])
+        slots = workspace(blocks * slot_bytes(heads, dim, kw, FWD_SLOTS, packed))
         fwd_bufs = [*reads, to_bytes(y), to_bytes(y), to_bytes(lse), slots, tiling]
         # kv and the compressed kv stay in L2 (V4-Flash at 65536 tokens: 64 + 16 MB of the 192 MB): every
         # position gathers its keys from them, so all but their first read are L2 hits on the NPU (that
@@ -740,7 +801,7 @@ class SparseAttentionAscend(AscendKernel):
         dy = grad_out["y"].to(q.dtype).contiguous()                      # [B, S, H, D], as y
         dq, dkv, dckv = (torch.full_like(t, float("nan")) for t in (q, inputs["kv"], ckv))
         dsinks = torch.full((heads,), float("nan"))
-        slots = workspace(blocks * slot_bytes(heads, dim, bkn, BWD_SLOTS))
+        slots = workspace(blocks * slot_bytes(heads, dim, bkn, BWD_SLOTS, bwd_pack_slots(int(knobs.get("aiv_gather", 0)))))
         acc = workspace((batch * seq + batch * entries_of(problem)) * dim * 4)   # fp32 dkv and dckv, added into
         bwd_bufs = [*reads, to_bytes(y), to_bytes(y_lo), to_bytes(lse), to_bytes(dy), to_bytes(dq), to_bytes(dkv), to_bytes(dckv),
                     to_bytes(dsinks), slots, acc, bytearray(tiling)]
