@@ -242,8 +242,11 @@ HOLE_MASK_TILE, HOLE_MASK_POS = 4, 2   # with holes, vector instructions of KeyM
 # V4-Flash widths, 1024 tokens (picks 128 of up to 256 ready: half of them), 0 / 1 / 2 / 3 / 4 took
 # 1553k / 1490k / 1442k / 1445k / ~1449k cycles fwd+bwd; each value more costs the MILP ~1.5 s
 GAPS = (0, 2)
-# csa's aiv_gather: eighths of a tile's compressed rows (its last) the vector cores gather for the AI core
-AIV_GATHER = (0, 4)
+# csa's aiv_gather: eighths of a tile's compressed rows (its last) the vector cores gather for the AI core.
+# Emulated at 4096 tokens (V4-Flash widths, 128 picks of up to 1024 ready entries, merge_gap 0), 0 / 4 / 6:
+# forward 4.15M / 2.84M / 2.20M cycles, backward 5.05M / 3.79M / 3.17M (the model: 3.88M / 2.72M / 2.95M and
+# 4.39M / 3.33M / 2.87M); at 1024 tokens (half the ready entries picked: long runs) it is not picked
+AIV_GATHER = (0, 4, 6)
 PACK_ROWS = 16             # rows a vector core stages in UB on their way to a packed slot (two such buffers)
 SLOT_PAD = 8               # -1s before the first position's slots (rendered into the kernels and the binding)
 BWD_KEY_TILES = 3          # key tiles in the backward's L1: a tile's gather one tile before its S, two before its gradients
