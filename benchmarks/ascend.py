@@ -54,6 +54,9 @@ CASES = (("rms_norm", "weighted", "{rows}x4096", "bf16"), ("rms_norm", "unweight
          # 256 compressed entries (half of those ready at the end, as V4's top-512 of 1024 at 4096 tokens;
          # random picks, so about half of them start a run of consecutive entries), and HCA (m = 128)
          ("sparse_attention", "csa", "1x64x1024x512x128x128", "bf16"),
+         # and a long sequence's scattered picks (V4's 512 of up to 16384 ready entries at 65536 tokens: 3%,
+         # most picks a copy of their own) at a length the emulator runs in a minute: 64 of up to 512
+         ("sparse_attention", "csa", "1x64x2048x512x128x64", "bf16"),
          ("sparse_attention", "hca", "1x64x1024x512x128x128", "bf16"))
 
 
@@ -72,10 +75,10 @@ def naive_knobs(model: ChoiceModel) -> dict[str, int]:
 
 def naive_cube_knobs(model: ChoiceModel | None) -> dict[str, int]:
     """A Cube tiling without planning: one query row per tile, one q buffer, keys resident where they
-    fit, then the widest key tiles and chunk that fit."""
+    fit, the AI core gathering every key itself, then the widest key tiles and chunk that fit."""
     if model is None:
         return {}
-    small_first = ("rows", "buffers", "stream")
+    small_first = ("rows", "buffers", "stream", "aiv_gather")
     names = list(model.domains)
     orders = [sorted(model.domains[k], reverse=not any(w in k for w in small_first)) for k in names]
     for values in itertools.product(*orders):
@@ -150,7 +153,8 @@ def main(argv=None) -> int:
                 f"{k['cube_buffers']}, AI cores {k['cube_blocks']}" if "cube_rows" in k else
                 f"; Cube: keys {k['kv_tile']}" + (f" (+ a last {k['pair_keys']} joined)" if k.get("pair_keys") else "")
                 + f" x D slices {k['d_chunk']} (backward {k['bwd_kv_tile']} x {k['bwd_d_chunk']}), "
-                f"AI cores {k['cube_blocks']}" if "kv_tile" in k else "")
+                f"AI cores {k['cube_blocks']}" + (f", {k['aiv_gather']}/8 of the picks gathered by the vector cores"
+                                                 if k.get("aiv_gather") else "") if "kv_tile" in k else "")
         own = "".join(f" ({name.removesuffix('_tile_rows')} {v})" for name, v in k.items()
                       if name.endswith("_tile_rows") and name != "tile_rows")   # a phase's own tile rows
         return (f"rows {k['tile_rows']}{own}, buffers {k['buffers']}, chunk {k['chunk']}, cores {k['block_dim']}"

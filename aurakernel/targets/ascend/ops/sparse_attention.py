@@ -196,6 +196,16 @@ csa is 2.6x, hca 2.4x.
   each slice as its Mmads reach it, so they start on the first): 381.8k -> 405.7k cycles (four slices)
   and 389.2k (two): the AI core's MTE2, 81% busy, pays a copy's latency per slice, more than the
   earlier start hides.
+- long sequences (the planner at V4-Flash's 65536 tokens: 512 picks of up to 16384 ready entries, most
+  a copy of their own): the Cube core's MTE2 gathering them was 137 ms of the forward's ~140 ms a call
+  and 144 ms of the backward's (the Cube 20 and 51 ms), a copy's latency per pick. With aiv_gather the
+  two vector cores copy a share of each tile's picks (its last eighths) into a packed workspace slot,
+  which the Cube core copies into L1 in one copy (PackedKeys), so three MTE2 queues pay those
+  latencies; the backward still adds each pick's gradient at its own row. The planner gives them six
+  eighths there, none at 1024 tokens (dense picks: long runs, and the packed rows cross the Cube core's
+  MTE2 all the same): csa 281.5 -> 164.2 ms a call, the modeled step 51.45 -> 48.98 s (MFU 31.7% ->
+  33.3%). Emulated at 2048 tokens with 64 picks: 2.75M -> 1.93M cycles fwd+bwd; at 4096 with 128
+  (merge_gap 0), forward 4.15M -> 2.20M, backward 5.05M -> 3.17M.
 """
 
 from __future__ import annotations
