@@ -469,8 +469,9 @@ class SparseAttentionAscend(AscendKernel):
 
     def _figures(self, problem: Problem, hw: HardwareProfile):
         """What both models start from: the AI cores, their pipe figures, a core's HBM rate (bytes per
-        cycle), the positions per core, and per merge_gap and key tile the mean keys and key tiles per
-        position (csa's holes included: each is a key's work) and the copies that gather them."""
+        cycle), the positions per core, per merge_gap and key tile the mean keys and key tiles per
+        position (csa's holes included: each is a key's work) and the copies that gather them, and per
+        merge_gap the mean compressed rows per position."""
         batch, heads, seq, dim, window, extra = problem.shape
         cores = cube_cores(hw)
         p = hw.ascend_pipes(cores)
@@ -491,8 +492,7 @@ class SparseAttentionAscend(AscendKernel):
         def compressed(gap: int) -> float:
             """Mean compressed rows per position (csa's holes included)."""
             return (sum(position_keys(problem.variant, seq, window, extra, gap)[0]) - sum(min(s + 1, window) for s in range(seq))) / seq
-        keys_copies.compressed = compressed
-        return cores, p, hbm, per, keys_copies
+        return cores, p, hbm, per, keys_copies, compressed
 
     def cube_model(self, problem: Problem, hw: HardwareProfile) -> ChoiceModel:
         """The forward's tiling per AI core: per position its key tiles (gather, Q K^T, P V on the AIC;
@@ -501,7 +501,7 @@ class SparseAttentionAscend(AscendKernel):
         self.check(problem)
         batch, heads, seq, dim, window, extra = problem.shape
         e = problem.dtype.itemsize
-        cores, p, hbm, per, keys_copies = self._figures(problem, hw)
+        cores, p, hbm, per, keys_copies, compressed = self._figures(problem, hw)
         lat, l2, issue = p.mte_latency, p.l2_bytes_per_cycle, p.vec_issue
         mine = heads // 2
         domains = {"merge_gap": list(GAPS) if problem.variant == "csa" else [0], "kv_tile": [64, 128, 256],
@@ -524,7 +524,7 @@ class SparseAttentionAscend(AscendKernel):
             # a joined tile's keys past kn are Mmads of their own, and its key slices a LoadData per D fractal column
             s = cube_tile_cycles(heads, n, dc, e, hw, cores, a_loads=heads // 16, b_loads=key_loads(kn, dc) if pk == 0 else dc // 16)
             pv = cube_tile_cycles(heads, dc, n, e, hw, cores, a_loads=heads // 16, b_loads=-(-n // 16))
-            copies, pack_in, pack_out = packed_gather(ag, copies, keys_copies.compressed(gap), tiles_per_position, kn,
+            copies, pack_in, pack_out = packed_gather(ag, copies, compressed(gap), tiles_per_position, kn,
                                                       dim * e, lat, l2)
             gather = (1 + copies) * lat + heads * dim * e / hbm + copied * dim * e / l2   # q; the keys, L2 hits
             # every tile narrower than kw is masked: with pk > 0 every tile
@@ -587,7 +587,7 @@ class SparseAttentionAscend(AscendKernel):
         AIVs' accumulators, dKV added into GM at its keys' rows (a Fixpipe per pick for csa)."""
         batch, heads, seq, dim, window, extra = problem.shape
         e = problem.dtype.itemsize
-        cores, p, hbm, per, keys_copies = self._figures(problem, hw)
+        cores, p, hbm, per, keys_copies, compressed = self._figures(problem, hw)
         lat, l2, issue = p.mte_latency, p.l2_bytes_per_cycle, p.vec_issue
         mine = heads // 2
         in_l2 = self.gradients_stay_in_l2(problem, hw)
@@ -608,7 +608,7 @@ class SparseAttentionAscend(AscendKernel):
             dq = cube_tile_cycles(heads, dc, n, e, hw, cores, a_loads=0, b_loads=-(-n // 16))
             dkv = cube_tile_cycles(n, dc, heads, e, hw, cores, a_loads=0, b_loads=heads // 16)
             scatter = copies * n / keys + 1   # Fixpipes per dKV slice: the window's run, the entries' runs or rows
-            copies, pack_in, pack_out = packed_gather(ag, copies, keys_copies.compressed(gap), tiles_per_position, kn,
+            copies, pack_in, pack_out = packed_gather(ag, copies, compressed(gap), tiles_per_position, kn,
                                                       dim * e, lat, l2)
             gather = (2 + copies) * lat + 2 * heads * dim * e / hbm + keys * dim * e / l2   # q, dy; the keys, L2 hits
             vec = issue * (24 + 4 * kn // 64) + mine * kn / 64 * 10
