@@ -354,8 +354,8 @@ def cube_tile_cycles(m: int, n: int, k: int, elem_bytes: int, hw: HardwareProfil
 
 class CubeCells:
     """A Cube model's knob cells: `per_core(*cell)` gives the busiest AI core's cycles per pipe (and a
-    `tile` count where the fill is one tile's share) for one value of each of `knobs`; this turns
-    them into the model's Terms and Constraints."""
+    `tile` count where the fill is one tile's share, and details of its own under names that start
+    with "_") for one value of each of `knobs`; this turns them into the model's Terms and Constraints."""
 
     def __init__(self, knobs: tuple[str, ...], domains: dict[str, list[int]], per_core, hw: HardwareProfile):
         self.knobs, self.domains, self.hw = knobs, domains, hw
@@ -373,7 +373,7 @@ class CubeCells:
         """One tile's share of every pipe: the fill and drain a pipelined loop adds to its slowest pipe."""
         def fill(*cell):
             c = self.per_core(*cell)
-            return sum(v for k, v in c.items() if k != "tile") / c["tile"]
+            return sum(v for k, v in c.items() if k != "tile" and not k.startswith("_")) / c["tile"]
         return self.seconds(fill)
 
     def launch(self) -> Term:

@@ -203,7 +203,7 @@ csa is 2.6x, hca 2.4x.
   which the Cube core copies into L1 in one copy (PackedKeys), so three MTE2 queues pay those
   latencies; the backward still adds each pick's gradient at its own row. The planner gives them six
   eighths there, none at 1024 tokens (dense picks: long runs, and the packed rows cross the Cube core's
-  MTE2 all the same): csa 281.5 -> 164.2 ms a call, the modeled step 51.45 -> 48.98 s (MFU 31.7% ->
+  MTE2 all the same): csa 281.5 -> 160.1 ms a call, the modeled step 51.45 -> 48.90 s (MFU 31.7% ->
   33.3%). Emulated at 2048 tokens with 64 picks: 2.75M -> 1.93M cycles fwd+bwd; at 4096 with 128
   (merge_gap 0), forward 4.15M -> 2.20M, backward 5.05M -> 3.17M.
 """
@@ -254,7 +254,7 @@ HOLE_MASK_TILE, HOLE_MASK_POS = 4, 2   # with holes, vector instructions of KeyM
 GAPS = (0, 2)
 # csa's aiv_gather: eighths of a tile's compressed rows (its last) the vector cores gather for the AI core.
 # Emulated at 4096 tokens (V4-Flash widths, 128 picks of up to 1024 ready entries, merge_gap 0), 0 / 4 / 6:
-# forward 4.15M / 2.84M / 2.20M cycles, backward 5.05M / 3.79M / 3.17M (the model: 3.88M / 2.72M / 2.95M and
+# forward 4.15M / 2.84M / 2.20M cycles, backward 5.05M / 3.79M / 3.17M (the model: 3.88M / 2.72M / 2.66M and
 # 4.39M / 3.33M / 2.87M); at 1024 tokens (half the ready entries picked: long runs) it is not picked
 AIV_GATHER = (0, 4, 6)
 PACK_ROWS = 16             # rows a vector core stages in UB on their way to a packed slot (two such buffers)
@@ -544,7 +544,7 @@ class SparseAttentionAscend(AscendKernel):
                     "AIV MTE2": tiles * (lat + mine * kw * 4 / l2 + vchunks * (lat + mine * vc * 4 / l2)) + mask_copies + per * pack_in,
                     "Vector": tiles * vec + wait + mask_vec,
                     "AIV MTE3": tiles * (lat + mine * kw * e / l2) + per * 2 * vchunks * (lat + mine * vc * e / hbm) + per * pack_out,
-                    "tile": tiles}
+                    "_pack out": per * pack_out, "tile": tiles}
         cells = CubeCells(KNOBS, domains, per_core, hw)
         cap = cells.cap
         constraints = [   # kw = kv_tile + pair_keys: the widest tile's keys
@@ -570,8 +570,13 @@ class SparseAttentionAscend(AscendKernel):
         # a vector core's copies and steps wait on one another (S in, softmax, P out, then O_t in and the
         # update), so its three pipes overlap only in part: emulated (csa at 1024 tokens, with random and
         # with consecutive picks, merge_gap 0 to 4), a vector core's time is that of its busiest two
-        # pipes' sum, within 3% where the Cube does not wait on its gather; the Cube waits on that
-        aiv = cells.seconds(lambda *cell: sum(sorted(per_core(*cell)[pipe] for pipe in ("AIV MTE2", "Vector", "AIV MTE3"))[1:]))
+        # pipes' sum, within 3% where the Cube does not wait on its gather; the Cube waits on that. The
+        # packed gathers' copies out are not in that chain (two staging buffers: they overlap the next
+        # copies in), only their copies in, queued among the S and O_t reads
+        def aiv_cycles(*cell):
+            c = per_core(*cell)
+            return sum(sorted((c["AIV MTE2"], c["Vector"], c["AIV MTE3"] - c["_pack out"]))[1:])
+        aiv = cells.seconds(aiv_cycles)
         # L1 holds two key tiles and tile t's is read (MTE1) until P_t V_t: the gather of tile t + 2
         # (MTE2) follows it, so the two pipes mostly take turns, as in the backward (emulated at 1024
         # tokens: 0.81-0.95 of their sum; with wider O slices and fewer vector copies the forward took
