@@ -418,10 +418,11 @@ def slot_bytes(heads: int, dim: int, keys: int, slots: int, packed: int = 0) -> 
     return slots * heads * keys * (4 + 2) + 2 * heads * dim * 4 + packed * keys * dim * 2
 
 
-def pack_slots(aiv_gather: int, q_buffers: int) -> int:
-    """The forward's packed key slots (PackedKeys): none where the AI core gathers every key, else one per
-    tile its gathers run ahead (key_buffers) and two more, so the vector cores pack ahead of its need."""
-    return key_buffers(q_buffers) + 2 if aiv_gather else 0
+def pack_slots(aiv_gather: int, ahead: int) -> int:
+    """A kernel's packed key slots (PackedKeys): none where the AI core gathers every key, else one per
+    tile its gathers run `ahead` (the forward's key_buffers, the backward's BWD_KEY_TILES) and two more,
+    so the vector cores pack ahead of its need."""
+    return ahead + 2 if aiv_gather else 0
 
 
 def packed_gather(aiv_gather: int, copies: float, rows: float, tiles: float, kn: int, row_bytes: int, lat: float,
@@ -437,11 +438,6 @@ def packed_gather(aiv_gather: int, copies: float, rows: float, tiles: float, kn:
     moved = share * rows * row_bytes / 2 / l2
     return (copies - share * (copies - 1) + packs, (share * (copies - 1) / 2 + packs) * lat + moved,
             (share * rows / 2 / PACK_ROWS + packs) * lat + moved)
-
-
-def bwd_pack_slots(aiv_gather: int) -> int:
-    """... and the backward's: its gathers run BWD_KEY_TILES tiles ahead of the gradients."""
-    return BWD_KEY_TILES + 2 if aiv_gather else 0
 
 
 FWD_SLOTS, BWD_SLOTS = 2, 4   # the forward's S and P slots (tile t in slot t % 2); the backward's two each of S, dP / P, dS
@@ -479,19 +475,22 @@ class SparseAttentionAscend(AscendKernel):
 
         per, blocks = position_split(batch * seq, cores)   # a core's positions come `blocks` apart
 
+        keys_of = functools.cache(lambda gap: position_keys(problem.variant, seq, window, extra, gap))
+        window_keys = sum(min(s + 1, window) for s in range(seq))   # over the positions
+
+        @functools.cache
+        def compressed(gap: int) -> float:
+            """Mean compressed rows per position (csa's holes included)."""
+            return (sum(keys_of(gap)[0]) - window_keys) / seq
+
         @functools.cache
         def keys_copies(gap: int, kn: int, pk: int = 0, buffers: int = 2) -> tuple[float, float, float, float]:
             """Mean keys and key tiles of kn per position (a last tile of at most pk keys joined to the
             one before), the copies that gather its keys, and the keys the forward copies (its window in
             ring order where that is a tile of its own, in one of `buffers` key tiles: window_rows)."""
-            keys, runs = position_keys(problem.variant, seq, window, extra, gap)
-            copied = sum(keys) - sum(min(s + 1, window) for s in range(seq)) + window_rows(keys, window, kn, blocks, buffers)
-            return sum(keys) / seq, sum(position_tiles(k, kn, pk) for k in keys) / seq, 1 + runs, copied / seq
-
-        @functools.cache
-        def compressed(gap: int) -> float:
-            """Mean compressed rows per position (csa's holes included)."""
-            return (sum(position_keys(problem.variant, seq, window, extra, gap)[0]) - sum(min(s + 1, window) for s in range(seq))) / seq
+            keys, runs = keys_of(gap)
+            copied = compressed(gap) + window_rows(keys, window, kn, blocks, buffers) / seq
+            return sum(keys) / seq, sum(position_tiles(k, kn, pk) for k in keys) / seq, 1 + runs, copied
         return cores, p, hbm, per, keys_copies, compressed
 
     def cube_model(self, problem: Problem, hw: HardwareProfile) -> ChoiceModel:
@@ -736,12 +735,13 @@ class SparseAttentionAscend(AscendKernel):
         if aiv_gather not in (AIV_GATHER if problem.variant == "csa" else (0,)):
             raise PlanInfeasible("aiv_gather", f"{aiv_gather}: one of {AIV_GATHER} eighths of a tile's picks for csa "
                                                 "(gathered by the vector cores), 0 for hca and sliding")
-        packed, bwd_packed = pack_slots(aiv_gather, tiles["q_buffers"]), bwd_pack_slots(aiv_gather)
+        packed, bwd_packed = pack_slots(aiv_gather, key_buffers(tiles["q_buffers"])), pack_slots(aiv_gather, BWD_KEY_TILES)
         return {"dtype": problem.dtype, "csa": problem.variant == "csa", "hca": problem.variant == "hca", "heads": int(heads),
                 "dim": int(dim), "window": int(window), **tiles, "s_buffers": s_buffers, "g_buffers": g_buffers,
                 "cube_blocks": int(knobs["cube_blocks"]), "merge_gap": merge_gap, "slot_pad": SLOT_PAD,
                 "pair_keys": pair_keys, "key_buffers": key_buffers(tiles["q_buffers"]),
                 "bwd_key_tiles": BWD_KEY_TILES,
+                # (at least one slot rendered: the kernels' constants, unused without a share)
                 "aiv_gather": aiv_gather, "pack_slots": max(1, packed), "bwd_pack_slots": max(1, bwd_packed), "pack_rows": PACK_ROWS,
                 "fwd_slot_bytes": slot_bytes(heads, dim, tiles["kv_tile"] + pair_keys, FWD_SLOTS, packed),
                 "bwd_slot_bytes": slot_bytes(heads, dim, tiles["bwd_kv_tile"], BWD_SLOTS, bwd_packed)}
@@ -808,7 +808,8 @@ class SparseAttentionAscend(AscendKernel):
         y = torch.full((batch, seq, heads, dim), float("nan"), dtype=q.dtype)
         lse = torch.full((batch, seq, heads), float("nan"))
         kw = kn + int(knobs.get("pair_keys", 0))   # the forward's widest tile: its slots' columns
-        packed = pack_slots(int(knobs.get("aiv_gather", 0)), knobs["q_buffers"])
+        share = int(knobs.get("aiv_gather", 0))
+        packed = pack_slots(share, key_buffers(knobs["q_buffers"]))
         slots = workspace(blocks * slot_bytes(heads, dim, kw, FWD_SLOTS, packed))
         fwd_bufs = [*reads, to_bytes(y), to_bytes(y), to_bytes(lse), slots, tiling]
         # kv and the compressed kv stay in L2 (V4-Flash at 65536 tokens: 64 + 16 MB of the 192 MB): every
@@ -819,7 +820,7 @@ class SparseAttentionAscend(AscendKernel):
         dy = grad_out["y"].to(q.dtype).contiguous()                      # [B, S, H, D], as y
         dq, dkv, dckv = (torch.full_like(t, float("nan")) for t in (q, inputs["kv"], ckv))
         dsinks = torch.full((heads,), float("nan"))
-        slots = workspace(blocks * slot_bytes(heads, dim, bkn, BWD_SLOTS, bwd_pack_slots(int(knobs.get("aiv_gather", 0)))))
+        slots = workspace(blocks * slot_bytes(heads, dim, bkn, BWD_SLOTS, pack_slots(share, BWD_KEY_TILES)))
         acc = workspace((batch * seq + batch * entries_of(problem)) * dim * 4)   # fp32 dkv and dckv, added into
         bwd_bufs = [*reads, to_bytes(y), to_bytes(y_lo), to_bytes(lse), to_bytes(dy), to_bytes(dq), to_bytes(dkv), to_bytes(dckv),
                     to_bytes(dsinks), slots, acc, bytearray(tiling)]
