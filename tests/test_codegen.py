@@ -151,9 +151,9 @@ def test_the_short_exps_keep_the_precision_their_outputs_need(tmp_path):
 @pytest.mark.parametrize("vec", [8, 16])
 def test_the_register_blocked_gemm_matches_a_reference_at_every_edge(vec, tmp_path):
     """ak_gemm (the portable GEMM of sparse_attention, mhc and indexer_score) at both vector widths
-    (AVX2's register blocks of 6 rows and 3-vector blocks, AVX-512's of 8; 16-lane vectors are lowered
-    where the CPU has none): every row count around its blocks of 8/6/4/2, column counts around
-    whole vectors, overwrite and accumulate, a transposed A."""
+    (AVX2's register blocks of 6 rows and 3-vector blocks, AVX-512's of 8 and its 24-column block;
+    16-lane vectors are lowered where the CPU has none): every row count around its blocks of
+    8/6/4/2, column counts around whole vectors, overwrite and accumulate, a transposed A."""
     import torch
 
     from aurakernel.targets.host.library import Entry, compile_source
@@ -166,7 +166,7 @@ def test_the_register_blocked_gemm_matches_a_reference_at_every_edge(vec, tmp_pa
                             {"probe": Entry("ak_probe", ("i64", "i64", "i64", "ptr", "i64", "i64", "ptr", "ptr", "i64"))})
     g = torch.Generator().manual_seed(0)
     for m in range(1, 19):
-        for n in (1, 7, 8, 9, 16, 24, 33, 40, 48, 56):
+        for n in (1, 7, 8, 9, 16, 24, 33, 40, 48, 56, 88):
             for k, overwrite, transposed in ((5, 1, False), (13, 0, False), (9, 0, True)):
                 a = torch.randint(-4, 5, (k, m) if transposed else (m, k), generator=g).float()
                 b = torch.randint(-4, 5, (k, n), generator=g).float()

@@ -67,6 +67,13 @@ apart, 4 KB or a multiple of it, so they fell into one L1 set and evicted each o
 the sums of squares (one chain of dependent FMAs per row). fn is now transposed 16 columns at a time
 along its rows, and the sums keep 64 partial sums: forward 492 -> 443 us (three alternating runs of
 each); 1024x4x4096 bf16 8.45 / 9.37 -> 8.09 / 8.91 ms.
+With 16-lane vectors (AVX-512) the forward's mix had its 24 outputs padded to two vectors (mhc_head's 4
+to one): a quarter (three quarters) of the GEMM's FMAs were on zero columns. ak_gemm now ends such
+column counts in an 8-lane block and NP pads to 8 lanes there (_gemm.h.j2); a 512-bit FMA runs as two
+256-bit halves on Zen 4, so the 8-lane part costs half of a 16-lane one. Kernels alone, interleaved
+(Zen 4 EPYC, 2 cores, medians of 15-25 rounds; outputs bitwise the same): mhc_pre forward 1024x4x4096
+bf16 7.76 -> 6.59 ms, 1024x4x256 fp32 509 -> 451 us, mhc_post_pre's 883 -> 814 us; mhc_head forward
+1024x4x4096 bf16 4.87 -> 4.18 ms. The backwards' GEMMs have wide N (a chunk's columns) and are unchanged.
 """
 
 from __future__ import annotations
