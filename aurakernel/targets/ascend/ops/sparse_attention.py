@@ -298,6 +298,11 @@ def staging_ub(aiv_gather: int, row_bytes: int) -> int:
     return 2 * PACK_ROWS * row_bytes if aiv_gather else 0
 
 
+def ub_extra(window: int, picks: int, gap: int, kn: int, aiv_gather: int, row_bytes: int) -> int:
+    """What csa adds to a vector core's UB in either kernel: its holes' mask and its packed gathers' staging."""
+    return hole_mask_ub(window, picks, gap, kn) + staging_ub(aiv_gather, row_bytes)
+
+
 def hole_mask_ub(window: int, picks: int, gap: int, kn: int) -> int:
     """UB of KeyMask's holes (0 without): a tile's 256 values, and a position's slots as int32 and as
     fp32 in whole tiles (window + slots at most: picks and (picks - 1) x gap holes)."""
@@ -423,6 +428,17 @@ def pack_slots(aiv_gather: int, ahead: int) -> int:
     tile its gathers run `ahead` (the forward's key_buffers, the backward's BWD_KEY_TILES) and two more,
     so the vector cores pack ahead of its need."""
     return ahead + 2 if aiv_gather else 0
+
+
+def workspace_slots(heads: int, dim: int, knobs: dict[str, int]) -> dict[str, int]:
+    """Both kernels' workspace slots at a plan's knobs: each one's packed key slots and an AI core's
+    slot bytes (slot_bytes; the forward's tiles kv_tile + pair_keys keys wide)."""
+    share = int(knobs.get("aiv_gather", 0))
+    fwd, bwd = pack_slots(share, key_buffers(int(knobs["q_buffers"]))), pack_slots(share, BWD_KEY_TILES)
+    kw = int(knobs["kv_tile"]) + int(knobs.get("pair_keys", 0))
+    return {"pack_slots": fwd, "bwd_pack_slots": bwd,
+            "fwd_slot_bytes": slot_bytes(heads, dim, kw, FWD_SLOTS, fwd),
+            "bwd_slot_bytes": slot_bytes(heads, dim, int(knobs["bwd_kv_tile"]), BWD_SLOTS, bwd)}
 
 
 def packed_gather(aiv_gather: int, copies: float, rows: float, tiles: float, kn: int, row_bytes: int, lat: float,
@@ -558,9 +574,8 @@ class SparseAttentionAscend(AscendKernel):
             cap("L0C capacity", lambda kn, dc, vc, sb, qb, gap, pk, ag: (heads * (kn + pk) + 2 * heads * dc) * 4, p.l0c_bytes,
                 "(H x kw + 2 x H x d_chunk) x fp32 (S, two P V slices)"),
             cap("UB capacity", lambda kn, dc, vc, sb, qb, gap, pk, ag: (sb * mine * (kn + pk) * 4 + mine * (kn + pk) * e + mine * vc * (2 * 4 + e)
-                                                           + mine * dim * 4 + tail_mask_ub(kn + pk) + hole_mask_ub(window, extra, gap, kn)
-                                                           + mine * (kn + pk) // 8 + 9 * mine * 4 + 3 * mine * 32
-                                                           + staging_ub(ag, dim * e)),
+                                                           + mine * dim * 4 + tail_mask_ub(kn + pk) + ub_extra(window, extra, gap, kn, ag, dim * e)
+                                                           + mine * (kn + pk) // 8 + 9 * mine * 4 + 3 * mine * 32),
                 p.ub_usable, "per AIV (H/2 heads): s_buffers S tiles, a P tile, two P V slices and a y slice of o_chunk, O (fp32), "
                              "the key mask (with holes: a position's slots), with aiv_gather two staging buffers of gathered rows"),
         ]
@@ -597,11 +612,8 @@ class SparseAttentionAscend(AscendKernel):
         in_l2 = self.gradients_stay_in_l2(problem, hw)
         add_rate = p.fix_bytes_per_cycle if in_l2 else hbm   # the dKV slices' atomic adds: L2 or the HBM share
 
-        def ub_extra(kn, gap, ag):   # csa's holes' mask, the packed gathers' staging
-            return hole_mask_ub(window, extra, gap, kn) + staging_ub(ag, dim * e)
-
         def delta(kn, vc, gap, ag):   # Delta's columns a step at these tiles (delta_chunk)
-            return delta_chunk(mine, dim, kn, vc, e, ub_extra(kn, gap, ag), p.ub_usable)
+            return delta_chunk(mine, dim, kn, vc, e, ub_extra(window, extra, gap, kn, ag, dim * e), p.ub_usable)
 
         @functools.cache
         def per_core(kn, dc, vc, qb, gb, gap, ag):
@@ -651,7 +663,7 @@ class SparseAttentionAscend(AscendKernel):
             cap("backward L0C capacity", lambda kn, dc, vc, qb, gb, gap, ag: (2 * heads * kn + gb * max(heads, kn) * dc) * 4,
                 p.l0c_bytes, "(2 x H x kv_tile + g_buffers x max(H, kv_tile) x d_chunk) x fp32 (S, dP, dQ / dKV slices)"),
             cap("backward UB capacity", lambda kn, dc, vc, qb, gb, gap, ag: bwd_ub(mine, kn, vc, delta(kn, vc, gap, ag), e,
-                                                                                   ub_extra(kn, gap, ag)),
+                                                                                   ub_extra(window, extra, gap, kn, ag, dim * e)),
                 p.ub_usable, "per AIV: S and dP tiles, P and dS out, dq slices of o_chunk, Delta's steps (the key gradients' "
                              "conversion steps in their space), the key mask (with holes: a position's slots)"),
         ]
@@ -735,25 +747,23 @@ class SparseAttentionAscend(AscendKernel):
         if aiv_gather not in (AIV_GATHER if problem.variant == "csa" else (0,)):
             raise PlanInfeasible("aiv_gather", f"{aiv_gather}: one of {AIV_GATHER} eighths of a tile's picks for csa "
                                                 "(gathered by the vector cores), 0 for hca and sliding")
-        packed, bwd_packed = pack_slots(aiv_gather, key_buffers(tiles["q_buffers"])), pack_slots(aiv_gather, BWD_KEY_TILES)
+        slots = workspace_slots(heads, dim, knobs)
         return {"dtype": problem.dtype, "csa": problem.variant == "csa", "hca": problem.variant == "hca", "heads": int(heads),
                 "dim": int(dim), "window": int(window), **tiles, "s_buffers": s_buffers, "g_buffers": g_buffers,
                 "cube_blocks": int(knobs["cube_blocks"]), "merge_gap": merge_gap, "slot_pad": SLOT_PAD,
                 "pair_keys": pair_keys, "key_buffers": key_buffers(tiles["q_buffers"]),
                 "bwd_key_tiles": BWD_KEY_TILES,
+                "aiv_gather": aiv_gather, "pack_rows": PACK_ROWS, **slots,
                 # (at least one slot rendered: the kernels' constants, unused without a share)
-                "aiv_gather": aiv_gather, "pack_slots": max(1, packed), "bwd_pack_slots": max(1, bwd_packed), "pack_rows": PACK_ROWS,
-                "fwd_slot_bytes": slot_bytes(heads, dim, tiles["kv_tile"] + pair_keys, FWD_SLOTS, packed),
-                "bwd_slot_bytes": slot_bytes(heads, dim, tiles["bwd_kv_tile"], BWD_SLOTS, bwd_packed)}
+                "pack_slots": max(1, slots["pack_slots"]), "bwd_pack_slots": max(1, slots["bwd_pack_slots"])}
 
     def profile_params(self, problem: Problem, knobs: dict[str, int], hw: HardwareProfile) -> dict:
         """Delta's columns a step in the backward: as wide as the profile's UB holds beside its tiles."""
         batch, heads, seq, dim, window, extra = problem.shape
         kn, vc, gap = int(knobs["bwd_kv_tile"]), int(knobs["bwd_o_chunk"]), int(knobs.get("merge_gap", 0))
         pipes, e = hw.ascend_pipes(cube_cores(hw)), problem.dtype.itemsize
-        staged = staging_ub(int(knobs.get("aiv_gather", 0)), dim * e)
-        return {"delta_chunk": delta_chunk(heads // 2, dim, kn, vc, e, hole_mask_ub(window, extra, gap, kn) + staged,
-                                           pipes.ub_usable)}
+        extra_ub = ub_extra(window, extra, gap, kn, int(knobs.get("aiv_gather", 0)), dim * e)
+        return {"delta_chunk": delta_chunk(heads // 2, dim, kn, vc, e, extra_ub, pipes.ub_usable)}
 
     def verification_problems(self, problem: Problem, knobs: dict[str, int]) -> list[Problem]:
         """Short sequences at the plan's heads and width: one batch row of 40 positions at the problem's
@@ -804,13 +814,10 @@ class SparseAttentionAscend(AscendKernel):
         """Forward and backward kernels in the emulator: (outputs, grads, {phase: RunReport})."""
         batch, heads, seq, dim, window, extra = problem.shape
         q, ckv, reads, tiling, blocks = self._buffers(problem, knobs, inputs)
-        kn, bkn = knobs["kv_tile"], knobs["bwd_kv_tile"]
         y = torch.full((batch, seq, heads, dim), float("nan"), dtype=q.dtype)
         lse = torch.full((batch, seq, heads), float("nan"))
-        kw = kn + int(knobs.get("pair_keys", 0))   # the forward's widest tile: its slots' columns
-        share = int(knobs.get("aiv_gather", 0))
-        packed = pack_slots(share, key_buffers(knobs["q_buffers"]))
-        slots = workspace(blocks * slot_bytes(heads, dim, kw, FWD_SLOTS, packed))
+        layout = workspace_slots(heads, dim, knobs)
+        slots = workspace(blocks * layout["fwd_slot_bytes"])
         fwd_bufs = [*reads, to_bytes(y), to_bytes(y), to_bytes(lse), slots, tiling]
         # kv and the compressed kv stay in L2 (V4-Flash at 65536 tokens: 64 + 16 MB of the 192 MB): every
         # position gathers its keys from them, so all but their first read are L2 hits on the NPU (that
@@ -820,7 +827,7 @@ class SparseAttentionAscend(AscendKernel):
         dy = grad_out["y"].to(q.dtype).contiguous()                      # [B, S, H, D], as y
         dq, dkv, dckv = (torch.full_like(t, float("nan")) for t in (q, inputs["kv"], ckv))
         dsinks = torch.full((heads,), float("nan"))
-        slots = workspace(blocks * slot_bytes(heads, dim, bkn, BWD_SLOTS, pack_slots(share, BWD_KEY_TILES)))
+        slots = workspace(blocks * layout["bwd_slot_bytes"])
         acc = workspace((batch * seq + batch * entries_of(problem)) * dim * 4)   # fp32 dkv and dckv, added into
         bwd_bufs = [*reads, to_bytes(y), to_bytes(y_lo), to_bytes(lse), to_bytes(dy), to_bytes(dq), to_bytes(dkv), to_bytes(dckv),
                     to_bytes(dsinks), slots, acc, bytearray(tiling)]
