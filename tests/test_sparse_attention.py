@@ -316,6 +316,33 @@ def test_the_indexer_kl_objective_reads_its_attention_mass_from_the_kernel(monke
     assert not any("aurakernel_wants_compressed_mass" in m.__dict__ for m in ours.modules())   # removed with it
 
 
+def test_the_attention_mass_on_the_picks_matches_the_picked_rows_scores_in_any_block_of_rows():
+    """compressed_mass scores every entry a block of query rows at a time and keeps the picks: the
+    same mass as scoring each picked key row (a repeat and a -1 count nothing), whatever the block, and
+    an entry that is not picked adds nothing even where its score is far above the logsumexp."""
+    from aurakernel.patch.sparse_attention import compressed_mass
+
+    gen = torch.Generator().manual_seed(3)
+    batch, heads, seq, dim, entries, k = 2, 3, 11, 8, 9, 4
+    q = torch.randn(batch, heads, seq, dim, generator=gen)
+    ckv = torch.randn(batch, entries, dim, generator=gen)
+    ckv[:, -1] = 400 * q[:, 0].mean(dim=(0, 1))[None]   # scores of e^100 and more where it is not picked
+    indices = torch.randint(0, entries - 1, (batch, seq, k), generator=gen).sort(-1).values
+    indices[0, 2, 0] = -1
+    indices[1, 5, :2] = indices[1, 5, 2]                  # one entry picked three times
+    lse = torch.randn(batch, heads, seq, generator=gen) + 3
+    valid = (indices >= 0) & torch.cat([torch.ones_like(indices[..., :1], dtype=torch.bool),
+                                        indices[..., 1:] != indices[..., :-1]], -1)
+    safe = indices.clamp_min(0)
+    rows = torch.gather(ckv.unsqueeze(1).expand(-1, seq, -1, -1), 2, safe.unsqueeze(-1).expand(-1, -1, -1, dim))
+    mass = (torch.einsum("bhsd,bskd->bhsk", q, rows) * 0.3 - lse.unsqueeze(-1)).exp().sum(1) * valid
+    expected = torch.zeros(batch, seq, entries).scatter_add_(-1, safe, mass).unsqueeze(1)
+    for block in (1, 2 * heads * entries * 3, 1 << 24):
+        got = compressed_mass(q, ckv, indices, lse, 0.3, block_floats=block)
+        assert got.shape == (batch, 1, seq, entries) and torch.isfinite(got).all()
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
 def test_a_4096_token_sequence_trains_on_the_kernel(tmp_path, monkeypatch):
     """Two optimizer steps of the tiny model on 4096-token sequences with the sparse attention
     swapped in: the dense attention's [1, 4, 4096, 5120] scores never exist; the loss is finite and
