@@ -284,3 +284,28 @@ def test_alignment_with_indexer_and_attention_kernels(base, monkeypatch):
     for n in g_plain:
         rel = float((g_ours[n] - g_plain[n]).norm() / g_plain[n].norm())
         assert rel < 1e-3, n
+
+
+def test_the_objectives_hooks_compile_into_one_graph_and_record_what_eager_records(base):
+    """A user compiles the model with both objectives attached: their hooks trace (fullgraph: a
+    graph break fails), and the compiled forward counts the same experts and captures the same KL as
+    the eager one; under no_grad the compiled forward records nothing."""
+    ids = batch(4)[:, :-1]
+    results = []
+    for compiled in (False, True):
+        model = copy.deepcopy(base)
+        balancer, align = ExpertBalancer(model, gamma=GAMMA), IndexerAlignment(model)
+        torch._dynamo.reset()
+        run = torch.compile(model, fullgraph=True, backend="eager") if compiled else model
+        with torch.no_grad():
+            run(input_ids=ids)
+        assert all(int(c.sum()) == 0 for c in balancer.counts().values()) and not align.records
+        run(input_ids=ids)
+        results.append((balancer.counts(), float(align.loss().detach())))
+        balancer.remove()
+        align.remove()
+    (eager_counts, eager_kl), (compiled_counts, compiled_kl) = results
+    assert eager_counts.keys() == compiled_counts.keys() and eager_counts
+    for name, c in eager_counts.items():
+        assert int(c.sum()) > 0 and torch.equal(compiled_counts[name], c), name
+    assert compiled_kl == pytest.approx(eager_kl, rel=1e-5) and eager_kl > 0

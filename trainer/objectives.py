@@ -37,7 +37,11 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
 def _recording() -> bool:
     """Hooks record only in a training forward: grad enabled (not an eval/no_grad pass) and not
     inside backward (a gradient-checkpointing recompute would count the same tokens twice).
-    torch has no public call for the latter; the graph task id is -1 outside backward."""
+    torch has no public call for the latter; the graph task id is -1 outside backward. Under
+    torch.compile a forward is traced once, outside backward (a compiled graph's recompute does not
+    run the hooks again), and the call would break the graph at every hook: it is not asked there."""
+    if torch.compiler.is_compiling():
+        return torch.is_grad_enabled()
     return torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
 
 
@@ -60,9 +64,10 @@ class ExpertBalancer:
             if not _recording():
                 return
             indices = output[2]   # the selection, as the (possibly patched) router returned it
-            with torch.no_grad():
-                self._counts[name] += torch.bincount(indices.reshape(-1), minlength=module.num_experts).to(
-                    self._counts[name].device)
+            with torch.no_grad():   # a count of fixed length (bincount's output length depends on the
+                counts = self._counts[name]   # data, which breaks a compiled graph)
+                picks = indices.reshape(-1).to(device=counts.device, dtype=torch.long)
+                counts.index_add_(0, picks, torch.ones_like(picks))
         return count
 
     def counts(self) -> dict[str, torch.Tensor]:
