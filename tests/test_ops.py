@@ -468,3 +468,39 @@ def test_mhc_post_pre_backward_both_ways(dtype, host):
         assert post_in_tiles(kernel) is whole
         result = verify(spec, [(problem, kernel)], seeds=(0, 1))
         assert result.passed, f"col_chunk {col_chunk}: {result.summary}"
+
+
+def test_mhc_post_streams_its_outputs_only_past_the_last_level_cache_and_the_same_either_way(host):
+    """Streaming stores are a choice only where a call's fresh outputs outgrow the last-level cache
+    (below that the next kernel reads them from cache); built with them, the kernel writes the same
+    bits as with plain stores, rows of every alignment and length included (D odd: each row's bytes
+    start and end off the 32 B grid)."""
+    import dataclasses
+
+    memory = dict(host.memory)
+    memory["L3"] = dataclasses.replace(memory["L3"], capacity=32 * 2**20)
+    machine = dataclasses.replace(host, memory=memory)
+    spec = get_op("mhc_post")
+    kernel = host_kernel(spec)
+    domains = {shape: kernel.tiling_problem(spec.problem(shape, "bf16"), machine).domains["stream"]
+               for shape in ("1024x4x256", "2048x4x4096")}   # 2 MB and 64 MB of streams written
+    assert domains == {"1024x4x256": [0], "2048x4x4096": [0, 1]}
+    assert "stream" in kernel.measured_knobs(spec.problem("2048x4x4096", "bf16"))   # tune times both
+
+    for shape, dtype in (("19x4x131", "bf16"), ("45x4x256", "fp32")):
+        problem = spec.problem(shape, dtype)
+        knobs = {"tile_rows": 4, "threads": 2, "col_chunk": problem.shape[-1]}
+        built = {st: build_kernel(spec, problem, {**knobs, "stream": st}) for st in (0, 1)}
+        result = verify(spec, [(problem, built[1])], seeds=(0, 1))
+        assert result.passed, result.summary
+        inputs = spec.make_inputs(problem, 5)
+        outs, grads = {}, {}
+        for st, k in built.items():
+            outs[st] = kernel.empty_outputs(problem, inputs)
+            kernel.run_forward(k, inputs, outs[st])
+            g_out = {o: torch.ones_like(outs[st][o]) for o in spec.grad_outputs()}
+            grads[st] = {n: torch.full(inputs[n].shape, float("nan"), dtype=inputs[n].dtype)
+                         for n in spec.differentiable(problem)}
+            kernel.run_backward(k, inputs, outs[st], g_out, grads[st])
+        assert all(torch.equal(outs[0][o], outs[1][o]) for o in outs[0])
+        assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])

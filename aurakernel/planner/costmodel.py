@@ -39,6 +39,7 @@ class RowwisePhase:
     l1_bytes_per_col: float         # L1 bytes per column of a chunk (all streams + weight)
     l2_bytes_per_tile: float        # bytes re-read from L2 once per tile (e.g. a weight vector)
     fixed_resident_bytes: float = 0.0  # bytes resident in L2 regardless of tile (weight, dw partial)
+    written_bytes_per_row: float = 0.0  # fresh outputs a row writes (what streaming stores take around the caches)
 
 
 # coefficients a profile may leave out (planner/fit.py fits them): neutral values
@@ -66,17 +67,36 @@ def thread_candidates(cores: int) -> list[int]:
     return list(range(1, max(cores, 1) + 1))
 
 
+def last_level_cache_bytes(hw: HardwareProfile) -> int:
+    """The largest cache of the profile (the last level: L3, or L2 where there is none)."""
+    return max((int(m.capacity) for name, m in hw.memory.items() if name.upper().startswith("L")), default=0)
+
+
+def stream_choices(hw: HardwareProfile, rows: int, phases) -> list[int]:
+    """Values of a kernel's `stream` knob: 1 (outputs written by streaming stores) only where a call's
+    fresh outputs outgrow the last-level cache, so they would leave it anyway; below that the next
+    kernel reads them from cache, which a streamed output would have bypassed."""
+    written = rows * max((p.written_bytes_per_row for p in phases), default=0.0)
+    return [0, 1] if written > last_level_cache_bytes(hw) else [0]
+
+
 def rowwise_model(rows: int, cols: int, phases: list[RowwisePhase] | dict[int, list[RowwisePhase]],
                   hw: HardwareProfile, fixed: dict[str, int] | None = None, row_block: int = 1,
-                  resident_level: str = "L2", chunk_level: str = "L1", formulation: str | None = None) -> ChoiceModel:
+                  resident_level: str = "L2", chunk_level: str = "L1", formulation: str | None = None,
+                  streamed: bool = False) -> ChoiceModel:
     """The tiling model of a row-wise kernel. `fixed` adds single-valued knobs (e.g. the vector
     width); `row_block` makes tiles whole GEMM row blocks; `resident_level` is the cache the tile must
     stay in between passes (a per-core share of it when the level is shared); `chunk_level` the one
     a column chunk's working set must stay in while the tile's rows reuse it. With `formulation`,
     `phases` maps each value of that knob to the phases the kernel then runs (the same launches,
-    e.g. an intermediate recomputed in the backward or kept from the forward), each priced alike."""
+    e.g. an intermediate recomputed in the backward or kept from the forward), each priced alike.
+    With `streamed` the kernel can write its outputs by streaming stores (the template's STREAM: each
+    row to a buffer in cache, then around the caches): the `stream` knob (stream_choices), its DRAM
+    traffic then priced at the rate of an update in place (no read for ownership of the lines it
+    writes), and the buffer's copy as vector work (a 16th of an element's per byte: vector loads and stores)."""
     variants = phases if formulation else {0: phases}
     choice = (formulation,) if formulation else ()
+    every = [p for ps in variants.values() for p in ps]
     cm = {**DEFAULTS, **hw.costmodel}
     clock = hw.clock_ghz * 1e9
     simd_elems = max(hw.simd_bytes // 4, 1)
@@ -86,6 +106,7 @@ def rowwise_model(rows: int, cols: int, phases: list[RowwisePhase] | dict[int, l
         "threads": thread_candidates(hw.cores),
         **{name: [value] for name, value in (fixed or {}).items()},
         **({formulation: sorted(variants)} if formulation else {}),
+        **({"stream": stream_choices(hw, rows, every)} if streamed else {}),
     }
     frac = cm.get("cache_fraction", 0.5)
     chunk_mem = hw.memory[chunk_level]
@@ -102,7 +123,6 @@ def rowwise_model(rows: int, cols: int, phases: list[RowwisePhase] | dict[int, l
         return math.ceil(math.ceil(rows / tr) / th)
 
     constraints: list[Constraint] = []
-    every = [p for ps in variants.values() for p in ps]
     resident = max(p.resident_bytes_per_row for p in every)
     fixed_bytes = max(p.fixed_resident_bytes for p in every)
     per_col = max(p.l1_bytes_per_col for p in every)
@@ -124,13 +144,17 @@ def rowwise_model(rows: int, cols: int, phases: list[RowwisePhase] | dict[int, l
         return Term.of((*knobs, *choice), domains,
                        lambda *v: fn(variants[v[-1] if choice else 0][i], *v[:len(knobs)]))
 
+    def bandwidth(th: int, st: int) -> float:
+        return hw.inplace_bandwidth(th) if st else hw.stream_bandwidth(th)
+
+    stream = ("stream",) if streamed else ()
     model_phases = []
     for i, p in enumerate(variants[min(variants)]):
-        dram = term(("tile_rows", "threads"), lambda p, tr, th: busiest_rows(tr, th) * p.dram_bytes_per_row
-                    / (hw.stream_bandwidth(th) / th) * cm["dram_time_scale"], i)
-        vector = term(("tile_rows", "threads", "col_chunk"),
-                      lambda p, tr, th, cc: busiest_rows(tr, th) * (
-                          p.vector_elems_per_row * cm["vector_cycles_per_elem"]
+        dram = term(("tile_rows", "threads", *stream), lambda p, tr, th, st=0: busiest_rows(tr, th) * p.dram_bytes_per_row
+                    / (bandwidth(th, st) / th) * cm["dram_time_scale"], i)
+        vector = term(("tile_rows", "threads", "col_chunk", *stream),
+                      lambda p, tr, th, cc, st=0: busiest_rows(tr, th) * (
+                          (p.vector_elems_per_row + st * p.written_bytes_per_row / 16) * cm["vector_cycles_per_elem"]
                           + p.chunked_passes * math.ceil(cols / cc) * cm["chunk_overhead_cycles"]) / clock, i)
         l2_pipe = term(("tile_rows", "threads"), lambda p, tr, th: busiest_tiles(tr, th) * p.l2_bytes_per_tile / l2_bw
                        * cm["l2_time_scale"], i)
