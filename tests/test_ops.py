@@ -470,24 +470,28 @@ def test_mhc_post_pre_backward_both_ways(dtype, host):
         assert result.passed, f"col_chunk {col_chunk}: {result.summary}"
 
 
-def test_mhc_post_streams_its_outputs_only_past_the_last_level_cache_and_the_same_either_way(host):
+@pytest.mark.parametrize("op,cached,beyond,checks", [
+    ("mhc_post", "1024x4x256", "2048x4x4096", (("19x4x131", "bf16"), ("45x4x256", "fp32"))),   # 2 / 64 MB written
+    ("moe_permute", "1024x8x2x256", "1024x256x6x4096", (("37x5x3x131", "bf16"), ("300x8x2x96", "fp32")))])  # 1 / 48 MB
+def test_outputs_are_streamed_only_past_the_last_level_cache_and_are_the_same_either_way(op, cached, beyond, checks,
+                                                                                          host):
     """Streaming stores are a choice only where a call's fresh outputs outgrow the last-level cache
-    (below that the next kernel reads them from cache); built with them, the kernel writes the same
-    bits as with plain stores, rows of every alignment and length included (D odd: each row's bytes
-    start and end off the 32 B grid)."""
+    (below that the next kernel reads them from cache), and tune times both; built with them, the
+    kernel writes the same bits as with plain stores, rows of every alignment and length included
+    (odd widths: each row's bytes start and end off the 32 B grid)."""
     import dataclasses
 
     memory = dict(host.memory)
     memory["L3"] = dataclasses.replace(memory["L3"], capacity=32 * 2**20)
     machine = dataclasses.replace(host, memory=memory)
-    spec = get_op("mhc_post")
+    spec = get_op(op)
     kernel = host_kernel(spec)
     domains = {shape: kernel.tiling_problem(spec.problem(shape, "bf16"), machine).domains["stream"]
-               for shape in ("1024x4x256", "2048x4x4096")}   # 2 MB and 64 MB of streams written
-    assert domains == {"1024x4x256": [0], "2048x4x4096": [0, 1]}
-    assert "stream" in kernel.measured_knobs(spec.problem("2048x4x4096", "bf16"))   # tune times both
+               for shape in (cached, beyond)}
+    assert domains == {cached: [0], beyond: [0, 1]}
+    assert "stream" in kernel.measured_knobs(spec.problem(beyond, "bf16"))
 
-    for shape, dtype in (("19x4x131", "bf16"), ("45x4x256", "fp32")):
+    for shape, dtype in checks:
         problem = spec.problem(shape, dtype)
         knobs = {"tile_rows": 4, "threads": 2, "col_chunk": problem.shape[-1]}
         built = {st: build_kernel(spec, problem, {**knobs, "stream": st}) for st in (0, 1)}

@@ -90,10 +90,10 @@ def rowwise_model(rows: int, cols: int, phases: list[RowwisePhase] | dict[int, l
     a column chunk's working set must stay in while the tile's rows reuse it. With `formulation`,
     `phases` maps each value of that knob to the phases the kernel then runs (the same launches,
     e.g. an intermediate recomputed in the backward or kept from the forward), each priced alike.
-    With `streamed` the kernel can write its outputs by streaming stores (the template's STREAM: each
-    row to a buffer in cache, then around the caches): the `stream` knob (stream_choices), its DRAM
-    traffic then priced at the rate of an update in place (no read for ownership of the lines it
-    writes), and the buffer's copy as vector work (a 16th of an element's per byte: vector loads and stores)."""
+    With `streamed` the kernel can write its outputs by streaming stores (the template's STREAM:
+    ak_stream_copy from a row in cache): the `stream` knob (stream_choices), the DRAM traffic of the
+    phases that write (written_bytes_per_row) then priced at the rate of an update in place (no read
+    for ownership of the lines they write), the copy as vector work (a 16th of an element a byte)."""
     variants = phases if formulation else {0: phases}
     choice = (formulation,) if formulation else ()
     every = [p for ps in variants.values() for p in ps]
@@ -144,14 +144,14 @@ def rowwise_model(rows: int, cols: int, phases: list[RowwisePhase] | dict[int, l
         return Term.of((*knobs, *choice), domains,
                        lambda *v: fn(variants[v[-1] if choice else 0][i], *v[:len(knobs)]))
 
-    def bandwidth(th: int, st: int) -> float:
-        return hw.inplace_bandwidth(th) if st else hw.stream_bandwidth(th)
+    def bandwidth(p: RowwisePhase, th: int, st: int) -> float:   # a phase that writes nothing fresh streams nothing
+        return hw.inplace_bandwidth(th) if st and p.written_bytes_per_row else hw.stream_bandwidth(th)
 
     stream = ("stream",) if streamed else ()
     model_phases = []
     for i, p in enumerate(variants[min(variants)]):
         dram = term(("tile_rows", "threads", *stream), lambda p, tr, th, st=0: busiest_rows(tr, th) * p.dram_bytes_per_row
-                    / (bandwidth(th, st) / th) * cm["dram_time_scale"], i)
+                    / (bandwidth(p, th, st) / th) * cm["dram_time_scale"], i)
         vector = term(("tile_rows", "threads", "col_chunk", *stream),
                       lambda p, tr, th, cc, st=0: busiest_rows(tr, th) * (
                           (p.vector_elems_per_row + st * p.written_bytes_per_row / 16) * cm["vector_cycles_per_elem"]
