@@ -73,6 +73,10 @@ class HardwareProfile:
     # dtype -> TFLOP/s of AuraKernel's own blocked GEMM (host calibration); {}: not measured
     own_gemm_tflops: dict[str, float] = field(default_factory=dict)
 
+    def last_level_cache(self) -> MemoryLevel:
+        """The last cache level before DRAM: L3, or L2 where there is none."""
+        return self.memory["L3"] if "L3" in self.memory else self.memory["L2"]
+
     def stream_bandwidth(self, threads: int) -> float:
         """Bytes per second when `threads` threads stream (a copy to fresh memory, counted as STREAM
         counts it: read + write); the nearest measured thread count at or below `threads`."""

@@ -67,17 +67,12 @@ def thread_candidates(cores: int) -> list[int]:
     return list(range(1, max(cores, 1) + 1))
 
 
-def last_level_cache_bytes(hw: HardwareProfile) -> int:
-    """The largest cache of the profile (the last level: L3, or L2 where there is none)."""
-    return max((int(m.capacity) for name, m in hw.memory.items() if name.upper().startswith("L")), default=0)
-
-
 def stream_choices(hw: HardwareProfile, rows: int, phases) -> list[int]:
     """Values of a kernel's `stream` knob: 1 (outputs written by streaming stores) only where a call's
     fresh outputs outgrow the last-level cache, so they would leave it anyway; below that the next
     kernel reads them from cache, which a streamed output would have bypassed."""
     written = rows * max((p.written_bytes_per_row for p in phases), default=0.0)
-    return [0, 1] if written > last_level_cache_bytes(hw) else [0]
+    return [0, 1] if written > hw.last_level_cache().capacity else [0]
 
 
 def rowwise_model(rows: int, cols: int, phases: list[RowwisePhase] | dict[int, list[RowwisePhase]],

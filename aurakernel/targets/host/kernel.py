@@ -27,6 +27,10 @@ class HostKernel(Part, ABC):
     registry = KERNELS
     entries: ClassVar[dict[str, Entry]] = {}     # the C entry points, by the name run_* call them with
     knob_docs: ClassVar[dict[str, str]] = {}     # what each planned knob means
+    # the template can write its outputs by streaming stores (_stream.h.j2; rowwise_model's `stream`
+    # knob, given streamed=streams_outputs): tune times both values (measured_knobs), as the model
+    # cannot tell how much of a kernel waits on memory on a given CPU
+    streams_outputs: ClassVar[bool] = False
 
     def template(self) -> str:
         """Template path under templates/ (or a spec's own template_dirs)."""
@@ -57,7 +61,7 @@ class HostKernel(Part, ABC):
         """Knobs of the tiling model whose values its costs cannot rank on this CPU (e.g. a table
         lookup against evaluating a function: it depends on the machine's loads). tune builds every
         value of each, the rest of the plan held, and keeps the fastest timed side by side."""
-        return ()
+        return ("stream",) if self.streams_outputs else ()
 
     def verification_problems(self, problem: Problem, knobs: dict[str, int], simd_elems: int) -> list[Problem]:
         """The tuned shape plus tails: rows not divisible by tile x threads, a width off the SIMD grid."""

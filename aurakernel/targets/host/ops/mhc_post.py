@@ -32,6 +32,7 @@ class MhcPostHost(HostKernel):
                  "stream": "1: outputs written by streaming stores (each row through a buffer in cache)"}
     entries = {"fwd": Entry("ak_mhc_post_fwd", ("ptr",) * 5 + ("i64",)),
                "bwd": Entry("ak_mhc_post_bwd", ("ptr",) * 9 + ("i64",))}
+    streams_outputs = True   # half its time is arithmetic on an AVX2 EPYC: tune decides
 
     def phases(self, problem: Problem) -> list[RowwisePhase]:
         _, hc, d = problem.shape
@@ -51,13 +52,7 @@ class MhcPostHost(HostKernel):
         rows, _, d = problem.shape
         phases = self.phases(problem)
         # one pass per row: no column chunking, so col_chunk is the whole row
-        return rowwise_model(rows, d, phases, hw, fixed={"col_chunk": d}, streamed=True)
-
-    def measured_knobs(self, problem: Problem) -> tuple[str, ...]:
-        """Streaming stores pay where the kernel waits on memory: how much of it does differs
-        between CPUs (its arithmetic is half its time on an AVX2 EPYC), so tune times both where the
-        outputs outgrow the last-level cache (the model's `stream` domain)."""
-        return ("stream",)
+        return rowwise_model(rows, d, phases, hw, fixed={"col_chunk": d}, streamed=self.streams_outputs)
 
     def render_params(self, problem: Problem, knobs: dict[str, int]) -> dict:
         _, hc, d = problem.shape

@@ -152,7 +152,7 @@ class SparseAttentionHost(HostKernel):
                    "key_chunk": [c for c in (16, 32, 64, 128, 256, 512) if c % step == 0 and c < 2 * widest] or [step],
                    "threads": thread_candidates(hw.cores), "vec": [vec], "pack_rows": [pack_rows]}
         l2 = hw.memory["L2"].capacity * (1 if hw.memory["L2"].per_core else 1 / max(hw.cores, 1))
-        last = hw.memory["L3"] if "L3" in hw.memory else hw.memory["L2"]
+        last = hw.last_level_cache()
         last_share = last.capacity / (1 if last.per_core else max(hw.cores, 1))
 
         def working_set(qb, kb, backward):
