@@ -106,6 +106,25 @@ def test_roofline_points_are_attained_gflops_under_the_slope_or_the_matmul_peak(
     assert c["gflops"] == pytest.approx(7.0) and c["roof_pct"] == pytest.approx(140.0)
 
 
+def test_matmul_work_is_placed_against_the_compute_roof_in_the_table_and_the_plot():
+    """A GEMM-class kernel moves little memory for its FLOPs: its roofline is the share of the
+    arithmetic it waits on (the faster of its dtype's matmul peak and the FMA probe), not the 2% of
+    the memory floor; a streaming kernel keeps its traffic share."""
+    streaming = dict(kernel("rms_norm", 5.0, 1.5), dtype="fp32")          # 4 GFLOP/s: the traffic's 40% is larger
+    gemm = dict(kernel("linear", 1.1, 0.9), dtype="fp32", intensity=500.0, roofline_pct=2.0)   # 200 GFLOP/s
+    def rows(md):
+        return {line.split(" | ")[0][2:]: line for line in md.splitlines() if line.startswith("| linear") or
+                line.startswith("| rms_norm")}
+    md = bench.markdown(result([streaming, gemm]))
+    assert "| 50% |" in rows(md)["linear[default]"]      # of the 0.4 TFLOP/s fp32 matmul peak
+    assert "| 40% |" in rows(md)["rms_norm[default]"]
+    assert "fp32 400 GFLOP/s" in md
+    fma = dict(MACHINE, fma_tflops={"fp32": 0.8})   # the FMA probe above the matmul peak: the roof
+    assert "| 25% |" in rows(bench.markdown(result([streaming, gemm], machine=fma)))["linear[default]"]
+    _, g = bench.roofline_points(result([streaming, gemm], machine=fma), [streaming, gemm])
+    assert g["gflops"] == pytest.approx(200.0) and g["roof_pct"] == pytest.approx(25.0)
+
+
 def test_the_roofline_draws_the_measured_fma_roof_above_the_matmul_peaks(tmp_path, monkeypatch):
     """The plot's roofs: a line per matmul peak and, where the calibration measured it, the fp32 FMA
     roof; a calibration from before the probe draws the peaks alone."""
