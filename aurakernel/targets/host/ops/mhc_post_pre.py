@@ -24,6 +24,15 @@ applies: each tile's dx rows are whole once its HC streams are done, so mhc_post
 from a per-thread tile buffer (`post_in_tiles`, the template's POST_IN_TILES) and dx_pre (4 MB there)
 is neither written nor read back. Kernel alone 1499 -> 1426 us (medians of 300, three alternating
 runs); in the training step 1729 / 1853 -> 1637 / 1772 us a call (two alternating runs, 10 steps).
+The RMSNorm after the HyperConnection (input_layernorm / post_attention_layernorm on y) is not fused.
+With link_layers, 7 of the tiny model's 8 HyperConnections a step run inside this kernel, so the norm
+would join it here (post + pre + norm), not mhc_pre. What it could save, kernels alone on the AVX2
+EPYC: the norm at 1024 x 256 fp32 is 133 / 163 us forward / backward in cache (255 / 343 after a
+cache flush) against this kernel's 1.3 / 3.5 ms: at most 2-5 ms of a ~260 ms step. At V4's widths
+(1024 x 4096 bf16) it is 1.5 / 2.1 ms against 17.7 / 44.0 ms (up to 6%). The backward would take dz
+and never write dy: d_pre_i = r (x_i . (w dz)) - c (x_i . y) with r the norm's rstd and
+c = r^3 sum(w dz y) / D, both from the row pass mhc_pre's backward already makes, and dy recomputed
+per column chunk from x for dx.
 """
 
 from __future__ import annotations
