@@ -22,6 +22,7 @@ shape fits already (then nothing but its arithmetic and issue can bind it).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 
@@ -46,22 +47,20 @@ from aurakernel.targets.host.build import build_kernel  # noqa: E402
 from aurakernel.targets.host.ops import kernel_of  # noqa: E402
 
 
-def in_cache(problem: Problem, hw) -> tuple[Problem, float]:
-    """`problem` with its leading extent (the first one over 1: rows, or a batch's sequence) cut until
+def in_cache(problem: Problem, hw) -> tuple[Problem, int]:
+    """`problem` with its leading extent (the first one over 1: rows, or a batch's sequence) halved until
     the larger of a forward's and a backward's minimum traffic fits in three quarters of the last-level
-    cache; and the share of the full shape's rows it keeps."""
+    cache (`problem` itself where it fits already), and that extent's axis."""
     spec = OPS[problem.op]
     axis = next(i for i, n in enumerate(problem.shape) if n > 1)
     llc = hw.last_level_cache()
     cache = llc.capacity * (hw.cores if llc.per_core else 1)
-    full = problem.shape[axis]
-    n = full
-    while n > 1:
-        p = Problem(problem.op, problem.variant, problem.shape[:axis] + (n,) + problem.shape[axis + 1:], problem.dtype)
-        if max(spec.work(p, backward=b).bytes_moved for b in (False, True)) <= cache * 3 / 4:
-            return p, n / full
-        n = max(1, n // 2)
-    return Problem(problem.op, problem.variant, problem.shape[:axis] + (1,) + problem.shape[axis + 1:], problem.dtype), 1 / full
+    n = problem.shape[axis]
+    while True:
+        p = dataclasses.replace(problem, shape=problem.shape[:axis] + (n,) + problem.shape[axis + 1:])
+        if n == 1 or max(spec.work(p, backward=b).bytes_moved for b in (False, True)) <= cache * 3 / 4:
+            return p, axis
+        n //= 2
 
 
 def breakdown(problem, hw) -> dict:
@@ -69,19 +68,17 @@ def breakdown(problem, hw) -> dict:
     plan = solve_tiling(impl.tiling_problem(problem, hw), op=problem.op, variant=problem.variant, shape=problem.shape,
                         dtype=problem.dtype.value, target="host")
     kernel = build_kernel(spec, problem, plan.knobs)
-    small, share = in_cache(problem, hw)
-    small_kernel = build_kernel(spec, small, plan.knobs)   # the same knobs: the same code on fewer rows
+    small, axis = in_cache(problem, hw)
+    share = small.shape[axis] / problem.shape[axis]
+    # timed only where it tells something: the whole shape does not fit already, and the rows that do
+    # make at least two tiles a thread (else the threads' imbalance and the call's fixed costs weigh)
+    tell = share < 1 and small.shape[axis] >= 2 * plan.knobs.get("tile_rows", 1) * plan.knobs.get("threads", 1)
     inputs = spec.make_inputs(problem, 0)
-    s_inputs = spec.make_inputs(small, 0)
-    s_outputs = impl.empty_outputs(small, s_inputs)
     outputs = impl.empty_outputs(problem, inputs)
     diff = spec.differentiable(problem)
     grads = {k: torch.empty_like(inputs[k]) for k in diff}
     impl.run_forward(kernel, inputs, outputs)
-    impl.run_forward(small_kernel, s_inputs, s_outputs)
     grad_out = {k: torch.randn_like(outputs[k]) for k in spec.grad_outputs() if outputs[k].is_floating_point()}
-    s_grad_out = {k: torch.randn_like(s_outputs[k]) for k in grad_out}
-    s_grads = {k: torch.empty_like(s_inputs[k]) for k in diff}
 
     def fresh_forward():
         impl.run_forward(kernel, inputs, impl.empty_outputs(problem, inputs))
@@ -89,12 +86,20 @@ def breakdown(problem, hw) -> dict:
     def fresh_backward():
         impl.run_backward(kernel, inputs, outputs, grad_out, {k: torch.empty_like(inputs[k]) for k in diff})
 
-    candidates = {"fwd alone": lambda: impl.run_forward(kernel, inputs, outputs), "fwd fresh": fresh_forward,
-                  "fwd in cache": lambda: impl.run_forward(small_kernel, s_inputs, s_outputs)}
+    candidates = {"fwd alone": lambda: impl.run_forward(kernel, inputs, outputs), "fwd fresh": fresh_forward}
     if diff:
         candidates |= {"bwd alone": lambda: impl.run_backward(kernel, inputs, outputs, grad_out, grads),
-                       "bwd fresh": fresh_backward,
-                       "bwd in cache": lambda: impl.run_backward(small_kernel, s_inputs, s_outputs, s_grad_out, s_grads)}
+                       "bwd fresh": fresh_backward}
+    if tell:   # the same knobs: the same code on fewer rows
+        small_kernel = build_kernel(spec, small, plan.knobs)
+        s_inputs = spec.make_inputs(small, 0)
+        s_outputs = impl.empty_outputs(small, s_inputs)
+        impl.run_forward(small_kernel, s_inputs, s_outputs)
+        s_grad_out = {k: torch.randn_like(s_outputs[k]) for k in grad_out}
+        s_grads = {k: torch.empty_like(s_inputs[k]) for k in diff}
+        candidates["fwd in cache"] = lambda: impl.run_forward(small_kernel, s_inputs, s_outputs)
+        if diff:
+            candidates["bwd in cache"] = lambda: impl.run_backward(small_kernel, s_inputs, s_outputs, s_grad_out, s_grads)
     module_candidates, _ = patch_of(spec).timing_candidates(problem, kernel.source_hash, False)
     candidates["module fwd+bwd"] = module_candidates["aurakernel"]
     candidates["eager fwd+bwd"] = module_candidates["eager"]
@@ -102,12 +107,8 @@ def breakdown(problem, hw) -> dict:
     bw = hw.stream_bandwidth(hw.cores)
     bound = {"fwd": spec.work(problem, backward=False).bytes_moved / bw * 1e6,
              "bwd": spec.work(problem, backward=True).bytes_moved / bw * 1e6 if diff else 0.0}
-    # the in-cache rows' time per row as a share of the full shape's (1: the same rate in cache); none
-    # where they are too few to keep every thread busy with several tiles
-    rows = small.shape[next(i for i, n in enumerate(problem.shape) if n > 1)]
-    enough = share < 1 and rows >= 2 * plan.knobs.get("tile_rows", 1) * plan.knobs.get("threads", 1)
-    per_row = {ph: us[f"{ph} in cache"] / share / us[f"{ph} alone"] for ph in ("fwd", "bwd")
-               if f"{ph} alone" in us and enough}
+    # the in-cache rows' time per row as a share of the full shape's (1: the same rate in cache)
+    per_row = {ph: us[f"{ph} in cache"] / share / us[f"{ph} alone"] for ph in ("fwd", "bwd") if f"{ph} in cache" in us}
     return {"problem": problem.describe(), "plan": plan.knobs, "us": us, "bound_us": bound,
             "bound_fwd_bwd_us": bound["fwd"] + bound["bwd"], "in_cache": small.shape_text if share < 1 else "all of it",
             "in_cache_per_row": per_row}

@@ -60,8 +60,8 @@ def markdown(result: dict) -> str:
                   "(matmul work) ran in fp32."]
     if m.get("stream_gbps"):
         inplace = f", {m['inplace_gbps']:.1f} GB/s for what a kernel updates in place" if m.get("inplace_gbps") else ""
-        roofs = ", ".join(f"{d} {compute_roof_gflops(m, d):,.0f}" for d in sorted({k["dtype"] for k in result["kernels"]})
-                          if compute_roof_gflops(m, d))
+        roof_of = {d: compute_roof_gflops(m, d) for d in sorted({k["dtype"] for k in result["kernels"]})}
+        roofs = ", ".join(f"{d} {r:,.0f}" for d, r in roof_of.items() if r)
         lines += ["", "Roofline: the larger of the operator's two floors (forward + backward) as a share of the measured "
                   f"time: its minimum traffic at this machine's calibrated rates ({m['stream_gbps']:.1f} GB/s streamed, "
                   f"STREAM's copy{inplace}), and its FLOPs at the compute roof (the faster of its dtype's matmul peak "
