@@ -176,3 +176,43 @@ def test_the_register_blocked_gemm_matches_a_reference_at_every_edge(vec, tmp_pa
                     want = want + c
                 kernel.call("probe", m, n, k, a, 1 if transposed else k, m if transposed else 1, b, c, overwrite)
                 assert torch.equal(c, want), (m, n, k, overwrite, transposed)
+
+
+@pytest.mark.parametrize("vec", [8, 16])
+def test_the_blocked_gemm_driver_matches_a_reference_across_panels_strips_and_splits(vec, tmp_path):
+    """ak_gemm_strided (linear's, the grouped GEMMs', the fused loss's) with small blocking, so that
+    every shape spans several panels of B, blocks of A and k-panels: B packed as column strips whose
+    last one is a lone vector, three vectors or the leftover columns; B read across rows or down
+    columns (its transposed packing); A read in place or packed (strides past PACK_A_STRIDE); C
+    overwritten or added to; one thread and two (rows, columns or the depth shared)."""
+    import torch
+
+    from aurakernel.targets.host.library import Entry, compile_source
+
+    (tmp_path / "drv.c.j2").write_text(
+        '{% include "host/_common.h.j2" %}\n#define GEMM_PARTIAL_FLOATS ((int64_t)1 << 16)\n'
+        '{% include "host/_gemm_driver.h.j2" %}\n'
+        "int64_t ak_ws(void) { return ak_gemm_scratch_floats(); }\n"
+        "void ak_probe(int64_t M, int64_t N, int64_t K, const float* A, int64_t ars, int64_t acs, const float* B,"
+        " int64_t brs, int64_t bcs, float* C, int64_t acc, float* ws) {"
+        " ak_gemm_strided(M, N, K, A, ars, acs, B, brs, bcs, C, N, (int)acc, ws); }\n")
+    entries = {"ws": Entry("ak_ws", (), "i64"),
+               "probe": Entry("ak_probe", ("i64",) * 3 + ("ptr", "i64", "i64", "ptr", "i64", "i64", "ptr", "i64", "ptr"))}
+    g = torch.Generator().manual_seed(0)
+    for threads in (1, 2):
+        kernel = compile_source(render("drv.c.j2", {"dtype": DType.fp32, "vec": vec, "kc": 16, "nc": 6 * vec,
+                                                    "mc": 24, "threads": threads}, (tmp_path,)), entries)
+        ws = torch.empty(int(kernel.call("ws")))
+        for m, n, k in ((1, 1, 1), (7, 8, 5), (30, 3 * vec, 37), (50, 7 * vec, 16), (29, 9 * vec + 5, 40),
+                        (13, 2 * vec + 3, 1100), (1100, 13, 9), (5, 11 * vec, 33)):
+            for b_down, acc in ((False, 0), (True, 1)):
+                a = torch.randint(-3, 4, (m, k), generator=g).float()
+                b = torch.randint(-3, 4, (n, k) if b_down else (k, n), generator=g).float()
+                c = torch.randint(-3, 4, (m, n), generator=g).float()
+                want = a @ (b.T if b_down else b) + (c if acc else 0)
+                kernel.call("probe", m, n, k, a, k, 1, b, 1 if b_down else n, k if b_down else 1, c, acc, ws)
+                assert torch.equal(c, want), (threads, m, n, k, b_down, acc)
+                at = a.T.contiguous()   # A read down its columns (a weight gradient's dy^T)
+                c2 = torch.zeros(m, n)
+                kernel.call("probe", m, n, k, at, 1, m, b, 1 if b_down else n, k if b_down else 1, c2, 0, ws)
+                assert torch.equal(c2, a @ (b.T if b_down else b)), (threads, m, n, k, b_down, "A down columns")

@@ -24,10 +24,21 @@ forward 32 vs 52 us, backward 59 vs 105; x 8 forward ~55 vs ~110, backward ~95-1
 1024 x 4096 x 8 forward 1.0-1.4 vs 1.4-2.3 ms, backward 2.4 vs 3.6-4.0 ms. Through the module at
 the tiny sizes the custom op's and autograd's own ~0.1-0.3 ms take that back (1024 x 256 x 4: 409 vs
 330 us, x 8: 385 vs 382, one noisy run each), so autotune decides there.
+B's panel was packed row-major, so a strip's kc rows lay nc floats apart: at the planned nc = 128
+(512 B) its 256 lines fell on 8 of L1's 64 sets, and the strip the register blocks sweep did not
+stay in L1. Packed as column strips (each strip's rows contiguous), the panel no longer needs L2
+(a strip at a time is read from wherever it is), so nc grows to the whole width and A is packed and
+read once per k-panel, not once per 128 columns. Measured on the AVX2 EPYC (noisy; medians of
+interleaved runs, same process): the driver alone at 256^3 on one core 55-58 -> 79-82 GFLOP/s in two
+runs of three; the kernel, 1024 x 256 x 128, forward 1.05-1.14x and backward 1.03-1.07x the
+row-major panels at the same knobs (six runs); 1024 x 1024 x 4096 at the new plan (nc = 4096,
+mc = 192) forward 93.4 -> 85.6 ms, backward 186 -> 163 ms; grouped_linear at the tiny step's
+shapes 1.00-1.06x.
 The model below prices the FMA work at the calibrated peak with each k-panel's accumulator loads
-and stores and each block's call, B's packing and its strips' trips to L1, A's packing and reads,
-the accumulation passes over C and a depth split's partial sums, under L1 (a kc-long strip of B)
-and L2 (a panel of B and a block of A).
+and stores and each block's call, B's packing and its strips' trips to L1 (from L2, or from the
+last-level cache where the panel does not fit beside a block of A), A's packing and reads, the
+accumulation passes over C and a depth split's partial sums, under L1 (a kc-long strip of B) and
+L2 (a block of A and a strip of B).
 """
 
 from __future__ import annotations
@@ -95,12 +106,13 @@ def split_of(g: Gemm, team: int) -> str:
 
 
 def gemm_seconds(g: Gemm, kc: int, nc: int, mc: int, threads: int, *, vec: int, peak: float, l2: float,
-                 l2_bw: float, stream: float) -> tuple[float, float]:
+                 l2_bw: float, l3_bw: float, stream: float) -> tuple[float, float]:
     """(FMA seconds, memory seconds) of one GEMM: the FMAs at the per-core `peak` with each k-panel's
     accumulator loads and stores and each block's call; B's packing, and its strips brought to L1
-    once per block of A's rows; A's packing (where its strides are long) once per panel of B, and A
-    read once per strip of B, from L2 where a block of it fits there beside the panel, else from
-    memory; C in and out per k-panel; a depth split's partial sums."""
+    once per block of A's rows (from L2 where the panel fits there beside a block of A, else from the
+    last-level cache); A's packing (where its strides are long) once per panel of B, and A read once
+    per strip of B, from L2 where a block of it fits there beside a strip, else from memory; C in and
+    out per k-panel; a depth split's partial sums."""
     units = {"rows": math.ceil(g.m / (6 if vec == 8 else 8)), "cols": math.ceil(g.n / (2 * vec)),   # _gemm.h.j2's AK_MB
              "depth": math.ceil(g.k / kc) if g.partials_fit else 1}
     team = max(1, min(threads, max(units.values())))
@@ -112,12 +124,14 @@ def gemm_seconds(g: Gemm, kc: int, nc: int, mc: int, threads: int, *, vec: int, 
     depth = min(kc, k)
     blocks = math.ceil(m / mc) * math.ceil(n / nc) * math.ceil(k / kc)
     fma = 2 * m * n * k / peak * (depth + BLOCK_EDGE_STEPS) / depth + blocks * BLOCK_CALL_S
-    b = k * n * 4 * (2 * (2 if g.b_transposed else 1) + math.ceil(m / mc))
+    b_packed = k * n * 4 * 2 * (2 if g.b_transposed else 1)
+    b_strips = k * n * 4 * math.ceil(m / mc)
     a_packed = m * k * 8 * math.ceil(n / nc) if g.a_stride >= PACK_A_STRIDE else 0.0
     a_reads = m * k * 4 * math.ceil(n / (2 * vec))
     c = m * n * 8 * math.ceil(k / kc)
-    a_rate = l2_bw if (min(mc, m) + min(nc, n)) * min(kc, k) * 4 <= l2 else stream / team
-    memory = (b + a_packed) / l2_bw + a_reads / a_rate + c / max(l2_bw, stream / team)
+    a_rate = l2_bw if (min(mc, m) + 2 * vec) * min(kc, k) * 4 <= l2 else stream / team
+    b_rate = l2_bw if (min(mc, m) + min(nc, n)) * min(kc, k) * 4 <= l2 else l3_bw
+    memory = (b_packed + a_packed) / l2_bw + b_strips / b_rate + a_reads / a_rate + c / max(l2_bw, stream / team)
     if how == "depth" and team > 1:
         memory += (team - 1) * g.m * g.n * 12 / stream
     return fma, memory
@@ -134,7 +148,7 @@ def _candidates(start: int, cover: int, limit: int = 8) -> list[int]:
 
 def blocking(every: list[Gemm], hw) -> tuple[dict[str, list[int]], list[Constraint], dict[str, float]]:
     """The blocked GEMM's knobs (kc, nc, mc and the vector width) for GEMMs `every`, their cache
-    constraints (a strip of B in L1; a panel of B and a block of A in L2) and the rates gemm_seconds
+    constraints (a strip of B in L1; a block of A and a strip of B in L2) and the rates gemm_seconds
     takes: the knobs any kernel built on _gemm_driver.h.j2 plans."""
     vec = max(hw.simd_bytes // 4, 4)
     domains = {"kc": _candidates(64, max(g.k for g in every), 5), "nc": _candidates(4 * vec, max(g.n for g in every)),
@@ -143,11 +157,13 @@ def blocking(every: list[Gemm], hw) -> tuple[dict[str, list[int]], list[Constrai
     constraints = [
         Constraint("L1 capacity (a strip of B)", Term.of(("kc", "vec"), domains, lambda kc, v: kc * 2 * v * 4), l1,
                    "kc x 2 vectors x 4 B"),
-        Constraint("L2 capacity (a panel of B and a block of A)",
-                   Term.of(("kc", "nc", "mc"), domains, lambda kc, nc, mc: kc * (nc + mc) * 4), l2,
-                   "kc x (nc + mc) x 4 B")]
+        Constraint("L2 capacity (a block of A and a strip of B)",
+                   Term.of(("kc", "mc", "vec"), domains, lambda kc, mc, v: kc * (mc + 2 * v) * 4), l2,
+                   "kc x (mc + 2 vectors) x 4 B")]
+    last = "L3" if "L3" in hw.memory else "L2"
     rates = {"vec": vec, "peak": gemm_peak(hw, library=False), "l2": l2,
-             "l2_bw": hw.memory["L2"].bandwidth_gbps * 1e9, "stream": hw.stream_bandwidth(hw.cores)}
+             "l2_bw": hw.memory["L2"].bandwidth_gbps * 1e9, "l3_bw": hw.memory[last].bandwidth_gbps * 1e9 / hw.cores,
+             "stream": hw.stream_bandwidth(hw.cores)}
     return domains, constraints, rates
 
 
@@ -223,7 +239,7 @@ def narrow_model(problem: Problem, hw) -> ChoiceModel:
 
 class LinearHost(HostKernel):
     knob_docs = {"kc": "reduction depth of a packed panel (a kc x 2-vector strip of B stays in L1)",
-                 "nc": "columns of C per packed panel of B (the panel stays in L2)",
+                 "nc": "columns of C per packed panel of B (A is packed and read once per panel)",
                  "mc": "rows of A per block (a packed block stays in L2)", "threads": "OpenMP threads",
                  "vec": "fp32 lanes per vector (the register blocks' width)"}
     entries = {"fwd": Entry("ak_linear_fwd", ("ptr", "ptr", "ptr", "i64", "ptr")),
