@@ -38,20 +38,24 @@ def test_summary_finds_the_slowest_block_and_what_ran_while_its_busiest_pipe_idl
     assert timeline.summarize(launches[1], block=0).makespan == 80   # a block asked for by number
 
 
-def test_summary_cli_prints_the_tables_and_rejects_bad_input_in_one_line(tmp_path):
+def test_summary_cli_prints_the_tables_and_rejects_bad_input_in_one_line(tmp_path, capsys):
+    from aurakernel.emulator.timeline import main
+
     path = tmp_path / "trace.txt"
     path.write_text(TRACE)
-    cli = [sys.executable, "-m", "aurakernel.emulator.timeline"]
-    out = subprocess.run([*cli, str(path), "--pipe", "AIC.MTE2", "--gap", "40"], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    assert "ak_demo_fwd-0123: block 1, 500 cycles" in out.stdout and "2 stretches, 350 cycles" in out.stdout
-    assert "costliest instructions" in out.stdout and "Mmad" in out.stdout
+    assert main([str(path), "--pipe", "AIC.MTE2", "--gap", "40"]) == 0
+    out = capsys.readouterr().out
+    assert "ak_demo_fwd-0123: block 1, 500 cycles" in out and "2 stretches, 350 cycles" in out
+    assert "costliest instructions" in out and "Mmad" in out
     for args, why in (([str(path), "--pipe", "AIC.FIX"], "ran nothing in block 1"),
                       ([str(path), "--block", "7"], "block 7 is not in the launch"),
-                      ([str(path), "--launch", "bwd"], "no launch"),
-                      ([str(tmp_path / "missing.txt")], "No such file")):
-        bad = subprocess.run([*cli, *args], capture_output=True, text=True)
-        assert bad.returncode == 2 and why in bad.stderr and len(bad.stderr.splitlines()) == 1 and not bad.stdout
+                      ([str(path), "--launch", "bwd"], "no launch")):
+        assert main(args) == 2, args
+        bad = capsys.readouterr()
+        assert why in bad.err and len(bad.err.splitlines()) == 1 and not bad.out
     path.write_text("0 AIC MTE2 0 1\n")
-    bad = subprocess.run([*cli, str(path)], capture_output=True, text=True)
-    assert bad.returncode == 2 and "not an AK_TRACE line" in bad.stderr
+    assert main([str(path)]) == 2 and "not an AK_TRACE line" in capsys.readouterr().err
+    # as a module (`python -m`), its exit code
+    bad = subprocess.run([sys.executable, "-m", "aurakernel.emulator.timeline", str(tmp_path / "missing.txt")],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "No such file" in bad.stderr and len(bad.stderr.splitlines()) == 1 and not bad.stdout
