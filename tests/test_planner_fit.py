@@ -5,16 +5,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
-import subprocess
 
 import numpy as np
 import pytest
 
+from aurakernel.cli import main
 from aurakernel.db import Record, TuningDB
 from aurakernel.errors import UserError
 from aurakernel.ops import OPS
 from aurakernel.planner import fit
-from conftest import AURAKERNEL, FIXED_CALIBRATION
+from conftest import FIXED_CALIBRATION
 from aurakernel.targets.host.ops import kernel_of as host_kernel
 
 TRUE_HOST = {"dram_time_scale": 1.4, "l2_time_scale": 1.0, "vector_cycles_per_elem": 0.6,
@@ -123,7 +123,7 @@ def test_recalibrating_keeps_the_fitted_coefficients(tmp_path, monkeypatch):
     assert cal["fork_overhead_us"] == 2.5 and cal["costmodel"] == fitted and cal["costmodel_fit"] == {"records": 20}
 
 
-def test_too_few_records_says_how_many_and_how_to_get_them(tmp_path, host):
+def test_too_few_records_says_how_many_and_how_to_get_them(tmp_path, host, capsys):
     db = TuningDB(tmp_path / "few.sqlite")
     synthetic = synthetic_db(tmp_path / "synthetic.sqlite", host, TRUE_HOST, per_problem=1)
     for _, r in synthetic.frame().head(3).iterrows():
@@ -131,10 +131,10 @@ def test_too_few_records_says_how_many_and_how_to_get_them(tmp_path, host):
                       json.loads(r["plan"]), None, r["measured_us"], None, None, True, "ok", {}))
     with pytest.raises(UserError, match=r"at least 12 .* it has 3: .*aurakernel tune"):
         fit.fit_host(db.path, hw=host, write=False)
-    proc = subprocess.run([*AURAKERNEL, "calibrate", "--fit", "--db", str(tmp_path / "none.sqlite")],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1 and "it has 0" in proc.stderr and "bench search-quality" in proc.stderr
+    assert main(["calibrate", "--fit", "--db", str(tmp_path / "none.sqlite")]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 and "it has 0" in err and "bench search-quality" in err
 
 
 def synthetic_ascend_samples(hw, scales, per_op=3, seed=0) -> list[fit.AscendSample]:
@@ -224,15 +224,16 @@ def test_search_quality_one_small_problem(tmp_path):
     assert row["pick_knobs"] in [json.loads(p)["knobs"] for p in recorded["plan"]]
 
 
-def test_bench_suite_argument_keeps_the_kernels_options_apart():
+def test_bench_suite_argument_keeps_the_kernels_options_apart(capsys):
     from aurakernel.bench import search_quality as sq
 
     for args, message in ((["bench", "search-quality", "--quick"], "--quick: option(s) of the kernels suite"),
                           (["bench", "--max-candidates", "3"], "--max-candidates: option(s) of `aurakernel bench "
                                                                "search-quality`"),
                           (["bench", "speed"], "unknown benchmark suite 'speed'")):
-        proc = subprocess.run([*AURAKERNEL, *args], capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, args
+        assert main(args) == 2, args
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, args
     with pytest.raises(UserError, match="--shapes-per-op 4: accepted is 1 to 3"):
         sq.check_options(4, 16)
     with pytest.raises(UserError, match="--max-candidates 1: accepted is 2 or more"):
