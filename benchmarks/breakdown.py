@@ -63,6 +63,15 @@ def in_cache(problem: Problem, hw) -> tuple[Problem, int]:
         n //= 2
 
 
+def buffers(spec, impl, problem, kernel) -> tuple[dict, dict, dict, dict]:
+    """A run's inputs, outputs (written once by the forward), output gradients and gradients."""
+    inputs = spec.make_inputs(problem, 0)
+    outputs = impl.empty_outputs(problem, inputs)
+    impl.run_forward(kernel, inputs, outputs)
+    grad_out = {k: torch.randn_like(outputs[k]) for k in spec.grad_outputs() if outputs[k].is_floating_point()}
+    return inputs, outputs, grad_out, {k: torch.empty_like(inputs[k]) for k in spec.differentiable(problem)}
+
+
 def breakdown(problem, hw) -> dict:
     spec, impl = OPS[problem.op], kernel_of(OPS[problem.op])
     plan = solve_tiling(impl.tiling_problem(problem, hw), op=problem.op, variant=problem.variant, shape=problem.shape,
@@ -73,12 +82,8 @@ def breakdown(problem, hw) -> dict:
     # timed only where it tells something: the whole shape does not fit already, and the rows that do
     # make at least two tiles a thread (else the threads' imbalance and the call's fixed costs weigh)
     tell = share < 1 and small.shape[axis] >= 2 * plan.knobs.get("tile_rows", 1) * plan.knobs.get("threads", 1)
-    inputs = spec.make_inputs(problem, 0)
-    outputs = impl.empty_outputs(problem, inputs)
     diff = spec.differentiable(problem)
-    grads = {k: torch.empty_like(inputs[k]) for k in diff}
-    impl.run_forward(kernel, inputs, outputs)
-    grad_out = {k: torch.randn_like(outputs[k]) for k in spec.grad_outputs() if outputs[k].is_floating_point()}
+    inputs, outputs, grad_out, grads = buffers(spec, impl, problem, kernel)
 
     def fresh_forward():
         impl.run_forward(kernel, inputs, impl.empty_outputs(problem, inputs))
@@ -92,11 +97,7 @@ def breakdown(problem, hw) -> dict:
                        "bwd fresh": fresh_backward}
     if tell:   # the same knobs: the same code on fewer rows
         small_kernel = build_kernel(spec, small, plan.knobs)
-        s_inputs = spec.make_inputs(small, 0)
-        s_outputs = impl.empty_outputs(small, s_inputs)
-        impl.run_forward(small_kernel, s_inputs, s_outputs)
-        s_grad_out = {k: torch.randn_like(s_outputs[k]) for k in grad_out}
-        s_grads = {k: torch.empty_like(s_inputs[k]) for k in diff}
+        s_inputs, s_outputs, s_grad_out, s_grads = buffers(spec, impl, small, small_kernel)
         candidates["fwd in cache"] = lambda: impl.run_forward(small_kernel, s_inputs, s_outputs)
         if diff:
             candidates["bwd in cache"] = lambda: impl.run_backward(small_kernel, s_inputs, s_outputs, s_grad_out, s_grads)

@@ -77,19 +77,19 @@ class TorchOp:
     def backward_args(self, args: tuple, output, grad_outputs: tuple) -> tuple:
         """The backward op's arguments for one forward call (args -> output) and its output
         gradients: what the autograd formula passes (for opcheck and tests)."""
-        return (*grad_outputs[: self.differentiable], *(args[i] for i in self._saved), *self._split(output)[1],
-                *self._kept(output),
-                *(args[i] for i in self._consts))
+        visible, residuals = self._split(output)
+        return (*grad_outputs[: self.differentiable], *(args[i] for i in self._saved), *residuals,
+                *self._kept(visible), *(args[i] for i in self._consts))
 
-    def _kept(self, output) -> tuple:
-        """The visible outputs the backward gets too (save_outputs), after the residuals."""
-        return self._split(output)[0] if self.save_outputs else ()
+    def _kept(self, visible: tuple) -> tuple:
+        """Of the visible outputs, those the backward gets too (save_outputs), after the residuals."""
+        return visible if self.save_outputs else ()
 
     def _save(self, ctx, inputs, output) -> None:
         """The autograd context of one forward call (also the custom op's setup_context, which torch
         calls with these keyword names)."""
         visible, residuals = self._split(output)
-        ctx.save_for_backward(*[inputs[i] for i in self._saved], *residuals, *(visible if self.save_outputs else ()))
+        ctx.save_for_backward(*[inputs[i] for i in self._saved], *residuals, *self._kept(visible))
         if self.differentiable < self.outputs:
             ctx.mark_non_differentiable(*visible[self.differentiable:])
         ctx.consts = tuple(inputs[i] for i in self._consts)

@@ -112,7 +112,7 @@ def split_of(g: Gemm, team: int) -> str:
 
 
 def gemm_seconds(g: Gemm, kc: int, nc: int, mc: int, threads: int, *, vec: int, peak: float, l2: float,
-                 l2_bw: float, l3_bw: float, stream: float) -> tuple[float, float]:
+                 l2_bw: float, llc_bw: float, stream: float) -> tuple[float, float]:
     """(FMA seconds, memory seconds) of one GEMM: the FMAs at the per-core `peak` with each k-panel's
     accumulator loads and stores and each block's call; B's packing, and its strips brought to L1
     once per block of A's rows (from L2 where the panel fits there beside a block of A, else from the
@@ -136,7 +136,7 @@ def gemm_seconds(g: Gemm, kc: int, nc: int, mc: int, threads: int, *, vec: int, 
     a_reads = m * k * 4 * math.ceil(n / (2 * vec))
     c = m * n * 8 * math.ceil(k / kc)
     a_rate = l2_bw if (min(mc, m) + 2 * vec) * min(kc, k) * 4 <= l2 else stream / team
-    b_rate = l2_bw if (min(mc, m) + min(nc, n)) * min(kc, k) * 4 <= l2 else l3_bw
+    b_rate = l2_bw if (min(mc, m) + min(nc, n)) * min(kc, k) * 4 <= l2 else llc_bw
     memory = (b_packed + a_packed) / l2_bw + b_strips / b_rate + a_reads / a_rate + c / max(l2_bw, stream / team)
     if how == "depth" and team > 1:
         memory += (team - 1) * g.m * g.n * 12 / stream
@@ -166,9 +166,10 @@ def blocking(every: list[Gemm], hw) -> tuple[dict[str, list[int]], list[Constrai
         Constraint("L2 capacity (a block of A and a strip of B)",
                    Term.of(("kc", "mc", "vec"), domains, lambda kc, mc, v: kc * (mc + 2 * v) * 4), l2,
                    "kc x (mc + 2 vectors) x 4 B")]
-    last = "L3" if "L3" in hw.memory else "L2"
+    llc = hw.last_level_cache()
     rates = {"vec": vec, "peak": gemm_peak(hw, library=False), "l2": l2,
-             "l2_bw": hw.memory["L2"].bandwidth_gbps * 1e9, "l3_bw": hw.memory[last].bandwidth_gbps * 1e9 / hw.cores,
+             "l2_bw": hw.memory["L2"].bandwidth_gbps * 1e9,
+             "llc_bw": llc.bandwidth_gbps * 1e9 / (1 if llc.per_core else max(hw.cores, 1)),   # a core's share
              "stream": hw.stream_bandwidth(hw.cores)}
     return domains, constraints, rates
 
