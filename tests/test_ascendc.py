@@ -309,6 +309,29 @@ def test_tune_candidates_keep_the_fastest_tiling_the_emulator_estimates(tmp_path
     assert any(result["plan"][k] != pick[k] for k in ("tile_rows", "forward_tile_rows", "chunk", "buffers"))
 
 
+def test_a_cube_plan_is_solved_once_per_problem_and_handed_out_as_copies(monkeypatch):
+    """Each runner-up that `tune --candidates` estimates keeps the planner's Cube tiling: it is solved
+    once per process for a problem, profile and solver (sparse attention's model takes ~10 s to solve
+    and explain), and every caller gets a copy of its own, so one caller's edit reaches no other."""
+    solved = []
+    solve = ascend.solve_tiling
+    monkeypatch.setattr(ascend, "solve_tiling", lambda *a, **k: solved.append(k["shape"]) or solve(*a, **k))
+    monkeypatch.setattr(ascend, "_CUBE_PLANS", {})
+    spec = OPS["indexer_score"]
+    problem = spec.problem("1x96x64x128x256", "bf16")
+    first = ascend.cube_plan(spec, problem, HW, target="ascend910b2", solver="highs")
+    picked = dict(first.knobs)
+    first.knobs["cube_rows"] = -1
+    again = ascend.cube_plan(spec, problem, HW, target="ascend910b2", solver="highs")
+    assert solved == [problem.shape] and again.knobs == picked
+    other = spec.problem("1x96x64x128x512", "bf16")
+    ascend.cube_plan(spec, other, HW, target="ascend910b2", solver="highs")
+    ascend.cube_plan(spec, problem, load_profile("ascend910b4"), target="ascend910b4", solver="highs")
+    assert solved == [problem.shape, other.shape, problem.shape]   # another problem, another profile: solved
+    assert ascend.cube_plan(OPS["rms_norm"], OPS["rms_norm"].problem("64x4096", "bf16", "weighted"), HW,
+                            target="ascend910b2", solver="highs") is None   # no Cube phases
+
+
 @pytest.mark.parametrize("buffers", [1, 2])
 def test_router_side_inputs_come_in_groups_of_tiles(buffers, tmp_path):
     """The experts and d weights come SIDE_TILES tiles a copy: on cores that walk 18 tiles of 8 rows
