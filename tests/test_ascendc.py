@@ -324,6 +324,7 @@ def test_a_cube_plan_is_solved_once_per_problem_and_handed_out_as_copies(monkeyp
     first.knobs["cube_rows"] = -1
     again = ascend.cube_plan(spec, problem, HW, target="ascend910b2", solver="highs")
     assert solved == [problem.shape] and again.knobs == picked
+    ascend.cube_plan(spec, problem, HW, target="ascend910b2", solver="highs", explain=False)   # served explained
     other = spec.problem("1x96x64x128x512", "bf16")
     ascend.cube_plan(spec, other, HW, target="ascend910b2", solver="highs")
     ascend.cube_plan(spec, problem, load_profile("ascend910b4"), target="ascend910b4", solver="highs")
