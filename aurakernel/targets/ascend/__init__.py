@@ -374,12 +374,14 @@ def fastest_emulated(spec: OpSpec, problem: Problem, hw: HardwareProfile, pick: 
 
 
 def tune(spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, solver: str,
-         out_dir: Path | None = None, candidates: int = 1) -> TuneResult:
+         out_dir: Path | None = None, candidates: int = 1, explain: bool = True) -> TuneResult:
     """Plan, render the op project, verify it in the emulator at tail shapes (3 seeds) and estimate
     its cycles at the full shape (nothing runs here to time: measured_us stays None). With candidates
-    > 1 the planner's that many best tilings are estimated side by side and the fastest kept."""
+    > 1 the planner's that many best tilings are estimated side by side and the fastest kept. Without
+    `explain` the plan names no binding constraint (a solve per capacity: ~7 s of sparse attention's
+    ~10 s Cube plan)."""
     kernel = kernel_of(spec)
-    the_plan = plan(spec, problem, hw, target=target, solver=solver)
+    the_plan = plan(spec, problem, hw, target=target, solver=solver, explain=explain)
     notes = []
     if candidates > 1:
         the_plan, note = fastest_emulated(spec, problem, hw, the_plan, candidates, target=target, solver=solver)
