@@ -17,6 +17,10 @@ hidden-state gradient) and the weight gradient once in and out, 4 x vocab x hidd
 chunk. So chunk_rows trades memory (a chunk's logits, chunk_rows x vocab) against that traffic:
 small chunks make the GEMMs memory-bound on the weight, large ones hold more logits. The loss kernel
 itself is two sweeps over a chunk's logits. The model below prices both and caps a chunk's logits.
+Measured at that shape in fp32 (benchmarks/linear_cross_entropy.py, AVX2 EPYC, 2 cores, three rounds):
+94.1 s against eager's 103.9 s (1.10x: the same GEMMs, torch's, are ~95% of both), allocator peak
+2,337 MiB against 6,060 (0.39x), of which 2,020 MiB is the fp32 weight gradient itself (an output);
+the rest is one 512-row chunk's logits (252 MiB) against eager's whole logits and their gradient.
 """
 
 from __future__ import annotations
