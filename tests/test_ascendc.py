@@ -27,6 +27,12 @@ SPREAD_TESTS = True   # xdist spreads these long emulator cases over its workers
                       # tests (torch_headers) keep to one worker by their own xdist group
 
 
+def planned_knobs(spec, problem) -> dict[str, int]:
+    """The planner's knobs for `problem` on HW, without the binding analysis (a solve per capacity:
+    ~7 s of sparse attention's plan) that a test of the kernel does not read."""
+    return ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs", explain=False).knobs
+
+
 @pytest.mark.parametrize("op,variant,shape,dtype", [
     ("rms_norm", "weighted", "60x4096", "bf16"),       # V4-Flash hidden size
     ("rms_norm", "weighted", "60x7168", "bf16"),       # V4-Pro hidden size
@@ -99,7 +105,7 @@ def test_sparse_attention_reads_each_rows_distinct_picks_and_spans_key_tiles():
     assert listed.tolist() == [[[0, 2, 5, -1, -1], [-1] * 5, [1, 3, 4, -1, -1]]]
     spec, kernel = OPS["sparse_attention"], ascend.kernel_of(OPS["sparse_attention"])
     problem = spec.problem("1x64x4096x512x128x512", "bf16", "csa")
-    knobs = ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs", explain=False).knobs
+    knobs = planned_knobs(spec, problem)
     for tile in ("kv_tile", "bwd_kv_tile"):   # the forward's and the backward's own key tiles
         assert any(p.shape[4] > knobs[tile] and p.shape[2] > knobs[tile] for p in kernel.verification_problems(problem, knobs))
     with pytest.raises(PlanInfeasible, match="16-bit"):
@@ -146,10 +152,9 @@ def test_sparse_attention_gathers_picks_a_short_gap_apart_in_one_copy(tmp_path):
     assert dense[1][1] < dense[0][1] and sum(dense[1][0]) > sum(dense[0][0])   # fewer copies, more keys
 
     spec = OPS["sparse_attention"]
-    assert ascend.plan(spec, spec.problem("1x64x1024x512x128x128", "bf16", "csa"), HW, target="ascend910b2",
-                       solver="highs", explain=False).knobs["merge_gap"] == 2
+    assert planned_knobs(spec, spec.problem("1x64x1024x512x128x128", "bf16", "csa"))["merge_gap"] == 2
     problem = spec.problem("1x16x160x128x16x24", "bf16", "csa")   # 24 picks of up to 40 ready entries
-    knobs = ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs", explain=False).knobs
+    knobs = planned_knobs(spec, problem)
     reports = _emulated_with(spec, problem, knobs, "merge_gap", (0, 2), tmp_path, verify=lambda gap: gap > 0)
     gathered = {gap: sum(b.busy["MTE2"] for b in r["forward"].blocks if b.core == "AIC") for gap, r in reports.items()}
     assert gathered[2] < 0.8 * gathered[0]   # emulated: 178k against 242k cycles
@@ -168,7 +173,7 @@ def test_sparse_attention_vector_cores_gather_a_share_of_scattered_picks(tmp_pat
                               solver="highs", explain=False) for seq, picks in ((1024, 128), (65536, 512))}
     assert plans[1024].knobs["aiv_gather"] == 0 and plans[65536].knobs["aiv_gather"] > 0
     problem = spec.problem("1x16x512x128x16x24", "bf16", "csa")   # 24 picks of up to 128 ready entries
-    knobs = ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs", explain=False).knobs
+    knobs = planned_knobs(spec, problem)
     reports = _emulated_with(spec, problem, knobs | {"merge_gap": 0, "o_chunk": 64}, "aiv_gather", (0, 4), tmp_path,
                              verify=lambda share: share > 0)
     for phase in ("forward", "backward"):
@@ -186,7 +191,7 @@ def test_sparse_attention_kernels_tile_keys_each_their_own_way(tiles, tmp_path):
     flight across them)."""
     spec, kernel = OPS["sparse_attention"], ascend.kernel_of(OPS["sparse_attention"])
     problem = spec.problem("1x16x40x128x128x8", "bf16", "csa")
-    knobs = ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs", explain=False).knobs | tiles
+    knobs = planned_knobs(spec, problem) | tiles
     emu = ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, tmp_path, HW), HW)
     problems = kernel.verification_problems(problem, knobs)
     assert any(p.shape[2] > 128 and p.shape[0] * p.shape[2] > 2 * HW.cores for p in problems)
@@ -205,10 +210,9 @@ def test_sparse_attention_forward_joins_a_short_last_tile_to_the_one_before(tmp_
     from aurakernel.targets.ascend.ops.sparse_attention import position_tiles
     spec = OPS["sparse_attention"]
     assert [position_tiles(k, 64, 32) for k in (40, 64, 96, 97, 128, 160)] == [1, 1, 1, 2, 2, 2]
-    assert ascend.plan(spec, spec.problem("1x64x1024x512x128x128", "bf16", "hca"), HW, target="ascend910b2",
-                       solver="highs", explain=False).knobs["pair_keys"] > 0
+    assert planned_knobs(spec, spec.problem("1x64x1024x512x128x128", "bf16", "hca"))["pair_keys"] > 0
     problem = spec.problem("1x32x160x256x64x8", "bf16", "hca")   # window 64, up to 20 entries
-    base = ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs", explain=False).knobs | {"kv_tile": 64, "s_buffers": 1}
+    base = planned_knobs(spec, problem) | {"kv_tile": 64, "s_buffers": 1}
     cycles = {pk: r["forward"].cycles for pk, r in _emulated_with(spec, problem, base, "pair_keys", (0, 32), tmp_path).items()}
     assert cycles[32] < 0.96 * cycles[0], cycles   # emulated: 18.7k against 19.8k cycles
 
@@ -223,7 +227,7 @@ def test_sparse_attention_key_gradients_add_in_l2_where_they_fit(tmp_path, monke
     assert SparseAttentionAscend.gradients_stay_in_l2(spec.problem("1x64x1024x512x128x128", "bf16", "csa"), HW)
     assert not SparseAttentionAscend.gradients_stay_in_l2(spec.problem("1x64x65536x512x128x512", "bf16", "csa"), HW)
     problem = spec.problem("1x16x40x128x128x8", "bf16", "csa")
-    knobs = ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs", explain=False).knobs
+    knobs = planned_knobs(spec, problem)
     emu = ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, tmp_path, HW), HW)
     inputs = spec.make_inputs(problem, 0)
     grad_out = {"y": torch.randn(*spec.reference(problem, inputs)["y"].shape, generator=torch.Generator().manual_seed(1))}
@@ -251,7 +255,7 @@ def test_router_flags_exactly_the_rows_whose_kth_and_next_scores_tie(tmp_path):
     from transformers.activations import ACT2FN
     spec, kernel = OPS["router"], ascend.kernel_of(OPS["router"])
     problem = spec.problem("120x256x6", "bf16", "topk")
-    knobs = ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs", explain=False).knobs
+    knobs = planned_knobs(spec, problem)
     emu = ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, tmp_path, HW), HW)
     logits = (torch.randn(120, 256, generator=torch.Generator().manual_seed(0)) * 3).to(torch.bfloat16)
     logits[3, 10:17] = float("inf")
@@ -276,11 +280,11 @@ def test_router_tiles_take_any_multiple_of_8_rows(tmp_path):
     spec, kernel = OPS["router"], ascend.kernel_of(OPS["router"])
     flash = spec.problem("8192x256x6", "bf16", "topk")
     assert {24, 40, 48} <= set(ascend.model(spec, flash, HW).domains["tile_rows"])
-    assert ascend.plan(spec, flash, HW, target="ascend910b2", solver="highs", explain=False).knobs["tile_rows"] == 24
+    assert planned_knobs(spec, flash)["tile_rows"] == 24
     norm = OPS["rms_norm"].problem("8192x4096", "bf16", "weighted")
     assert ascend.model(OPS["rms_norm"], norm, HW).domains["tile_rows"] == [1, 2, 4, 8, 16, 32, 64]
     problem = spec.problem("2300x256x6", "bf16", "topk")
-    knobs = {**ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs", explain=False).knobs, "tile_rows": 24, "buffers": 2}
+    knobs = {**planned_knobs(spec, problem), "tile_rows": 24, "buffers": 2}
     emu = ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, tmp_path, HW), HW)
     result = ascend.verify(spec, [problem], knobs, emu, seeds=(0,))
     assert result.passed, result.summary
@@ -304,8 +308,7 @@ def test_tune_candidates_keep_the_fastest_tiling_the_emulator_estimates(tmp_path
     assert result["verified"] and result["est_us"] == pytest.approx(min(estimates), abs=0.006)   # the note rounds
     assert result["est_us"] < estimates[0]                  # the pick was not the fastest
     assert result["binding_constraint"].startswith("emulated: the fastest of the planner's 6 best")
-    pick = ascend.plan(OPS["router"], OPS["router"].problem("4096x256x6", "bf16", "hash"), HW,
-                       target="ascend910b2", solver="highs", explain=False).knobs
+    pick = planned_knobs(OPS["router"], OPS["router"].problem("4096x256x6", "bf16", "hash"))
     assert any(result["plan"][k] != pick[k] for k in ("tile_rows", "forward_tile_rows", "chunk", "buffers"))
 
 
@@ -341,7 +344,7 @@ def test_router_side_inputs_come_in_groups_of_tiles(buffers, tmp_path):
     from aurakernel.targets.ascend.ops.router import SIDE_TILES
     spec = OPS["router"]
     problem = spec.problem("2300x256x6", "bf16", "hash")
-    knobs = {**ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs", explain=False).knobs,
+    knobs = {**planned_knobs(spec, problem),
              "tile_rows": 8, "forward_tile_rows": 16, "buffers": buffers, "block_dim": 16}
     per_core = -(-2300 // 16)
     assert per_core // 8 > 2 * SIDE_TILES and (2300 - 15 * per_core) % 8   # three groups, a short last tile
@@ -359,7 +362,7 @@ def test_router_backward_scatters_packed_gradients_and_sums_a_repeated_expert(dt
     import torch
     spec, kernel = OPS["router"], ascend.kernel_of(OPS["router"])
     problem = spec.problem("60x256x6", dtype, "hash")
-    knobs = ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs", explain=False).knobs
+    knobs = planned_knobs(spec, problem)
     emu = ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, tmp_path, HW), HW)
     inputs = spec.make_inputs(problem, 0)
     table = inputs["tid2eid"].clone()
@@ -419,7 +422,7 @@ def test_mhc_forward_on_the_cube_reads_x_once_from_hbm(tmp_path):
     from aurakernel.targets.ascend.ops.mhc import MhcAscend, fn_parts
     spec = OPS["mhc_pre"]
     problem = spec.problem("75x4x4096", "bf16", "default")
-    knobs = ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs", explain=False).knobs
+    knobs = planned_knobs(spec, problem)
     inputs = spec.make_inputs(problem, 0)
     ref = spec.reference(problem, inputs)
     emu = ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, tmp_path, HW), HW)
@@ -460,7 +463,7 @@ def test_mhc_cube_kernels_over_several_rounds_and_tiles(op, tmp_path):
     short; forward and backward (x, fn, base, scale) match the reference."""
     spec = OPS[op]
     problem = spec.problem("75x4x1024", "bf16", "default")
-    knobs = {**ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs", explain=False).knobs,
+    knobs = {**planned_knobs(spec, problem),
              "cube_blocks": 3, "cube_groups": 1, "head_lanes": 8, "bwd_groups": 1}
     from aurakernel.targets.ascend.ops.mhc import MhcAscend
     assert MhcAscend.forward_rounds(75, spec.nout(4), 8, 3)[:2] == (48, 8)
@@ -479,7 +482,7 @@ def test_mhc_backward_keeps_many_blocks_in_step_between_its_cube_and_vector_core
     reference, and no wait is left without its flag (a hang would be reported)."""
     spec = OPS["mhc_pre"]
     problem = spec.problem("300x4x512", "bf16", "default")
-    knobs = {**ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs", explain=False).knobs,
+    knobs = {**planned_knobs(spec, problem),
              "cube_blocks": 2, "cube_groups": 1, "head_lanes": 8, "bwd_groups": 2, "bwd_k": 64}
     emu = ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, tmp_path, HW), HW)
     result = ascend.verify(spec, [problem], knobs, emu, seeds=(0,))
@@ -496,7 +499,7 @@ def test_mhc_backward_reads_x_from_the_l2_that_bwd_head_left_it_in(tmp_path, mon
     assert MhcAscend.x_stays_in_l2(spec.problem("1024x4x4096", "bf16", None), HW)
     assert not MhcAscend.x_stays_in_l2(spec.problem("65536x4x4096", "bf16", None), HW)
     problem = spec.problem("75x4x4096", "bf16", "default")
-    knobs = {**ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs", explain=False).knobs,
+    knobs = {**planned_knobs(spec, problem),
              "cube_blocks": 3, "cube_groups": 1, "bwd_groups": 1}
     emu = ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, tmp_path, HW), HW)
     x_bytes = 75 * 4 * 4096 * 2
@@ -543,7 +546,7 @@ def test_rms_norm_narrow_rows_run_whole_tiles(dtype, tmp_path):
     neither kernel reads a value back on the scalar unit (the chunk loop did, a row at a time)."""
     spec = OPS["rms_norm"]
     problem = spec.problem("100x515", dtype, "weighted")
-    knobs = {**ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs", explain=False).knobs, "tile_rows": 3, "block_dim": 16}
+    knobs = {**planned_knobs(spec, problem), "tile_rows": 3, "block_dim": 16}
     emu = ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, tmp_path, HW), HW)
     result = ascend.verify(spec, [problem], knobs, emu, seeds=(0,))
     assert result.passed, result.summary
@@ -1172,7 +1175,7 @@ def test_every_kernel_compiles_against_the_real_ascendc_headers(tmp_path):
             continue
         for variant in spec.variants or [None]:
             problem = spec.problem(None, None, variant)
-            knobs = ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs", explain=False).knobs
+            knobs = planned_knobs(spec, problem)
             # and code the default plan leaves out: csa's vector cores gathering a share of the picks
             for extra in ([{}, {"aiv_gather": 4}] if (name, variant) == ("sparse_attention", "csa") else [{}]):
                 project = ascend.render_project(spec, problem, knobs | extra, tmp_path / f"{name}-{variant}{len(extra)}", HW)
@@ -1309,7 +1312,7 @@ def test_the_binding_launches_with_the_tiling_the_emulator_verified(tmp_path, op
     from aurakernel.targets.ascend.ops import kernel_of
     spec = OPS[op]
     problem = spec.problem(shape, dtype, variant)
-    knobs = ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs", explain=False).knobs
+    knobs = planned_knobs(spec, problem)
     project = ascend.render_project(spec, problem, knobs, tmp_path, HW)
     kernel = kernel_of(spec)
     cases = [case for p in (problem, *kernel.verification_problems(problem, knobs)) for case in tiling(kernel, p, knobs)]
@@ -1338,7 +1341,7 @@ def test_projects_of_several_widths_load_side_by_side(tmp_path):
         spec = OPS[op]
         problem = spec.problem(shape, dtype, variant)
         out = tmp_path / f"{op}-{variant}-{shape}-{dtype}"
-        project = ascend.render_project(spec, problem, ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs", explain=False).knobs,
+        project = ascend.render_project(spec, problem, planned_knobs(spec, problem),
                                         out, HW)
         cmake, binding = project["CMakeLists.txt.j2"].read_text(), project["binding.cpp.j2"].read_text()
         libs = set(re.findall(r"(?:ascendc_library|add_library)\((\w+) SHARED", cmake))
@@ -1409,7 +1412,7 @@ def test_every_rendered_host_file_and_binding_compiles(tmp_path, torch_headers):
         problem = spec.problem(shape, dtype, variant)
         out = tmp_path / f"{op}-{variant}-{shape}-{dtype}"
         out.mkdir()
-        project = ascend.render_project(spec, problem, ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs", explain=False).knobs,
+        project = ascend.render_project(spec, problem, planned_knobs(spec, problem),
                                         out, HW)
         classes = re.findall(r"class (\w+) : public OpDef", project["host.cpp.j2"].read_text())
         assert classes and set(classes) <= {ascend.op_type(spec, problem), ascend.op_type(spec, problem) + "Grad"}, classes
@@ -1481,7 +1484,7 @@ def test_the_binding_compacts_the_picks_as_the_emulator_runs_do(tmp_path, torch_
     from aurakernel.targets.ascend.ops.sparse_attention import compact_picks
     spec = OPS["sparse_attention"]
     problem = spec.problem("1x64x200x512x128x64", "bf16", "csa")
-    knobs = {**ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs", explain=False).knobs, "merge_gap": gap}
+    knobs = {**planned_knobs(spec, problem), "merge_gap": gap}
     project = ascend.render_project(spec, problem, knobs, tmp_path / "project", HW)
     pad = int(re.search(r"SLOT_PAD = (\d+)", project["binding.cpp.j2"].read_text()).group(1))
     exe = _binding_on_cpu(project, COMPACT_HARNESS, torch_headers, tmp_path)
@@ -1524,7 +1527,7 @@ def test_the_binding_splits_fn_as_the_emulator_runs_do(tmp_path, torch_headers, 
     from aurakernel.targets.ascend.ops.mhc import fn_parts
     spec = OPS["mhc_pre"]
     problem = spec.problem("64x4x256", dtype, "default")
-    project = ascend.render_project(spec, problem, ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs", explain=False).knobs,
+    project = ascend.render_project(spec, problem, planned_knobs(spec, problem),
                                     tmp_path / "project", HW)
     x_dtype = {"bf16": "at::kBFloat16", "fp32": "at::kFloat"}[dtype]
     exe = _binding_on_cpu(project, f"#define X_DTYPE {x_dtype}\n" + FN_PARTS_HARNESS, torch_headers, tmp_path)
@@ -1649,7 +1652,7 @@ def test_indexer_backward_streams_keys_that_do_not_fit_l1():
     long = ascend.plan(spec, spec.problem("1x65536x64x128x16384", "bf16"), HW, target="ascend910b2", solver="highs", explain=False)
     assert long.knobs["bwd_stream"] == 1
     problem = spec.problem("2x27x64x128x261", "bf16")
-    knobs = dict(ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs", explain=False).knobs, bwd_stream=1)
+    knobs = dict(planned_knobs(spec, problem), bwd_stream=1)
     with tempfile.TemporaryDirectory() as tmp:
         emu = ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, Path(tmp), HW), HW)
         result = ascend.verify(spec, [problem], knobs, emu, seeds=(0,))
@@ -1671,7 +1674,7 @@ def test_causal_indexer_computes_only_the_key_tiles_its_queries_see(tmp_path):
     cycles = {}
     for variant, stream in (("causal", 0), ("causal", 1), ("default", 0)):
         problem = spec.problem("2x260x64x128x65", "bf16", variant)
-        plan = ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs", explain=False).knobs | knobs | {"bwd_stream": stream}
+        plan = planned_knobs(spec, problem) | knobs | {"bwd_stream": stream}
         emu = ascend.Emulated(spec, ascend.render_project(spec, problem, plan, tmp_path / f"{variant}{stream}", HW), HW)
         if variant == "causal":
             result = ascend.verify(spec, [problem], plan, emu, seeds=(0,))
@@ -1693,7 +1696,7 @@ def test_causal_indexer_computes_only_the_key_tiles_its_queries_see(tmp_path):
                                                                                 for c in range(24)]
     # fp32 runs the backward on the vector cores: every key tile, the gradient masked at each row's limit
     problem = spec.problem("1x40x64x128x10", "fp32", "causal")
-    plan = ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs", explain=False).knobs
+    plan = planned_knobs(spec, problem)
     emu = ascend.Emulated(spec, ascend.render_project(spec, problem, plan, tmp_path / "fp32", HW), HW)
     result = ascend.verify(spec, [problem], plan, emu, seeds=(0,))
     assert result.passed, result.summary
@@ -1727,7 +1730,7 @@ def test_indexer_cube_starts_on_the_first_keys_while_the_rest_arrive(monkeypatch
     spec = OPS["indexer_score"]
     kernel = ascend.kernel_of(spec)
     problem = spec.problem("1x8x64x128x517", "bf16")
-    knobs = ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs", explain=False).knobs
+    knobs = planned_knobs(spec, problem)
     planned = kernel.profile_params(problem, knobs, HW)
     fwd, bwd = planned["fwd_key_ends"], planned["bwd_key_ends"]
     assert 0 < fwd[0] < min(knobs["key_chunk"], 517) and 0 < bwd[0] < 517
@@ -1755,7 +1758,7 @@ def test_indexer_backward_copies_the_next_q_in_parts_between_coefficients(monkey
     spec = OPS["indexer_score"]
     kernel = ascend.kernel_of(spec)
     problem = spec.problem("1x39x64x128x200", "bf16")
-    knobs = ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs", explain=False).knobs | {"cube_blocks": 4, "bwd_rows": 2}
+    knobs = planned_knobs(spec, problem) | {"cube_blocks": 4, "bwd_rows": 2}
     planned = kernel.profile_params(problem, knobs, HW)
     fractal_rows = 2 * 64 // 16
     assert 1 <= planned["bwd_q_part"] < fractal_rows
@@ -1779,7 +1782,7 @@ def test_indexer_vector_cores_copy_a_groups_weights_at_once(monkeypatch, tmp_pat
     from aurakernel.targets.ascend.ops import indexer_score as module
     spec = OPS["indexer_score"]
     problem = spec.problem("1x39x64x128x200", "bf16")
-    knobs = ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs", explain=False).knobs | {"cube_blocks": 4, "cube_rows": 2}
+    knobs = planned_knobs(spec, problem) | {"cube_blocks": 4, "cube_rows": 2}
 
     def forward_cycles(group):
         monkeypatch.setattr(module, "W_GROUP", group)
@@ -1806,7 +1809,7 @@ def test_sparse_attention_forward_keeps_a_whole_window_tile_in_ring_order(varian
     from aurakernel.targets.ascend.ops.sparse_attention import key_buffers, position_keys, position_split, window_rows
     spec, kernel = OPS["sparse_attention"], ascend.kernel_of(OPS["sparse_attention"])
     problem = spec.problem(f"2x16x200x128x64x{dict(sliding=1, hca=16, csa=8)[variant]}", "bf16", variant)
-    knobs = ascend.plan(spec, problem, HW, target="ascend910b2", solver="highs", explain=False).knobs | {"kv_tile": 64, "d_chunk": 64,
+    knobs = planned_knobs(spec, problem) | {"kv_tile": 64, "d_chunk": 64,
                                                                                           "q_buffers": q_buffers,
                                                                                           "cube_blocks": cube_blocks}
     emu = ascend.Emulated(spec, ascend.render_project(spec, problem, knobs, tmp_path, HW), HW)

@@ -118,14 +118,14 @@ def _plan_fields(problem: Problem, target: str) -> dict:
 
 
 def plan_at(spec: OpSpec, problem: Problem, hw: HardwareProfile, row_knobs: dict[str, int], *, target: str,
-            solver: str, why: str) -> Plan:
+            solver: str, why: str, explain: bool = True) -> Plan:
     """The plan at the row-wise model's `row_knobs` (a runner-up of the tiling MILP's pick), its Cube part
     and pipeline schedules solved as plan() solves them; `why` is its binding constraint."""
     seconds, detail = model(spec, problem, hw).evaluate(row_knobs)
     the_plan = Plan(knobs=dict(row_knobs), predicted_us=seconds * 1e6,
                     pipes_us={ph: {p: v * 1e6 for p, v in pipes.items()} for ph, pipes in detail.items()},
                     binding_constraint=why, solver=solver, solve_s=0.0, status="optimal", **_plan_fields(problem, target))
-    return _finish(spec, problem, hw, the_plan, target=target, solver=solver, scheduled=True)
+    return _finish(spec, problem, hw, the_plan, target=target, solver=solver, scheduled=True, explain=explain)
 
 
 def _finish(spec: OpSpec, problem: Problem, hw: HardwareProfile, the_plan: Plan, *, target: str, solver: str,
@@ -332,7 +332,7 @@ def emulated_us(spec: OpSpec, problem: Problem, knobs: dict[str, int], hw: Hardw
 
 
 def fastest_emulated(spec: OpSpec, problem: Problem, hw: HardwareProfile, pick: Plan, n: int, *, target: str,
-                     solver: str) -> tuple[Plan, str]:
+                     solver: str, explain: bool = True) -> tuple[Plan, str]:
     """The planner's pick and the row-wise model's n - 1 runners-up, each estimated in the emulator at the
     problem's shape (side by side): the fastest that runs, and a note of every tiling's estimate. The
     model ranks, the emulator decides (the NPU would, where CANN runs). An op whose phases all run on the
@@ -354,7 +354,7 @@ def fastest_emulated(spec: OpSpec, problem: Problem, hw: HardwareProfile, pick: 
             continue
         if key not in seen:
             seen.add(key)
-            others.append(plan_at(spec, problem, hw, knobs, target=target, solver=solver,
+            others.append(plan_at(spec, problem, hw, knobs, target=target, solver=solver, explain=explain,
                                   why=f"emulated: the fastest of the planner's {n} best"))
     cands = [pick, *others]
     estimates = list(map_in_order(lambda p: emulated_us(spec, problem, p.knobs, hw), cands, side_by_side=True))
@@ -384,7 +384,8 @@ def tune(spec: OpSpec, problem: Problem, hw: HardwareProfile, *, target: str, so
     the_plan = plan(spec, problem, hw, target=target, solver=solver, explain=explain)
     notes = []
     if candidates > 1:
-        the_plan, note = fastest_emulated(spec, problem, hw, the_plan, candidates, target=target, solver=solver)
+        the_plan, note = fastest_emulated(spec, problem, hw, the_plan, candidates, target=target, solver=solver,
+                                          explain=explain)
         notes.append(note)
     knobs = the_plan.knobs
     with tempfile.TemporaryDirectory(prefix=f"ak-{spec.name}-") as scratch:
